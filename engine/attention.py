@@ -1,0 +1,107 @@
+"""Paged attention over packed (ragged) batches, plugged into transformers' attention registry.
+
+The transformers model runs unchanged (its projections, RoPE, MLPs, norms); only the attention
+call is ours. Per layer it (1) writes the step's new keys/values into the paged cache at each
+token's slot, then (2) attends each request's queries to that request's own KV read through its
+block table — never across requests:
+- prefill chunks: one SDPA per request with a causal mask offset by the already-computed tokens;
+- decode tokens: gathered in groups of similar context length into one padded SDPA per group
+  (the padding is only in the gathered keys, masked out; the packed GEMMs carry no padding).
+Grouped-query attention folds the query heads sharing a KV head into the query-length axis,
+so KV heads are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: torch.Tensor     # [num_blocks] covering ctx_len tokens
+    mask: torch.Tensor          # [groups * q_len, ctx_len] bool, True = attend
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    q_index: torch.Tensor       # [G] packed positions of the group's decode tokens
+    block_tables: torch.Tensor  # [G, max_blocks] (padded with block 0; masked out)
+    key_mask: torch.Tensor      # [G, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_cache: torch.Tensor      # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot of each packed token
+    prefills: list[PrefillSegment]
+    decode_groups: list[DecodeGroup]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata = kwargs["pdserve_attn"]
+    k_cache, v_cache = meta.kv_cache[module.layer_idx]
+    _write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+    q = query[0]                                   # [heads, tokens, head_dim]
+    num_heads, num_tokens, head_dim = q.shape
+    groups = num_heads // k_cache.shape[-2]
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    for seg in meta.prefills:
+        out[seg.q_start : seg.q_start + seg.q_len] = _prefill(q, k_cache, v_cache, seg, groups, scaling)
+    for grp in meta.decode_groups:
+        out[grp.q_index] = _decode(q, k_cache, v_cache, grp, groups, scaling)
+    return out.unsqueeze(0), None
+
+
+def _write_kv(k_cache, v_cache, k_new, v_new, slots) -> None:
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k_new)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v_new)
+
+
+def _prefill(q, k_cache, v_cache, seg: PrefillSegment, groups: int, scaling) -> torch.Tensor:
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k = k_cache[seg.block_ids].view(-1, kv_heads, head_dim)[: seg.ctx_len].transpose(0, 1)
+    v = v_cache[seg.block_ids].view(-1, kv_heads, head_dim)[: seg.ctx_len].transpose(0, 1)
+    qs = q[:, seg.q_start : seg.q_start + seg.q_len]           # [heads, q_len, d]
+    qs = qs.reshape(kv_heads, groups * seg.q_len, head_dim)    # heads k*g..k*g+g-1 share KV head k
+    o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seg.mask, scale=scaling)
+    return o.view(kv_heads * groups, seg.q_len, head_dim).transpose(0, 1)
+
+
+def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torch.Tensor:
+    kv_heads, head_dim = k_cache.shape[-2:]
+    n = grp.q_index.numel()
+    k = k_cache[grp.block_tables].view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[grp.block_tables].view(n, -1, kv_heads, head_dim).transpose(1, 2)
+    qd = q[:, grp.q_index].view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=grp.key_mask, scale=scaling)
+    return o.reshape(n, kv_heads * groups, head_dim)
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Masks are built per request from block tables; transformers must not build a dense one."""
+    return None
+
+
+def register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

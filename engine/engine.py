@@ -1,0 +1,219 @@
+"""The in-process engine both workers wrap: add requests, step, abort, stats.
+
+Life cycle of a request inside one engine:
+  add_request (validated) -> waiting -> scheduled step by step (chunked prefill, decode)
+  -> finished (EOS / stop / length) | aborted | failed; blocks freed at that step boundary.
+Roles (EngineConfig.role):
+  colocated: prefill and decode mixed in one packed batch.
+  prefill:   after the first token the request is *held*: its blocks stay allocated until the
+             worker has exported the KV and calls ``release``.
+  decode:    ``reserve`` parks a request with blocks for its prompt; once the KV has landed,
+             ``commit_kv`` lets it join the running batch with the first token.
+Each ``step`` returns the TokenDeltas it produced (one per request with news) and, in the
+prefill role, the requests whose KV is ready for hand-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import kv_cache
+from engine.config import EngineConfig, EngineRole
+from engine.kv_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampler import sample
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stop import StopChecker
+from engine.types import FinishReason, KVLayout, RequestSpec, StepTiming, TokenDelta, WorkerStats
+from engine.validation import validate_spec
+
+if TYPE_CHECKING:
+    from engine.model_loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """Prefill role: a request whose prompt KV is complete and held for export."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int            # prompt tokens whose KV is in the blocks
+    first_token_id: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    deltas: list[TokenDelta] = field(default_factory=list)
+    prefilled: list[PrefillDone] = field(default_factory=list)
+    timing: StepTiming | None = None
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, cache: torch.Tensor | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded
+        self.max_model_len = loaded.max_model_len
+        self.vocab_size = loaded.model.config.vocab_size
+        self.layout: KVLayout = kv_cache.layout_for(loaded.model.config, config)
+        if cache is None:
+            cache = kv_cache.allocate(self.layout, kv_cache.num_blocks_for(self.layout, config), config.device)
+        self.cache = cache
+        self.kv = KVCacheManager(cache.shape[2], config.block_size)
+        stop = StopChecker(loaded.eos_token_ids, loaded.max_model_len, loaded.tokenizer)
+        self.scheduler = Scheduler(config, self.kv, stop)
+        self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group)
+        self._seeds: dict[str, int] = {}
+        self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)
+        logger.info("engine ready: role=%s, %d KV blocks of %d tokens", config.role.value, cache.shape[2], config.block_size)
+
+    # ---- requests in -------------------------------------------------------------------------
+    def add_request(self, spec: RequestSpec) -> None:
+        """Validate and queue; raises InvalidRequestError and leaves the engine untouched."""
+        self._validate(spec)
+        self.scheduler.add(self._new_request(spec))
+
+    def reserve(self, spec: RequestSpec) -> list[int]:
+        """Decode role: park the request with blocks reserved for its prompt's KV."""
+        self._validate(spec)
+        needed = -(-len(spec.prompt_token_ids) // self.config.block_size)
+        if needed > self.kv.num_free_blocks:
+            from engine.errors import CapacityError
+
+            raise CapacityError(f"{needed} KV blocks needed, {self.kv.num_free_blocks} free")
+        return self.scheduler.park(self._new_request(spec))
+
+    def commit_kv(self, req_id: str, first_token_id: int) -> TokenDelta | None:
+        """Decode role: the reserved blocks now hold the prompt's KV; start decoding."""
+        request = self.scheduler.unpark(req_id, first_token_id)
+        return self._delta(request) if request.is_finished else None
+
+    def abort(self, req_id: str) -> None:
+        """Takes effect at the next step boundary (a parked or held request is freed at once)."""
+        if req_id in self.scheduler.parked:
+            self.scheduler.finish(self.scheduler.parked[req_id], FinishReason.ABORT)
+            self._seeds.pop(req_id, None)
+        elif req_id in self.scheduler.held:
+            self.release(req_id)
+        else:
+            self.scheduler.abort(req_id)
+
+    def release(self, req_id: str) -> None:
+        """Prefill role: the held KV has been exported (or the hand-off failed); free its blocks."""
+        self.scheduler.release_held(req_id)
+        self._seeds.pop(req_id, None)
+
+    # ---- the step loop -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self.scheduler._pending_aborts)
+
+    def step(self) -> StepResult:
+        start = time.perf_counter()
+        out, aborted = self.scheduler.schedule()
+        result = StepResult(deltas=[self._delta(r) for r in aborted])
+        if out.is_empty:
+            return result
+        try:
+            finished = self._run(out)
+        except Exception as exc:  # a failed forward fails its batch, never the engine
+            logger.exception("step failed; failing %d requests", len(out.scheduled))
+            result.deltas.extend(self._fail(out, f"{type(exc).__name__}: {exc}"))
+            return result
+        self._collect(out, finished, result)
+        result.timing = self._record_timing(out, time.perf_counter() - start)
+        return result
+
+    def _run(self, out: SchedulerOutput) -> list[Request]:
+        inputs = self.runner.prepare(out)
+        logits = self.runner.execute(inputs)
+        sampling = [s.request for s in out.scheduled if s.sample]
+        tokens = sample(logits, sampling, self._seeds) if sampling else []
+        sampled = {r.req_id: t for r, t in zip(sampling, tokens)}
+        self._last_num_kv_tokens = inputs.num_kv_tokens
+        return self.scheduler.update_from_output(out, sampled)
+
+    def _collect(self, out: SchedulerOutput, finished: list[Request], result: StepResult) -> None:
+        for s in out.scheduled:
+            r = s.request
+            if len(r.output_token_ids) > r.num_reported_tokens:
+                result.deltas.append(self._delta(r))
+        for r in finished:
+            if r.req_id in self.scheduler.held:
+                blocks = tuple(self.kv.block_tables[r.req_id])
+                result.prefilled.append(PrefillDone(r.req_id, blocks, r.num_prompt_tokens, r.output_token_ids[0]))
+            else:
+                self._seeds.pop(r.req_id, None)
+
+    def _fail(self, out: SchedulerOutput, message: str) -> list[TokenDelta]:
+        deltas = []
+        for s in out.scheduled:
+            self.scheduler.finish(s.request, FinishReason.ERROR)
+            self._seeds.pop(s.request.req_id, None)
+            deltas.append(self._delta(s.request, error=message))
+        return deltas
+
+    def _delta(self, request: Request, error: str | None = None) -> TokenDelta:
+        new = tuple(request.output_token_ids[request.num_reported_tokens :])
+        logprobs = tuple(request.output_logprobs[request.num_reported_tokens :]) if request.sampling.logprobs else None
+        request.num_reported_tokens = len(request.output_token_ids)
+        reason = request.finish_reason if request.is_finished else None
+        return TokenDelta(request.req_id, new, reason, logprobs, error)
+
+    def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
+        timing = StepTiming(
+            num_seqs=len(out.scheduled),
+            num_tokens=out.num_batched_tokens,
+            num_prefill_tokens=sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1),
+            num_kv_tokens=self._last_num_kv_tokens,
+            duration_s=duration_s,
+        )
+        self.recent_steps.append(timing)
+        return timing
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _validate(self, spec: RequestSpec) -> None:
+        validate_spec(spec, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        if spec.req_id in self.scheduler.requests or spec.req_id in self.scheduler.held:
+            from engine.errors import InvalidRequestError
+
+            raise InvalidRequestError("request_id", f"{spec.req_id!r} is already in flight")
+
+    def _new_request(self, spec: RequestSpec) -> Request:
+        self._seeds[spec.req_id] = spec.sampling.seed if spec.sampling.seed is not None else random.getrandbits(62)
+        return Request(spec)
+
+    def stats(self, worker_id: str = "engine") -> WorkerStats:
+        s = self.scheduler
+        return WorkerStats(
+            worker_id=worker_id,
+            role=self.config.role.value,
+            num_waiting=len(s.waiting) + len(s.parked),
+            num_running=len(s.running),
+            num_waiting_tokens=s.num_waiting_tokens,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            block_size=self.config.block_size,
+            num_preemptions=s.num_preemptions,
+            recent_steps=tuple(self.recent_steps),
+        )
+
+    def generate(self, specs: list[RequestSpec]) -> dict[str, list[int]]:
+        """Run the given requests to completion (tests, benchmarks, the demo)."""
+        for spec in specs:
+            self.add_request(spec)
+        outputs: dict[str, list[int]] = {spec.req_id: [] for spec in specs}
+        while self.has_work():
+            for delta in self.step().deltas:
+                outputs[delta.req_id].extend(delta.token_ids)
+        return outputs

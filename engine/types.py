@@ -1,0 +1,133 @@
+"""Typed, torch-free records that flow between router, workers and engine.
+
+Frozen dataclasses cross process boundaries (Ray pickles them); the router imports this
+module without pulling in torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"            # EOS, a stop token id or a stop string
+    LENGTH = "length"        # max_tokens or the model's maximum length
+    ABORT = "abort"          # cancelled by the client, a deadline or shutdown
+    ERROR = "error"          # a worker or transfer failure
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. Defaults are semantic: temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0              # 0 disables top-k
+    seed: int | None = None     # same seed, same output, whatever shares the batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SLOTarget:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """Everything a worker needs to run one request; made once by the router (or a test)."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    slo: SLOTarget = field(default_factory=SLOTarget)
+    priority: int = 0           # lower value runs first (vLLM's convention)
+    arrival_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request produced by one engine step."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[float, ...] | None = None
+    error: str | None = None    # set with FinishReason.ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One engine step: its shape and how long it took (admission fits a step-time model on these)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_kv_tokens: int
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """What a worker reports to the router for admission and pair choice."""
+
+    worker_id: str
+    role: str
+    num_waiting: int
+    num_running: int
+    num_waiting_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_preemptions: int = 0
+    recent_steps: tuple[StepTiming, ...] = ()
+
+    @property
+    def kv_usage(self) -> float:
+        used = self.num_total_blocks - self.num_free_blocks
+        return used / self.num_total_blocks if self.num_total_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one worker's paged KV cache; both sides of a hand-off must agree on it exactly.
+
+    The cache is one contiguous tensor of shape
+    ``[num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str                  # torch dtype name without the "torch." prefix, e.g. "float32"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv heads x head dim x dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

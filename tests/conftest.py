@@ -1,0 +1,54 @@
+"""Shared fixtures: one thread per test process, a tiny random Llama, HF greedy references."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tests decide Ray's auth explicitly: local test clusters run without token auth.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from engine.model_loader import random_model
+
+    return random_model(seed=0)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """Hugging Face ``generate`` greedy reference (EOS ignored unless given)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model):
+    """A deep copy keeps the reference on transformers' own attention (the engine swaps it)."""
+    ref = copy.deepcopy(tiny_model.model)
+    ref.config._attn_implementation = "sdpa"
+    return ref
+
+
+def assert_no_leaks(engine) -> None:
+    """Every lifecycle test ends here: no request left, every block free."""
+    s = engine.scheduler
+    assert s.num_unfinished == 0 and not s.requests and not s.held, "requests left in the engine"
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks, "KV blocks leaked"
+    assert not engine.kv.block_tables
