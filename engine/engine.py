@@ -215,5 +215,5 @@ class LLMEngine:
         outputs: dict[str, list[int]] = {spec.req_id: [] for spec in specs}
         while self.has_work():
             for delta in self.step().deltas:
-                outputs[delta.req_id].extend(delta.token_ids)
+                outputs.setdefault(delta.req_id, []).extend(delta.token_ids)
         return outputs

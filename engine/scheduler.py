@@ -77,6 +77,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._append_token(request, first_token_id, None)
+        request.num_reported_tokens = 1  # the prefill worker already delivered the first token
         return request
 
     def abort(self, req_id: str) -> None:
