@@ -20,6 +20,7 @@ Only local files are read: the hub is never contacted.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import importlib.util
@@ -43,6 +44,11 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes, so stale caches are not reused.
 _CACHE_VERSION = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_RANDOM_LLAMA = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass(slots=True)
@@ -121,18 +127,14 @@ def load_model(
     return _finish(model.to(device), tokenizer, name)
 
 
-def random_model(
-    config: transformers.LlamaConfig | None = None, seed: int = 0, **overrides: Any
-) -> LoadedModel:
-    """Tiny random-weight causal LM for fast tests; same seed, same weights. No tokenizer."""
-    if config is None:
-        config = transformers.LlamaConfig(
-            vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-        )
-    for key, value in overrides.items():
-        setattr(config, key, value)
+def random_model(config: PretrainedConfig | None = None, seed: int = 0, **overrides: Any) -> LoadedModel:
+    """Tiny random-weight causal LM (Llama by default) for fast tests; same seed, same weights. No tokenizer."""
+    if config is None:   # overrides go through __init__ so derived fields stay consistent
+        config = transformers.LlamaConfig(**{**_RANDOM_LLAMA, **overrides})
+    else:
+        config = copy.deepcopy(config)   # overrides must not leak into the caller's config
+        for key, value in overrides.items():
+            setattr(config, key, value)
     # fork_rng: seeding must not disturb the caller's global torch RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,0 +1,1 @@
+"""pdserve deploy package."""

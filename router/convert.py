@@ -1,0 +1,368 @@
+"""Proto <-> engine conversion for the router: validation, explicit defaults, incremental text.
+
+Life cycle of one Generate call, as far as this module goes:
+
+1. ``req_id_from_proto`` takes the client's ``request_id`` or makes one.
+2. ``prompt_from_proto(request, tokenizer)`` turns the ``prompt`` oneof (text, chat or token ids)
+   into token ids; chat messages are checked before the chat template sees them.
+3. ``spec_from_proto(request, prompt_token_ids, defaults, req_id)`` checks everything else and
+   fills every unset field from ``ServerDefaults``. The frozen ``RequestSpec`` it returns is what
+   the workers trust. Any problem raises ``InvalidRequestError(field, message)``, which the
+   service maps to INVALID_ARGUMENT before anything is queued. ``field`` is a proto path
+   (``sampling.top_p``, ``token_ids``, ``chat.messages[1].role``) because that is what the client
+   wrote; ``engine.validation`` then runs the engine's own checks on the finished spec.
+4. Per ``TokenDelta`` streamed back by a worker, the request's ``IncrementalDetokenizer`` turns
+   the new ids into new text and ``delta_to_proto`` builds the stream message; the last one
+   carries finish reason, ``Usage`` and ``RequestTimings``.
+
+Stop strings are the engine's job (it must stop generating, not just hide text), never this
+module's. Torch-free: the tokenizer is passed in and duck-typed, so importing this module never
+loads torch or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.errors import InvalidRequestError
+from engine.types import FinishReason, RequestSpec, SamplingParams, SLOTarget, TokenDelta, WorkerStats
+from engine.validation import validate_spec
+from protos import pdserve_pb2 as pb
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+MAX_REQUEST_ID_LEN = 256
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
+
+class Tokenizer(Protocol):
+    """The slice of a Hugging Face tokenizer the router uses."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDefaults:
+    """What an unset request field means on this server, and the model's hard limits."""
+
+    max_model_len: int
+    vocab_size: int
+    max_tokens: int = 128
+    temperature: float = 0.0     # greedy: reproducible unless the client asks for sampling
+    top_p: float = 1.0
+    top_k: int = 0               # 0 disables top-k
+    ttft_s: float | None = None  # default SLO targets; None = best effort
+    tpot_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Life-cycle durations of one request in seconds; field for field the proto's ``Timings``."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    e2e_s: float = 0.0
+    kv_transfer_bytes: int = 0
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+
+
+# ---------------------------------------------------------------- request -> engine
+
+
+def _require(ok: object, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message)
+
+
+def _check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    for i, t in enumerate(ids):
+        _require(0 <= t < vocab_size, field, f"token id {t} at index {i} is outside [0, {vocab_size})")
+
+
+def req_id_from_proto(request: pb.GenerateRequest) -> str:
+    """The client's id when given (uniqueness among live requests is the router's to enforce)."""
+    if not request.HasField("request_id"):
+        return uuid.uuid4().hex
+    rid = request.request_id
+    _require(0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id", f"must be 1 to {MAX_REQUEST_ID_LEN} characters")
+    return rid
+
+
+def chat_from_proto(chat: pb.ChatMessages) -> list[dict[str, str]]:
+    _require(len(chat.messages) > 0, "chat.messages", "no messages")
+    for i, m in enumerate(chat.messages):
+        _require(m.role, f"chat.messages[{i}].role", "empty role")
+        _require(m.role in CHAT_ROLES, f"chat.messages[{i}].role",
+                 f"unknown role {m.role!r}, expected one of {sorted(CHAT_ROLES)}")
+        _require(m.content, f"chat.messages[{i}].content", "missing content")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def prompt_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the prompt. Length and vocabulary checks are ``spec_from_proto``'s."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        _require(request.text, "text", "empty prompt")
+        # encode() adds exactly the special tokens the tokenizer adds by default (Llama's BOS,
+        # nothing for SmolLM2): the ids transformers itself would feed the model for this text.
+        return list(tokenizer.encode(request.text))
+    if kind == "chat":
+        return _encode_chat(chat_from_proto(request.chat), tokenizer)
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
+
+
+def _encode_chat(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:
+        # No chat template (ValueError) or the template refuses this conversation, e.g. roles
+        # that do not alternate (jinja2's TemplateError): the client's input, not our bug.
+        if isinstance(e, ValueError) or type(e).__module__.startswith("jinja2"):
+            raise InvalidRequestError("chat", str(e)) from e
+        raise
+    # transformers >= 5 returns a BatchEncoding (return_dict defaults to True); older, a list.
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> SamplingParams:
+    """Unset fields take ``defaults`` (presence, not zero, decides). Prompt-dependent limits
+    (prompt + max_tokens) are checked by ``spec_from_proto``."""
+
+    def get(name: str, default: Any) -> Any:
+        return getattr(msg, name) if msg.HasField(name) else default
+
+    sp = SamplingParams(
+        max_tokens=get("max_tokens", defaults.max_tokens),
+        temperature=get("temperature", defaults.temperature),
+        top_p=get("top_p", defaults.top_p),
+        top_k=get("top_k", defaults.top_k),
+        seed=get("seed", None),
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=get("ignore_eos", False),
+        logprobs=get("logprobs", False),
+    )
+    _check_sampling(sp, defaults.vocab_size)
+    return sp
+
+
+def _check_sampling(sp: SamplingParams, vocab_size: int) -> None:
+    _require(sp.max_tokens >= 1, "sampling.max_tokens", f"must be >= 1, got {sp.max_tokens}")
+    # isfinite also rejects NaN, which would slip past every comparison below.
+    _require(math.isfinite(sp.temperature) and sp.temperature >= 0, "sampling.temperature",
+             f"must be a finite number >= 0, got {sp.temperature}")
+    _require(0 < sp.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {sp.top_p}")
+    _require(sp.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 disables it), got {sp.top_k}")
+    _require(sp.seed is None or sp.seed >= 0, "sampling.seed", f"must be >= 0, got {sp.seed}")
+    _require(all(sp.stop), "sampling.stop", "stop strings must be non-empty")
+    _check_token_ids(sp.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+
+
+def _slo_hint(request: pb.GenerateRequest, name: str, default_s: float | None) -> float | None:
+    if not request.HasField(name):
+        return default_s
+    ms = getattr(request, name)
+    _require(math.isfinite(ms) and ms > 0, name, f"must be > 0 milliseconds, got {ms}")
+    return ms / 1000.0
+
+
+def _prompt_field(request: pb.GenerateRequest) -> str:
+    return request.WhichOneof("prompt") or "prompt"
+
+
+def spec_from_proto(
+    request: pb.GenerateRequest, prompt_token_ids: Sequence[int], defaults: ServerDefaults, req_id: str
+) -> RequestSpec:
+    """Validate the request and fill every default: the one place a ``RequestSpec`` is made."""
+    prompt = tuple(int(t) for t in prompt_token_ids)
+    field, limit = _prompt_field(request), defaults.max_model_len
+    _require(prompt, field, "empty prompt")
+    _require(len(prompt) < limit, field,
+             f"prompt has {len(prompt)} tokens; max_model_len is {limit} and one token must be generated")
+    _check_token_ids(prompt, defaults.vocab_size, field)
+    sampling = sampling_from_proto(request.sampling, defaults)
+    room = limit - len(prompt)
+    if request.sampling.HasField("max_tokens"):
+        # An explicit value is a promise we could not keep: refuse rather than silently cut it.
+        _require(sampling.max_tokens <= room, "sampling.max_tokens",
+                 f"max_tokens beyond model length: {len(prompt)} prompt + {sampling.max_tokens}"
+                 f" > max_model_len {limit}")
+    elif sampling.max_tokens > room:
+        # The server's default was never the client's promise: it shrinks to fit a long prompt.
+        sampling = dataclasses.replace(sampling, max_tokens=room)
+    slo = SLOTarget(ttft_s=_slo_hint(request, "ttft_ms", defaults.ttft_s),
+                    tpot_s=_slo_hint(request, "tpot_ms", defaults.tpot_s))
+    priority = request.priority if request.HasField("priority") else 0
+    spec = RequestSpec(req_id=req_id, prompt_token_ids=prompt, sampling=sampling, slo=slo, priority=priority)
+    # The engine re-checks every spec on add_request; running its checks here too means a spec
+    # the engine would refuse is refused now, before it is queued, whatever either side adds.
+    validate_spec(spec, max_model_len=limit, vocab_size=defaults.vocab_size)
+    return spec
+
+
+def skip_special_tokens_from_proto(request: pb.GenerateRequest) -> bool:
+    return request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+
+
+# ---------------------------------------------------------------- engine -> response
+
+_FINISH_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_ROLE_TO_PROTO = {
+    "prefill": pb.WORKER_ROLE_PREFILL,
+    "decode": pb.WORKER_ROLE_DECODE,
+    "colocated": pb.WORKER_ROLE_COLOCATED,
+}
+_MODE_TO_PROTO = {"disaggregated": pb.SERVING_MODE_DISAGGREGATED, "colocated": pb.SERVING_MODE_COLOCATED}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PROTO.get(value)  # a newer server's unknown reason reads as "not finished"
+
+
+def timings_to_proto(t: RequestTimings) -> pb.Timings:
+    return pb.Timings(**dataclasses.asdict(t))
+
+
+def timings_from_proto(msg: pb.Timings) -> RequestTimings:
+    return RequestTimings(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(RequestTimings)})
+
+
+def usage_from_proto(msg: pb.Usage) -> Usage:
+    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens)
+
+
+def delta_to_proto(
+    delta: TokenDelta, text: str, *, usage: Usage | None = None, timings: RequestTimings | None = None
+) -> pb.GenerateResponse:
+    """One stream message. Pass ``usage`` and ``timings`` with the finishing delta only."""
+    msg = pb.GenerateResponse(
+        request_id=delta.req_id,
+        token_ids=delta.token_ids,
+        text=text,
+        finish_reason=finish_reason_to_proto(delta.finish_reason),
+        logprobs=delta.logprobs or (),
+        error=delta.error or "",
+    )
+    if usage is not None:
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens))
+    if timings is not None:
+        msg.timings.CopyFrom(timings_to_proto(timings))
+    return msg
+
+
+def worker_info_to_proto(stats: WorkerStats) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        worker_id=stats.worker_id,
+        role=_ROLE_TO_PROTO.get(stats.role, pb.WORKER_ROLE_UNSPECIFIED),
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_waiting_tokens=stats.num_waiting_tokens,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+    )
+
+
+def server_info_to_proto(
+    defaults: ServerDefaults, *, model: str, block_size: int, mode: str, workers: Sequence[WorkerStats] = ()
+) -> pb.ServerInfoResponse:
+    """``mode`` is "disaggregated" or "colocated"."""
+    msg = pb.ServerInfoResponse(
+        model=model,
+        max_model_len=defaults.max_model_len,
+        vocab_size=defaults.vocab_size,
+        block_size=block_size,
+        mode=_MODE_TO_PROTO.get(mode, pb.SERVING_MODE_UNSPECIFIED),
+        workers=[worker_info_to_proto(w) for w in workers],
+        limits=pb.Limits(max_prompt_tokens=defaults.max_model_len - 1, max_tokens=defaults.max_model_len - 1,
+                         default_max_tokens=defaults.max_tokens),
+    )
+    if defaults.ttft_s is not None:
+        msg.default_slo.ttft_ms = defaults.ttft_s * 1000.0
+    if defaults.tpot_s is not None:
+        msg.default_slo.tpot_ms = defaults.tpot_s * 1000.0
+    return msg
+
+
+# ---------------------------------------------------------------- incremental text
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output ids into text deltas that never split a UTF-8 character.
+
+    Byte-level BPE may spend several tokens on one character (an emoji is 4 bytes), and a token
+    decoded alone gives U+FFFD. As TGI and vLLM do, each step decodes a short window twice: the
+    already-emitted context ``[prefix, read)`` and the context plus the unread tokens
+    ``[prefix, end)``; the difference is emitted once it no longer ends in U+FFFD, and the
+    window slides. Decoding with left context (not the new ids alone) also keeps SentencePiece's
+    word-leading spaces right. Cost per step: two decodes of a few tokens.
+
+    Life cycle: made when the request is admitted (seeded with the prompt's last ids), ``push``
+    per delta, ``push(..., finished=True)`` once; then dropped.
+    """
+
+    CONTEXT = 5  # prompt ids used as left context, as vLLM does
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-self.CONTEXT:]) if self.CONTEXT else []
+        self._num_context = len(self._ids)
+        self._prefix = 0               # start of the decode window
+        self._read = len(self._ids)    # ids before this one are already emitted as text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._ids[self._num_context:]
+
+    def push(self, token_ids: Sequence[int], *, finished: bool = False) -> str:
+        """New text for ``token_ids``. With ``finished`` it flushes whatever is held back, an
+        incomplete trailing character included (as U+FFFD), so the concatenated deltas equal
+        ``decode(output_token_ids)``."""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._prefix, self._read)
+        full_text = self._decode(self._prefix, len(self._ids))
+        # Hold back while the last character is incomplete or the new ids decode to nothing
+        # (skipped special tokens); the next step decodes them again with more bytes.
+        if not finished and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special_tokens)
