@@ -49,6 +49,9 @@ class PrefillDone:
     block_ids: tuple[int, ...]
     num_tokens: int            # prompt tokens whose KV is in the blocks
     first_token_id: int
+    first_logprob: float | None
+    queue_s: float             # added -> first scheduled
+    prefill_s: float           # first scheduled -> first token
 
 
 @dataclass(slots=True)
@@ -151,9 +154,22 @@ class LLMEngine:
         for r in finished:
             if r.req_id in self.scheduler.held:
                 blocks = tuple(self.kv.block_tables[r.req_id])
-                result.prefilled.append(PrefillDone(r.req_id, blocks, r.num_prompt_tokens, r.output_token_ids[0]))
+                result.prefilled.append(self._prefill_done(r, blocks))
             else:
                 self._seeds.pop(r.req_id, None)
+
+    @staticmethod
+    def _prefill_done(r: Request, blocks: tuple[int, ...]) -> PrefillDone:
+        scheduled = r.first_scheduled_s or r.added_s
+        return PrefillDone(
+            req_id=r.req_id,
+            block_ids=blocks,
+            num_tokens=r.num_prompt_tokens,
+            first_token_id=r.output_token_ids[0],
+            first_logprob=r.output_logprobs[0] if r.output_logprobs else None,
+            queue_s=scheduled - r.added_s,
+            prefill_s=time.perf_counter() - scheduled,
+        )
 
     def _fail(self, out: SchedulerOutput, message: str) -> list[TokenDelta]:
         deltas = []

@@ -9,6 +9,7 @@ catches up with the known tokens (prompt + output) a chunk at a time.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from engine.types import FinishReason, RequestSpec, SamplingParams
@@ -32,6 +33,9 @@ class Request:
     finish_reason: FinishReason | None = None
     # Tokens not yet reported in a TokenDelta (a preempted request re-reports nothing).
     num_reported_tokens: int = 0
+    # Worker-local perf_counter stamps for per-request timings.
+    added_s: float = field(default_factory=time.perf_counter)
+    first_scheduled_s: float | None = None
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

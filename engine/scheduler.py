@@ -15,6 +15,7 @@ Aborts are applied at the next step boundary.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, EngineRole
@@ -140,6 +141,8 @@ class Scheduler:
             self.waiting.pop(0)
             self.kv.allocate_slots(request.req_id, request.num_computed_tokens + n)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_s is None:
+                request.first_scheduled_s = time.perf_counter()
             self.running.append(request)
             out.scheduled.append(self._plan(request, n))
             budget -= n

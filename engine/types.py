@@ -131,3 +131,32 @@ class KVLayout:
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """What a prefill worker returns once a request's KV has landed in its decode worker.
+
+    ``finish_reason`` is set when the request ended at prefill (EOS or max_tokens reached with
+    the first token, aborted, failed); then no KV was handed over.
+    """
+
+    req_id: str
+    first_token_id: int | None
+    finish_reason: FinishReason | None = None
+    first_logprob: float | None = None
+    error: str | None = None
+    queue_s: float = 0.0        # worker arrival -> first scheduled
+    prefill_s: float = 0.0      # first scheduled -> first token sampled
+    transfer_s: float = 0.0     # KV hand-off, including the decode side's commit
+    transfer_bytes: int = 0
+    transport: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamBatch:
+    """One decode-worker step for every request it holds: the unit of its output stream."""
+
+    worker_id: str
+    deltas: tuple[TokenDelta, ...]
+    stats: WorkerStats | None = None

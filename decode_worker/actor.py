@@ -1,0 +1,55 @@
+"""Ray actor around DecodeWorker: one process, its own engine loop, one batched output stream."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import ray
+
+from engine.config import EngineRole
+from engine.types import RequestSpec, StreamBatch, WorkerStats
+from engine.worker_base import WorkerSpec
+from decode_worker.worker import DecodeWorker
+from kvtransfer import group
+from kvtransfer.handle import KVBlocksHandle
+
+
+@ray.remote
+class DecodeActor:
+    def __init__(self, spec: WorkerSpec, colocated: bool = False) -> None:
+        role = EngineRole.COLOCATED if colocated else EngineRole.DECODE
+        self.worker = DecodeWorker(spec, role)
+
+    async def start(self) -> dict:
+        self.worker.start()
+        return {"node_id": ray.get_runtime_context().get_node_id(), "device": self.worker.spec.engine.device,
+                "max_model_len": self.worker.engine.max_model_len}
+
+    async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
+        await group.join(address, world_size, rank, self.worker.spec.engine.device)
+
+    async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
+        return await self.worker.reserve(spec, transport)
+
+    async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
+        return await self.worker.commit(req_id, first_token_id, handle)
+
+    async def add_request(self, spec: RequestSpec) -> None:
+        await self.worker.add_request(spec)
+
+    async def abort(self, req_id: str) -> None:
+        await self.worker.abort(req_id)
+
+    async def stream(self) -> AsyncIterator[StreamBatch]:
+        async for batch in self.worker.stream():
+            yield batch
+
+    async def stats(self) -> WorkerStats:
+        return self.worker.stats()
+
+    async def leak_report(self) -> dict:
+        return await self.worker.leak_report()
+
+    async def shutdown(self) -> None:
+        self.worker.shutdown()
+        group.leave()

@@ -1,0 +1,124 @@
+"""The decode worker: receives KV into reserved blocks and runs its continuous-batching loop.
+
+Life cycle of one request here:
+  reserve(spec) -> blocks reserved, request parked; the handle says where its KV must land
+  -> commit(req_id, first_token, handle): the transport's receive side runs (a no-op for
+  shared memory, where the prefill worker already wrote the blocks), the request joins the
+  running batch at the next step -> one token per step -> finished or aborted; blocks are
+  freed at that step boundary. A failed receive frees the reservation and raises
+  KVTransferError: the request is never decoded from those blocks.
+  ``add_request`` runs a whole request here (colocated mode, conditional disaggregation,
+  and recompute after preemption all use the same engine).
+Output: one batched stream per worker. ``stream()`` yields a StreamBatch per step holding
+the token deltas of every request that advanced, plus the worker's stats, for the router to
+split per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from engine.config import EngineRole
+from engine.engine import StepResult
+from engine.errors import KVTransferError
+from engine.types import KVLayout, RequestSpec, StreamBatch
+from engine.worker_base import WorkerBase, WorkerSpec
+from kvtransfer.cache_alloc import allocate_kv_cache, release_kv_cache
+from kvtransfer.handle import KVBlocksHandle
+from kvtransfer.select import make_receiver
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_TIMEOUT_S = 30.0
+
+
+def shm_path_for(worker_id: str) -> str:
+    return f"/dev/shm/pdserve-{os.getpid()}-{worker_id}-{uuid.uuid4().hex[:8]}.kv"
+
+
+class DecodeWorker(WorkerBase):
+    def __init__(self, spec: WorkerSpec, role: EngineRole = EngineRole.DECODE) -> None:
+        self.shm_path = shm_path_for(spec.worker_id) if spec.engine.device == "cpu" else None
+        super().__init__(spec, role)
+        self._receivers: dict[str, Any] = {}
+        self._stream: asyncio.Queue[StreamBatch] | None = None
+
+    def allocate_cache(self, layout: KVLayout, num_blocks: int):
+        # The pool lives in /dev/shm so a prefill worker on this node can write straight into it.
+        return allocate_kv_cache(layout, num_blocks, shm_path=self.shm_path, device=self.spec.engine.device)
+
+    def start(self) -> None:
+        super().start()
+        self._stream = asyncio.Queue()
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
+        block_ids = await self.call(lambda e: e.reserve(spec))
+        locator = self._receiver(transport).locator(self.engine.cache)
+        return KVBlocksHandle(
+            req_id=spec.req_id,
+            src_block_ids=(),
+            dst_block_ids=tuple(block_ids),
+            num_tokens=len(spec.prompt_token_ids),
+            layout=self.engine.layout,
+            transport=transport,
+            locator=locator,
+        )
+
+    async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
+        """Receive the KV (per transport) and admit the request; returns the receive seconds."""
+        start = time.perf_counter()
+        receiver = self._receiver(handle.transport)
+        try:
+            await asyncio.to_thread(receiver.receive, self.engine.cache, handle, timeout_s=RECEIVE_TIMEOUT_S)
+        except Exception as exc:
+            await self.call(lambda e: e.abort(req_id))  # frees the parked reservation
+            if isinstance(exc, KVTransferError):
+                raise
+            raise KVTransferError(f"{req_id}: receive failed: {exc}") from exc
+        delta = await self.call(lambda e: e.commit_kv(req_id, first_token_id))
+        if delta is not None:  # finished with its first token (e.g. the model length)
+            self._publish((delta,))
+        return time.perf_counter() - start
+
+    async def add_request(self, spec: RequestSpec) -> None:
+        await self.call(lambda e: e.add_request(spec))
+
+    async def abort(self, req_id: str) -> None:
+        await self.call(lambda e: e.abort(req_id))
+
+    # ---- the batched output stream ----------------------------------------------------------
+    def on_step(self, result: StepResult) -> None:
+        if result.deltas:
+            self._publish(tuple(result.deltas))
+
+    def _publish(self, deltas: tuple) -> None:
+        self._stream.put_nowait(StreamBatch(self.worker_id, deltas, self.stats()))
+
+    async def stream(self) -> AsyncIterator[StreamBatch]:
+        """One consumer (the router). Batches that queued up meanwhile are merged into one."""
+        while True:
+            batch = await self._stream.get()
+            deltas = list(batch.deltas)
+            while not self._stream.empty():
+                batch = self._stream.get_nowait()
+                deltas.extend(batch.deltas)
+            yield StreamBatch(self.worker_id, tuple(deltas), batch.stats)
+
+    def _receiver(self, transport: str):
+        if transport not in self._receivers:
+            kwargs = {"shm_path": self.shm_path} if transport == "shm" else {}
+            self._receivers[transport] = make_receiver(transport, **kwargs)
+        return self._receivers[transport]
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for receiver in self._receivers.values():
+            receiver.close()
+        if self.shm_path:
+            release_kv_cache(self.shm_path)

@@ -1,0 +1,90 @@
+"""Runs an LLMEngine in its own thread: the worker's continuous-batching loop.
+
+Life cycle: ``start`` spawns the loop thread; callers (Ray actor methods on an event loop)
+``call`` a function on the engine, which runs on the loop thread at the next step boundary —
+so the engine is only ever touched by one thread — and get a concurrent future back. The
+thread steps while the engine has work and otherwise blocks on a condition (no sleep
+polling). Every step's result goes to ``on_step`` (the worker's batched output stream).
+``stop`` ends the thread after the current step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable, TypeVar
+
+from engine.engine import LLMEngine, StepResult
+from engine.types import WorkerStats
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[StepResult], None], name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._calls: deque[tuple[Callable[[LLMEngine], object], Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # Published after every step and batch of calls: other threads read it without locks
+        # (one reference assignment), at most one step stale.
+        self.latest_stats: WorkerStats = engine.stats(name)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the loop thread before the next step."""
+        future: Future[T] = Future()
+        with self._wake:
+            if self._stopped:
+                future.set_exception(RuntimeError("engine loop stopped"))
+                return future
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._calls and not self.engine.has_work():
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                calls, self._calls = self._calls, deque()
+            self._apply(calls)
+            if self.engine.has_work():
+                self._step()
+            self.latest_stats = self.engine.stats(self._thread.name)
+        self._fail_pending()
+
+    def _apply(self, calls) -> None:
+        for fn, future in calls:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # the caller gets the error; the loop keeps going
+                future.set_exception(exc)
+
+    def _step(self) -> None:
+        result = self.engine.step()
+        try:
+            self._on_step(result)
+        except Exception:
+            logger.exception("on_step callback failed")
+
+    def _fail_pending(self) -> None:
+        with self._wake:
+            calls, self._calls = self._calls, deque()
+        for _, future in calls:
+            future.set_exception(RuntimeError("engine loop stopped"))

@@ -1,0 +1,92 @@
+"""What prefill and decode workers share: loading the model, the engine loop, and an asyncio
+bridge so actor coroutines can await calls that run on the loop thread.
+
+Life cycle: construct (loads the model, sizes the KV pool) -> ``start()`` inside the actor's
+event loop -> serve -> ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Callable, TypeVar
+
+import torch
+
+from engine import kv_cache
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, StepResult
+from engine.loop import EngineLoop
+from engine.types import KVLayout, WorkerStats
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """How the launcher asks for a worker."""
+
+    worker_id: str
+    model: str | None = None                 # None: the embedded default model
+    random_model: dict | None = None         # tests: tiny random Llama overrides (seed etc.)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_threads: int = 1                     # torch threads: the worker's share of the cores
+    kv_transport: str | None = None          # force one transport; None picks from placement
+
+
+def load_for(spec: WorkerSpec):
+    from engine.model_loader import load_model, random_model
+
+    if spec.random_model is not None:
+        return random_model(**spec.random_model)
+    return load_model(spec.model, dtype=spec.engine.dtype, device=spec.engine.device)
+
+
+class WorkerBase:
+    def __init__(self, spec: WorkerSpec, role) -> None:
+        torch.set_num_threads(spec.num_threads)  # deliberate: oversubscribed threads cost 3-5x
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.loaded = load_for(spec)
+        config = replace(spec.engine, role=role)
+        layout = kv_cache.layout_for(self.loaded.model.config, config)
+        cache = self.allocate_cache(layout, kv_cache.num_blocks_for(layout, config))
+        self.engine = LLMEngine(self.loaded, config, cache)
+        self.loop = EngineLoop(self.engine, self._on_step_thread, name=spec.worker_id)
+        self.aio: asyncio.AbstractEventLoop | None = None
+
+    def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor | None:
+        """Override to place the KV pool somewhere special; None lets the engine allocate it."""
+        return None
+
+    def start(self) -> None:
+        """Call from the event loop the worker's coroutines will run on."""
+        self.aio = asyncio.get_running_loop()
+        self.loop.start()
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    def _on_step_thread(self, result: StepResult) -> None:
+        """Loop thread -> event loop: the worker handles step results on its own loop."""
+        if self.aio is not None and (result.deltas or result.prefilled):
+            self.aio.call_soon_threadsafe(self.on_step, result)
+
+    def on_step(self, result: StepResult) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> WorkerStats:
+        return self.loop.latest_stats
+
+    async def leak_report(self) -> dict:
+        """What the engine still holds: tests end with none, every block free."""
+        return await self.call(lambda e: {
+            "requests": e.scheduler.num_unfinished + len(e.scheduler.held),
+            "free_blocks": e.kv.num_free_blocks,
+            "total_blocks": e.kv.num_total_blocks,
+        })
+
+    def shutdown(self) -> None:
+        self.loop.stop()

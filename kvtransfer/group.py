@@ -1,0 +1,19 @@
+"""Joining the workers' torch.distributed group (gloo on CPU, NCCL on GPU) from a worker actor.
+
+Life cycle: the launcher picks a rendezvous address and ranks, every KV-moving worker calls
+``join`` at once (it blocks until all have joined), transfers run, ``leave`` at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtransfer.torch_dist import default_backend, destroy_kv_group, init_kv_group
+
+
+async def join(address: str, world_size: int, rank: int, device: str, timeout_s: float = 60.0) -> None:
+    await asyncio.to_thread(init_kv_group, address, world_size, rank, backend=default_backend(device), timeout_s=timeout_s)
+
+
+def leave() -> None:
+    destroy_kv_group()

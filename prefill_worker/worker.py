@@ -1,0 +1,144 @@
+"""The prefill worker: batches prompts in its own engine loop and hands each request's KV to
+its decode worker.
+
+Life cycle of one request here:
+  prefill(spec, handle, decode) -> queued in the engine (chunked prefill under the token
+  budget, many prompts per step) -> first token sampled, blocks *held* -> KV sent through the
+  handle's transport -> decode worker's ``commit`` (it admits the request) -> blocks released
+  -> PrefillResult (first token + timings) back to the router.
+A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
+PrefillResult with its finish reason and no hand-off. ``abort`` returns only once this worker
+will no longer write into the decode worker's reserved blocks, so the decode side may free them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from engine.config import EngineRole
+from engine.engine import PrefillDone, StepResult
+from engine.errors import KVTransferError
+from engine.types import FinishReason, PrefillResult, RequestSpec, TokenDelta
+from engine.worker_base import WorkerBase, WorkerSpec
+from kvtransfer.handle import KVBlocksHandle
+from kvtransfer.select import make_sender
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_TIMEOUT_S = 30.0
+
+
+class PrefillWorker(WorkerBase):
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec, EngineRole.PREFILL)
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._done: dict[str, asyncio.Event] = {}
+        self._aborted: set[str] = set()
+        self._senders: dict[str, Any] = {}
+        self._transfer_lock = asyncio.Lock()  # one hand-off at a time: torch_dist pairs are FIFO
+
+    async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
+        """Prefill ``spec``; with a handle, move its KV to ``decode`` (an actor with ``commit``)."""
+        req_id = spec.req_id
+        waiter = self.aio.create_future()
+        self._waiters[req_id] = waiter
+        self._done[req_id] = asyncio.Event()
+        try:
+            await self.call(lambda e: e.add_request(spec))
+            outcome = await waiter
+            if isinstance(outcome, TokenDelta):
+                return _ended_at_prefill(outcome)
+            return await self._hand_off(outcome, handle, decode)
+        finally:
+            self._waiters.pop(req_id, None)
+            self._aborted.discard(req_id)
+            self._done.pop(req_id).set()
+
+    async def abort(self, req_id: str) -> None:
+        """Stop the request; returns once no write into its decode blocks can still happen."""
+        done = self._done.get(req_id)
+        if done is None:
+            return
+        self._aborted.add(req_id)
+        await self.call(lambda e: e.abort(req_id))
+        await done.wait()
+
+    # ---- loop thread results, on the event loop --------------------------------------------------
+    def on_step(self, result: StepResult) -> None:
+        for done in result.prefilled:
+            self._resolve(done.req_id, done)
+        for delta in result.deltas:
+            if delta.finished:
+                self._resolve(delta.req_id, delta)
+
+    def _resolve(self, req_id: str, outcome: PrefillDone | TokenDelta) -> None:
+        waiter = self._waiters.get(req_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
+        elif isinstance(outcome, PrefillDone):  # nobody waits any more: give the blocks back
+            self.loop.call(lambda e: e.release(req_id))
+
+    # ---- the hand-off -------------------------------------------------------------------------
+    async def _hand_off(self, done: PrefillDone, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
+        req_id = done.req_id
+        start = time.perf_counter()
+        try:
+            if req_id in self._aborted:
+                return _result(done, FinishReason.ABORT)
+            if handle is None:  # no decode side (tests of the prefill path alone)
+                return _result(done, None)
+            async with self._transfer_lock:
+                num_bytes = await self._send(done, handle, decode)
+            return _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
+        except KVTransferError as exc:
+            logger.warning("KV hand-off of %s failed: %s", req_id, exc)
+            return _result(done, FinishReason.ERROR, error=f"KV transfer failed: {exc}")
+        finally:
+            await self.call(lambda e: e.release(req_id))
+
+    async def _send(self, done: PrefillDone, handle: KVBlocksHandle, decode: Any) -> int:
+        sender = self._sender(handle.transport)
+        bound = sender.bind(handle, done.block_ids[: handle.num_blocks])
+        if sender.rendezvous:  # the receiver must be inside receive() while we send
+            commit = decode.commit.remote(done.req_id, done.first_token_id, bound)
+            sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
+            await commit
+        else:
+            sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
+            await decode.commit.remote(done.req_id, done.first_token_id, sent.handle)
+        return sent.num_bytes
+
+    def _sender(self, transport: str):
+        if transport not in self._senders:
+            self._senders[transport] = make_sender(transport)
+        return self._senders[transport]
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for sender in self._senders.values():
+            sender.close()
+
+
+def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
+    first = delta.token_ids[0] if delta.token_ids else None
+    logprob = delta.logprobs[0] if delta.logprobs else None
+    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error)
+
+
+def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,
+            transport: str = "", error: str | None = None) -> PrefillResult:
+    return PrefillResult(
+        req_id=done.req_id,
+        first_token_id=done.first_token_id,
+        finish_reason=reason,
+        first_logprob=done.first_logprob,
+        error=error,
+        queue_s=done.queue_s,
+        prefill_s=done.prefill_s,
+        transfer_s=transfer_s,
+        transfer_bytes=num_bytes,
+        transport=transport,
+    )
