@@ -78,6 +78,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         result = self.engine.step()
+        self.latest_stats = self.engine.stats(self._thread.name)  # before on_step: batches carry fresh stats
         try:
             self._on_step(result)
         except Exception:

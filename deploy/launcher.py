@@ -1,0 +1,208 @@
+"""Starts and stops a pdserve cluster: Ray, workers, the gRPC router.
+
+Life cycle: ``Cluster.start()`` joins Ray (an embedded local instance by default, or
+``address``), resolves the model once, places N prefill and M decode actors in a placement
+group (PACK: KV moves within a node where possible) with the cores divided among them
+(``torch.set_num_threads`` per worker), joins them into a torch.distributed group when a
+pair needs it, then starts the router's gRPC server. ``stop()`` stops the server, shuts
+every worker down (each unlinks its /dev/shm pool) and leaves Ray.
+``ClusterThread`` runs a cluster on its own event loop in a background thread (tests, CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from engine.worker_base import WorkerSpec
+from router.convert import ServerDefaults
+from router.orchestrator import Orchestrator
+from router.registry import WorkerHandle, WorkerRegistry
+from router.server import PdserveServicer, ServerInfo, start_server
+from router.streams import DecodeStreams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    mode: str = "disaggregated"          # or "colocated": decode workers also prefill
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str | None = None             # None: the embedded SmolLM2-135M-Instruct
+    random_model: dict | None = None     # tests: tiny random Llama
+    prefill_engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_batched_tokens=512))
+    decode_engine: EngineConfig = field(default_factory=EngineConfig)
+    cpus_per_worker: float = 1.0
+    threads_per_worker: int | None = None  # None: the node's cores divided among the workers
+    address: str | None = None           # a Ray cluster to join; None starts one here
+    host: str = "127.0.0.1"
+    port: int = 50051
+    kv_transport: str | None = None      # force shm / torch_dist / object_store / cuda_ipc
+    prefill_resources: dict | None = None  # custom Ray resources pinning workers to nodes
+    decode_resources: dict | None = None
+    use_placement_group: bool = True
+    defaults: dict = field(default_factory=dict)  # ServerDefaults overrides (max_tokens, ttft_s, ...)
+    ray_init: dict = field(default_factory=dict)  # extra ray.init arguments (num_cpus, ...)
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.registry = WorkerRegistry(forced_transport=config.kv_transport)
+        self.server = None
+        self.port: int | None = None
+        self.tokenizer = None
+        self._pg = None
+        self._started_ray = False
+
+    async def start(self) -> int:
+        cfg = self.config
+        self._init_ray()
+        model_dir = None
+        if cfg.random_model is None:
+            model_dir = await _prepare_model_remote(cfg.model)
+            from deploy.model_prep import load_tokenizer
+
+            self.tokenizer = load_tokenizer(model_dir)
+        infos = await self._start_workers(model_dir)
+        await self._join_kv_group_if_needed()
+        self.streams = DecodeStreams(self.registry)
+        self.streams.start()
+        self.orchestrator = Orchestrator(self.registry, self.streams)
+        info = infos[0]
+        defaults = ServerDefaults(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"], **cfg.defaults)
+        servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
+                                   ServerInfo(info["model"], cfg.mode, info["block_size"]))
+        self.servicer = servicer
+        self.server, self.port = await start_server(servicer, cfg.host, cfg.port)
+        return self.port
+
+    def _init_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        kwargs = {"include_dashboard": False, "log_to_driver": True, **self.config.ray_init}
+        ray.init(address=self.config.address, **kwargs)
+        self._started_ray = True
+
+    async def _start_workers(self, model_dir: str | None) -> list[dict]:
+        cfg = self.config
+        colocated = cfg.mode == "colocated"
+        num_prefill = 0 if colocated else cfg.num_prefill
+        total = num_prefill + cfg.num_decode
+        threads = cfg.threads_per_worker or max(1, int(ray.available_resources().get("CPU", 1)) // total)
+        strategy = self._placement(total)
+        actors = []
+        for i in range(num_prefill):
+            spec = self._spec(f"prefill-{i}", model_dir, cfg.prefill_engine, threads)
+            actors.append(("prefill", self._actor("prefill", strategy, cfg.prefill_resources).remote(spec)))
+        for i in range(cfg.num_decode):
+            spec = self._spec(f"decode-{i}", model_dir, cfg.decode_engine, threads)
+            opts = self._actor("decode", strategy, cfg.decode_resources)
+            actors.append(("colocated" if colocated else "decode", opts.remote(spec, colocated)))
+        infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
+        for (role, actor), info in zip(actors, infos):
+            self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"]))
+        return list(infos)
+
+    def _spec(self, worker_id: str, model_dir: str | None, engine: EngineConfig, threads: int) -> WorkerSpec:
+        return WorkerSpec(worker_id=worker_id, model=model_dir, random_model=self.config.random_model,
+                          engine=dataclasses.replace(engine), num_threads=threads)
+
+    def _placement(self, total: int):
+        cfg = self.config
+        if not cfg.use_placement_group or cfg.prefill_resources or cfg.decode_resources:
+            return None
+        self._pg = placement_group([{"CPU": cfg.cpus_per_worker}] * total, strategy="PACK")
+        return self._pg
+
+    def _actor(self, role: str, pg, resources: dict | None):
+        from decode_worker.actor import DecodeActor
+        from prefill_worker.actor import PrefillActor
+
+        cls = PrefillActor if role == "prefill" else DecodeActor
+        opts: dict[str, Any] = {"num_cpus": self.config.cpus_per_worker, "max_concurrency": 1000}
+        if resources:
+            opts["resources"] = resources
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg)
+        return cls.options(**opts)
+
+    async def _join_kv_group_if_needed(self) -> None:
+        reg = self.registry
+        if not reg.prefill:
+            return
+        needs = reg.forced_transport == "torch_dist" or (
+            reg.forced_transport is None and len({w.node_id for w in reg.all}) > 1)
+        if not needs:
+            return
+        address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        workers = reg.all
+        await asyncio.gather(*(w.actor.join_kv_group.remote(address, len(workers), rank) for rank, w in enumerate(workers)))
+        reg.dist_ready = True
+        logger.info("torch.distributed KV group up: %d workers at %s", len(workers), address)
+
+    async def leak_reports(self) -> dict[str, dict]:
+        reports = await asyncio.gather(*(w.actor.leak_report.remote() for w in self.registry.all if w.alive))
+        return {w.worker_id: r for w, r in zip([w for w in self.registry.all if w.alive], reports)}
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=2.0)
+        if getattr(self, "orchestrator", None):
+            await self.orchestrator.drain_cleanups()
+        if getattr(self, "streams", None):
+            await self.streams.stop()
+        await asyncio.gather(*(w.actor.shutdown.remote() for w in self.registry.all if w.alive), return_exceptions=True)
+        for w in self.registry.all:
+            ray.kill(w.actor)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        if self._started_ray:
+            ray.shutdown()
+
+
+async def _prepare_model_remote(source: str | None) -> str:
+    from deploy.model_prep import prepare_model
+
+    return await prepare_model.remote(source)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class ClusterThread:
+    """A Cluster on its own event loop in a daemon thread; ``start()`` returns the port."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.cluster = Cluster(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-cluster", daemon=True)
+
+    def start(self, timeout_s: float = 300.0) -> int:
+        self._thread.start()
+        return self.run(self.cluster.start(), timeout_s)
+
+    def run(self, coro, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        try:
+            self.run(self.cluster.stop(), 120.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)

@@ -1,0 +1,24 @@
+"""Resolves the model once, before any worker starts: a GGUF is converted to a cached
+safetensors directory (about 18 s once, then every worker loads in seconds).
+
+Runs inside a Ray task so the driver (router) process never imports torch.
+"""
+
+from __future__ import annotations
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+def prepare_model(source: str | None) -> str:
+    from engine.model_loader import ensure_converted, resolve_source
+
+    path, is_gguf = resolve_source(source)
+    return str(ensure_converted(path) if is_gguf else path)
+
+
+def load_tokenizer(model_dir: str):
+    """The router's tokenizer (transformers' fast tokenizer class does not import torch)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)

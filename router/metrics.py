@@ -1,0 +1,403 @@
+"""The router's Prometheus exporter: one registry that covers the whole cluster.
+
+Role: the router sees every request from arrival to its last token and polls every worker's
+``WorkerStats``, so it is the one place that can export cluster-wide serving metrics. Workers
+export nothing themselves; their numbers arrive here through ``update_worker``.
+
+Life cycle: the router makes one ``RouterMetrics``, calls ``start_http_server(port)`` (Prometheus
+scrapes it; ``deploy/prometheus.yml`` expects port 9400) and then, per request, exactly one of
+``request_finished`` / ``request_rejected`` / ``request_invalid``; ``admission`` per admit or
+queue decision; ``update_worker`` whenever fresh ``WorkerStats`` arrive. Each instance owns its
+``CollectorRegistry``, so tests (and several routers in one process) never share state.
+
+Metrics (every name starts with ``pdserve_``):
+
+  histograms (per request unless noted)          labels
+    time_to_first_token_seconds                  mode
+    time_per_output_token_seconds                mode        (requests with >= 2 tokens)
+    inter_token_latency_seconds  (per token gap) mode
+    e2e_request_latency_seconds                  mode
+    request_queue_time_seconds                   -
+    request_prefill_time_seconds                 mode
+    kv_transfer_time_seconds                     transport   (requests whose KV moved)
+    kv_transfer_bytes                            transport
+  counters
+    requests_total                               outcome: finished_stop, finished_length,
+                                                 aborted, error, rejected, invalid
+    admission_decisions_total                    decision: admit, queue, reject; reason
+    preemptions_total                            worker      (from WorkerStats deltas)
+    prompt_tokens_total, generation_tokens_total -
+    slo_met_requests_total                       -           (goodput = its rate)
+  gauges
+    worker_running_requests, worker_waiting_requests, worker_waiting_tokens,
+    worker_kv_usage_ratio (0-1), worker_free_blocks,
+    worker_step_time_seconds (mean of the recent steps)   worker, role
+    router_queued_requests                       -
+    goodput_requests_per_second                  -           (last ``window_s``, default 60 s)
+    slo_attainment_ratio                         -           (same window; NaN when empty)
+
+Conventions: Prometheus base units (seconds, bytes, ratios in 0-1), counters end in ``_total``
+(prometheus-client appends it), ``worker_*`` gauges carry ``{worker, role}``, and labels stay
+few and bounded: never a request id. ``mode`` is ``disaggregated`` or ``colocated`` (conditional
+disaggregation serves both from one router); ``transport`` names the KV connector.
+
+SLO: a request meets its SLO when it finished normally (stop or length), its TTFT is within its
+TTFT target and its TPOT within its TPOT target; an unset target cannot be missed, and TPOT is
+undefined with fewer than two tokens. Attainment is over served requests (finished, aborted or
+errored); rejected and invalid requests show in the rejection rate, and goodput (SLO-meeting
+requests per second) is the number that both lower.
+
+Hot path: label children are cached so an observation is a dict lookup plus prometheus-client's
+own per-metric lock; the sliding window takes one lock per finished request (never per token)
+and is evicted at scrape time.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import start_http_server as _start_http_server
+
+from engine.types import FinishReason, WorkerStats
+
+if TYPE_CHECKING:  # convert.py imports the generated protos; metrics only needs the type
+    from router.convert import RequestTimings
+
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_WINDOW_S = 60.0
+
+# 1-2.5-5 per decade: milliseconds for GPU inter-token gaps up to minutes for CPU e2e latency.
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+# Powers of 4 from 1 KiB to 4 GiB: one token of SmolLM2's fp32 KV is 45 KiB, a long prompt GiBs.
+BYTES_BUCKETS = tuple(float(1024 * 4**k) for k in range(12))
+
+SERVED_OUTCOMES = ("finished_stop", "finished_length", "aborted", "error")
+OUTCOMES = SERVED_OUTCOMES + ("rejected", "invalid")
+SLO_OUTCOMES = ("finished_stop", "finished_length")   # only a normal finish can meet an SLO
+DECISIONS = ("admit", "queue", "reject")
+MODES = ("disaggregated", "colocated")
+_FINISH_OUTCOME = {
+    FinishReason.STOP.value: "finished_stop",
+    FinishReason.LENGTH.value: "finished_length",
+    FinishReason.ABORT.value: "aborted",
+    FinishReason.ERROR.value: "error",
+}
+
+
+def outcome_name(outcome: FinishReason | str) -> str:
+    """A served outcome's label: a ``FinishReason`` (or its value) or a name in SERVED_OUTCOMES."""
+    key = outcome.value if isinstance(outcome, FinishReason) else outcome
+    name = _FINISH_OUTCOME.get(key, key)
+    if name not in SERVED_OUTCOMES:
+        raise ValueError(f"unknown outcome {outcome!r}; expected a FinishReason or one of {SERVED_OUTCOMES}")
+    return name
+
+
+def slo_met(timings: RequestTimings, completion_tokens: int,
+            ttft_target_s: float | None, tpot_target_s: float | None) -> bool:
+    """Whether a normally finished request met its targets (an unset target cannot be missed)."""
+    if ttft_target_s is not None and timings.ttft_s > ttft_target_s:
+        return False
+    # One token has no time per output token; judging it would fail requests on a 0/0.
+    if tpot_target_s is not None and completion_tokens > 1 and timings.tpot_s > tpot_target_s:
+        return False
+    return True
+
+
+class SloWindow:
+    """Finished requests of the last ``window_s`` seconds: SLO attainment and goodput.
+
+    Appends on the request path, evicts when read (at scrape time), so the hot path pays one
+    lock and one append per request.
+    """
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._events: deque[tuple[float, bool]] = deque()
+        self._num_met = 0
+        self._lock = threading.Lock()  # the scrape thread evicts while the event loop appends
+
+    def record(self, met: bool) -> None:
+        with self._lock:
+            self._events.append((self._clock(), met))
+            self._num_met += met
+
+    def _evict(self) -> None:
+        horizon = self._clock() - self.window_s
+        while self._events and self._events[0][0] <= horizon:
+            self._num_met -= self._events.popleft()[1]
+
+    def attainment(self) -> float:
+        """Share of served requests in the window that met their SLO; NaN when none were served
+        (0 or 1 would both be a claim nobody measured)."""
+        with self._lock:
+            self._evict()
+            return self._num_met / len(self._events) if self._events else math.nan
+
+    def goodput(self) -> float:
+        """SLO-meeting requests per second over the window. Like PromQL's rate() over a range
+        longer than the uptime, it reads low during the first window."""
+        with self._lock:
+            self._evict()
+            return self._num_met / self.window_s
+
+
+@dataclass(slots=True)
+class _RequestSeries:
+    """One mode's histogram children, resolved once instead of per observation."""
+
+    ttft: Histogram
+    tpot: Histogram
+    itl: Histogram
+    e2e: Histogram
+    prefill: Histogram
+
+
+@dataclass(slots=True)
+class _WorkerSeries:
+    running: Gauge
+    waiting: Gauge
+    waiting_tokens: Gauge
+    kv_usage: Gauge
+    free_blocks: Gauge
+    step_time: Gauge
+    preemptions: Counter
+
+
+class RouterMetrics:
+    """All of the router's metrics in a registry of its own; see the module docstring."""
+
+    def __init__(self, *, mode: str = "disaggregated", kv_transport: str = "unknown",
+                 window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        """``mode`` and ``kv_transport`` are the label values used when a call does not name
+        its own; ``clock`` drives the SLO window (tests pass a fake one)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.mode = _check_mode(mode)
+        self.kv_transport = kv_transport
+        self.window = SloWindow(window_s, clock)
+        self._server = None
+        self._request_series: dict[str, _RequestSeries] = {}
+        self._kv_series: dict[str, tuple[Histogram, Histogram]] = {}
+        self._worker_series: dict[tuple[str, str], _WorkerSeries] = {}
+        self._preemptions_seen: dict[str, int] = {}
+        self._define_request_metrics()
+        self._define_counters()
+        self._define_gauges()
+
+    # ------------------------------------------------------------ definitions
+
+    def _histogram(self, name: str, doc: str, labels: Sequence[str] = (),
+                   buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _define_request_metrics(self) -> None:
+        h = self._histogram
+        self.ttft = h("pdserve_time_to_first_token_seconds", "Arrival to first token.", ["mode"])
+        self.tpot = h("pdserve_time_per_output_token_seconds",
+                      "Per request: (e2e - TTFT) / (output tokens - 1).", ["mode"])
+        self.itl = h("pdserve_inter_token_latency_seconds", "Gap between consecutive tokens.", ["mode"])
+        self.e2e = h("pdserve_e2e_request_latency_seconds", "Arrival to last token.", ["mode"])
+        self.queue_time = h("pdserve_request_queue_time_seconds", "Arrival to the start of prefill.")
+        self.prefill_time = h("pdserve_request_prefill_time_seconds", "Prefill compute time.", ["mode"])
+        self.kv_time = h("pdserve_kv_transfer_time_seconds", "KV hand-off time, prefill to decode.",
+                         ["transport"])
+        self.kv_bytes = h("pdserve_kv_transfer_bytes", "KV bytes handed off per request.",
+                          ["transport"], buckets=BYTES_BUCKETS)
+
+    def _define_counters(self) -> None:
+        r = self.registry
+        self.requests = Counter("pdserve_requests_total", "Requests by how they ended.", ["outcome"], registry=r)
+        self._outcome = {o: self.requests.labels(o) for o in OUTCOMES}  # every outcome visible at 0
+        self.admissions = Counter("pdserve_admission_decisions_total", "Admission decisions.",
+                                  ["decision", "reason"], registry=r)
+        self.preemptions = Counter("pdserve_preemptions_total", "Requests preempted by a worker.",
+                                   ["worker"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of served requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
+        self.slo_met_requests = Counter("pdserve_slo_met_requests_total",
+                                        "Requests that finished within their SLO (goodput = rate).", registry=r)
+
+    def _define_gauges(self) -> None:
+        r, wl = self.registry, ["worker", "role"]
+        self.worker_running = Gauge("pdserve_worker_running_requests", "Requests in the running batch.",
+                                    wl, registry=r)
+        self.worker_waiting = Gauge("pdserve_worker_waiting_requests", "Requests waiting in the worker.",
+                                    wl, registry=r)
+        self.worker_waiting_tokens = Gauge("pdserve_worker_waiting_tokens", "Prompt tokens waiting.",
+                                           wl, registry=r)
+        self.worker_kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "Used KV blocks / all (0-1).",
+                                     wl, registry=r)
+        self.worker_free_blocks = Gauge("pdserve_worker_free_blocks", "Free KV blocks.", wl, registry=r)
+        self.worker_step_time = Gauge("pdserve_worker_step_time_seconds", "Mean recent engine step time.",
+                                      wl, registry=r)
+        self.router_queued = Gauge("pdserve_router_queued_requests", "Requests queued by admission.", registry=r)
+        goodput = Gauge("pdserve_goodput_requests_per_second",
+                        "SLO-meeting requests per second over the sliding window.", registry=r)
+        goodput.set_function(self.window.goodput)  # computed at scrape time, free on the hot path
+        attainment = Gauge("pdserve_slo_attainment_ratio",
+                           "Share of served requests in the sliding window that met their SLO.", registry=r)
+        attainment.set_function(self.window.attainment)
+
+    # ------------------------------------------------------------ exposition
+
+    def start_http_server(self, port: int = DEFAULT_METRICS_PORT, addr: str = "127.0.0.1") -> int:
+        """Serve this registry at ``http://addr:port/metrics`` from a daemon thread; port 0 picks
+        a free port. Returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("metrics HTTP server already started")
+        # prometheus-client >= 0.19 returns (server, thread); the server knows its bound port.
+        self._server, _ = _start_http_server(port, addr=addr, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        """Stop the HTTP server, if any (the registry stays readable)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format, exactly what a scrape returns."""
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------ requests
+
+    def request_finished(
+        self,
+        outcome: FinishReason | str,
+        timings: RequestTimings,
+        prompt_tokens: int,
+        completion_tokens: int,
+        itls: Sequence[float],
+        ttft_target_s: float | None,
+        tpot_target_s: float | None,
+        *,
+        mode: str | None = None,
+        transport: str | None = None,
+    ) -> None:
+        """A served request ended (normally, aborted or errored). ``itls`` are its gaps between
+        consecutive tokens; ``mode``/``transport`` default to the constructor's."""
+        name = outcome_name(outcome)
+        series = self._series_for_mode(mode or self.mode)
+        self._outcome[name].inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.queue_time.observe(timings.queue_s)
+        series.e2e.observe(timings.e2e_s)
+        self._observe_tokens(series, timings, completion_tokens, itls)
+        if timings.kv_transfer_bytes > 0:  # colocated requests and early aborts moved no KV
+            kv_time, kv_bytes = self._series_for_transport(transport or self.kv_transport)
+            kv_time.observe(timings.kv_transfer_s)
+            kv_bytes.observe(timings.kv_transfer_bytes)
+        met = name in SLO_OUTCOMES and slo_met(timings, completion_tokens, ttft_target_s, tpot_target_s)
+        if met:
+            self.slo_met_requests.inc()
+        self.window.record(met)
+
+    @staticmethod
+    def _observe_tokens(series: _RequestSeries, timings: RequestTimings, completion_tokens: int,
+                        itls: Sequence[float]) -> None:
+        if completion_tokens < 1:  # aborted or failed before the first token: no TTFT exists
+            return
+        series.ttft.observe(timings.ttft_s)
+        series.prefill.observe(timings.prefill_s)
+        if completion_tokens > 1:
+            series.tpot.observe(timings.tpot_s)
+        observe = series.itl.observe
+        for gap in itls:
+            observe(gap)
+
+    def request_rejected(self, reason: str) -> None:
+        """Admission (or the router: shutting down, no workers) refused a request: counts the
+        outcome ``rejected`` and the decision ``reject`` with ``reason``. Call this instead of
+        ``admission("reject", ...)``."""
+        self._outcome["rejected"].inc()
+        self.admissions.labels("reject", reason).inc()
+
+    def request_invalid(self) -> None:
+        """Validation refused a request (INVALID_ARGUMENT) before admission saw it."""
+        self._outcome["invalid"].inc()
+
+    def admission(self, decision: str, reason: str) -> None:
+        """An admit or queue decision (a queued request admitted later makes two). Rejections go
+        through ``request_rejected`` so the decision and the outcome are counted together."""
+        if decision not in ("admit", "queue"):
+            raise ValueError(f"decision must be 'admit' or 'queue', got {decision!r} (rejections: request_rejected)")
+        self.admissions.labels(decision, reason).inc()
+
+    def set_queued(self, num_queued: int) -> None:
+        """Requests the router holds in its admission queue right now."""
+        self.router_queued.set(num_queued)
+
+    def _series_for_mode(self, mode: str) -> _RequestSeries:
+        series = self._request_series.get(mode)
+        if series is None:
+            m = _check_mode(mode)
+            series = _RequestSeries(self.ttft.labels(m), self.tpot.labels(m), self.itl.labels(m),
+                                    self.e2e.labels(m), self.prefill_time.labels(m))
+            self._request_series[mode] = series
+        return series
+
+    def _series_for_transport(self, transport: str) -> tuple[Histogram, Histogram]:
+        pair = self._kv_series.get(transport)
+        if pair is None:
+            pair = self._kv_series[transport] = (self.kv_time.labels(transport), self.kv_bytes.labels(transport))
+        return pair
+
+    # ------------------------------------------------------------ workers
+
+    def update_worker(self, stats: WorkerStats) -> None:
+        """Fresh stats from one worker: gauges take its values, preemptions count the delta."""
+        s = self._series_for_worker(stats.worker_id, stats.role)
+        s.running.set(stats.num_running)
+        s.waiting.set(stats.num_waiting)
+        s.waiting_tokens.set(stats.num_waiting_tokens)
+        s.kv_usage.set(stats.kv_usage)
+        s.free_blocks.set(stats.num_free_blocks)
+        if stats.recent_steps:  # an idle worker reports no steps: keep its last known step time
+            s.step_time.set(sum(t.duration_s for t in stats.recent_steps) / len(stats.recent_steps))
+        self._count_preemptions(s, stats)
+
+    def _count_preemptions(self, s: _WorkerSeries, stats: WorkerStats) -> None:
+        seen = self._preemptions_seen.get(stats.worker_id, 0)
+        # WorkerStats carries a running total; a smaller one means the worker restarted from 0.
+        delta = stats.num_preemptions - seen if stats.num_preemptions >= seen else stats.num_preemptions
+        if delta:
+            s.preemptions.inc(delta)
+        self._preemptions_seen[stats.worker_id] = stats.num_preemptions
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Drop a departed worker's gauges (a stale gauge would read as a live, idle worker)."""
+        for (wid, role) in [k for k in self._worker_series if k[0] == worker_id]:
+            del self._worker_series[(wid, role)]
+            for gauge in (self.worker_running, self.worker_waiting, self.worker_waiting_tokens,
+                          self.worker_kv_usage, self.worker_free_blocks, self.worker_step_time):
+                gauge.remove(wid, role)
+        self._preemptions_seen.pop(worker_id, None)
+
+    def _series_for_worker(self, worker_id: str, role: str) -> _WorkerSeries:
+        s = self._worker_series.get((worker_id, role))
+        if s is None:
+            s = _WorkerSeries(
+                self.worker_running.labels(worker_id, role), self.worker_waiting.labels(worker_id, role),
+                self.worker_waiting_tokens.labels(worker_id, role), self.worker_kv_usage.labels(worker_id, role),
+                self.worker_free_blocks.labels(worker_id, role), self.worker_step_time.labels(worker_id, role),
+                self.preemptions.labels(worker_id))
+            self._worker_series[(worker_id, role)] = s
+        return s
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return mode

@@ -1,0 +1,67 @@
+"""The router's view of its workers: actor handles, placement, live stats, in-flight load.
+
+Life cycle: the launcher ``add``s each started worker; stats arrive with every decode
+stream batch and after each prefill; the router counts what it has in flight per worker
+(stats lag by a step, its own counters do not); a worker whose calls fail is marked dead
+and never picked again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.types import WorkerStats
+from kvtransfer.select import choose_transport
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    worker_id: str
+    role: str                     # "prefill" | "decode" | "colocated"
+    actor: Any
+    node_id: str
+    device: str
+    stats: WorkerStats | None = None
+    num_inflight: int = 0         # requests the router has sent here and not seen finish
+    num_inflight_tokens: int = 0  # their prompt tokens (prefill load)
+    alive: bool = True
+
+    def begin(self, num_tokens: int) -> None:
+        self.num_inflight += 1
+        self.num_inflight_tokens += num_tokens
+
+    def end(self, num_tokens: int) -> None:
+        self.num_inflight -= 1
+        self.num_inflight_tokens -= num_tokens
+
+
+@dataclass(slots=True)
+class WorkerRegistry:
+    prefill: list[WorkerHandle] = field(default_factory=list)
+    decode: list[WorkerHandle] = field(default_factory=list)
+    forced_transport: str | None = None
+    dist_ready: bool = False      # the torch.distributed group is up
+    _transports: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def add(self, handle: WorkerHandle) -> None:
+        (self.prefill if handle.role == "prefill" else self.decode).append(handle)
+
+    @property
+    def all(self) -> list[WorkerHandle]:
+        return self.prefill + self.decode
+
+    def alive(self, role: str) -> list[WorkerHandle]:
+        return [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
+
+    def transport(self, p: WorkerHandle, d: WorkerHandle) -> str:
+        key = (p.worker_id, d.worker_id)
+        if key not in self._transports:
+            self._transports[key] = choose_transport(
+                p.node_id, d.node_id, p.device, self.forced_transport,
+                decode_device=d.device, dist_ready=self.dist_ready,
+            )
+        return self._transports[key]
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return next((w for w in self.all if w.worker_id == worker_id), None)

@@ -1,0 +1,110 @@
+"""The grpc.aio front door: validate, tokenize, run through the cluster, stream back.
+
+Life cycle of one Generate call: proto -> token ids (text, chat template or ids) ->
+validated RequestSpec (INVALID_ARGUMENT on any problem, nothing queued) -> admission
+(RESOURCE_EXHAUSTED when refused) -> Orchestrator streams TokenDeltas -> incremental UTF-8
+safe text -> one GenerateResponse per delta; the last carries finish reason, usage and
+timings. Client cancel or deadline cancels the handler; the orchestrator's cleanup aborts the
+request on every worker. Also serves ServerInfo, grpc.health.v1 and server reflection.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import InvalidRequestError, PdserveError
+from engine.types import FinishReason, RequestSpec, TokenDelta
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from router import convert
+from router.convert import IncrementalDetokenizer, ServerDefaults, Usage
+from router.errors import status_for
+from router.orchestrator import Orchestrator, RequestTrace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    model: str
+    mode: str          # "disaggregated" | "colocated"
+    block_size: int
+
+
+class PdserveServicer(pb_grpc.PdserveServicer):
+    def __init__(self, orchestrator: Orchestrator, tokenizer: Any | None, defaults: ServerDefaults,
+                 info: ServerInfo, observer: Any | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.defaults = defaults
+        self.info = info
+        self.observer = observer  # metrics and admission hooks (the goodput layer)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            spec = self._spec(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        trace = RequestTrace()
+        detok = self._detokenizer(request, spec)
+        num_out = 0
+        try:
+            async for delta in self.orchestrator.generate(spec, trace):
+                trace.on_tokens(len(delta.token_ids))
+                num_out += len(delta.token_ids)
+                if delta.finish_reason is FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error or "the worker failed")
+                yield self._response(delta, detok, spec, num_out, trace)
+        except PdserveError as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)
+
+    def _spec(self, request: pb.GenerateRequest) -> RequestSpec:
+        req_id = convert.req_id_from_proto(request)
+        if request.WhichOneof("prompt") != "token_ids" and self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
+        prompt = convert.prompt_from_proto(request, self.tokenizer)
+        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
+
+    def _detokenizer(self, request, spec: RequestSpec) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        skip = convert.skip_special_tokens_from_proto(request)
+        return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, skip_special_tokens=skip)
+
+    def _response(self, delta: TokenDelta, detok, spec: RequestSpec, num_out: int, trace: RequestTrace) -> pb.GenerateResponse:
+        text = detok.push(delta.token_ids, finished=delta.finished) if detok else ""
+        if not delta.finished:
+            return convert.delta_to_proto(delta, text)
+        usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=num_out)
+        return convert.delta_to_proto(delta, text, usage=usage, timings=trace.timings())
+
+    async def ServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
+        workers = [w.stats for w in self.orchestrator.registry.all if w.stats is not None]
+        return convert.server_info_to_proto(
+            self.defaults, model=self.info.model, block_size=self.info.block_size, mode=self.info.mode, workers=workers
+        )
+
+
+async def start_server(servicer: PdserveServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Create (inside the running loop, as grpc.aio requires) and start the server."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_PdserveServicer_to_server(servicer, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (pb.DESCRIPTOR.services_by_name["Pdserve"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    logger.info("router listening on %s:%d", host, bound)
+    return server, bound
