@@ -55,6 +55,7 @@ class ClusterConfig:
     use_placement_group: bool = True
     defaults: dict = field(default_factory=dict)  # ServerDefaults overrides (max_tokens, ttft_s, ...)
     ray_init: dict = field(default_factory=dict)  # extra ray.init arguments (num_cpus, ...)
+    allow_fault_injection: bool = False  # tests only
 
 
 class Cluster:
@@ -118,7 +119,8 @@ class Cluster:
 
     def _spec(self, worker_id: str, model_dir: str | None, engine: EngineConfig, threads: int) -> WorkerSpec:
         return WorkerSpec(worker_id=worker_id, model=model_dir, random_model=self.config.random_model,
-                          engine=dataclasses.replace(engine), num_threads=threads)
+                          engine=dataclasses.replace(engine), num_threads=threads,
+                          allow_fault_injection=self.config.allow_fault_injection)
 
     def _placement(self, total: int):
         cfg = self.config

@@ -13,6 +13,10 @@ class InvalidRequestError(PdserveError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self):  # Ray re-raises it in the caller: it must unpickle with its fields
+        return (type(self), (self.field, self.message))
 
 
 class CapacityError(PdserveError):

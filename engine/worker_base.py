@@ -33,7 +33,7 @@ class WorkerSpec:
     random_model: dict | None = None         # tests: tiny random Llama overrides (seed etc.)
     engine: EngineConfig = field(default_factory=EngineConfig)
     num_threads: int = 1                     # torch threads: the worker's share of the cores
-    kv_transport: str | None = None          # force one transport; None picks from placement
+    allow_fault_injection: bool = False      # tests only: enables ``inject_fault``
 
 
 def load_for(spec: WorkerSpec):
@@ -87,6 +87,13 @@ class WorkerBase:
             "free_blocks": e.kv.num_free_blocks,
             "total_blocks": e.kv.num_total_blocks,
         })
+
+    async def inject_fault(self, kind: str) -> None:
+        if not self.spec.allow_fault_injection:
+            raise PermissionError("fault injection is disabled on this worker")
+        from engine import faults
+
+        await self.call(lambda e: faults.inject(e, kind))
 
     def shutdown(self) -> None:
         self.loop.stop()

@@ -39,6 +39,9 @@ class PrefillActor:
     async def leak_report(self) -> dict:
         return await self.worker.leak_report()
 
+    async def inject_fault(self, kind: str) -> None:
+        await self.worker.inject_fault(kind)
+
     async def shutdown(self) -> None:
         self.worker.shutdown()
         group.leave()

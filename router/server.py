@@ -68,7 +68,10 @@ class PdserveServicer(pb_grpc.PdserveServicer):
 
     def _spec(self, request: pb.GenerateRequest) -> RequestSpec:
         req_id = convert.req_id_from_proto(request)
-        if request.WhichOneof("prompt") != "token_ids" and self.tokenizer is None:
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            convert.chat_from_proto(request.chat)  # malformed messages are named before anything else
+        if kind != "token_ids" and self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
         prompt = convert.prompt_from_proto(request, self.tokenizer)
         return convert.spec_from_proto(request, prompt, self.defaults, req_id)

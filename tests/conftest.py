@@ -52,3 +52,26 @@ def assert_no_leaks(engine) -> None:
     assert s.num_unfinished == 0 and not s.requests and not s.held, "requests left in the engine"
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks, "KV blocks leaked"
     assert not engine.kv.block_tables
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for every cluster test (ray.init costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def cluster_leaks(cluster_thread) -> dict:
+    """Leak check across the cluster: per worker, requests left and blocks not free."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:  # aborts run right after the client sees its status: give them a moment
+        reports = cluster_thread.run(cluster_thread.cluster.leak_reports())
+        leaks = {w: r for w, r in reports.items() if r["requests"] or r["free_blocks"] != r["total_blocks"]}
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.1)

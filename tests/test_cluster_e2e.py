@@ -1,0 +1,155 @@
+"""End to end over real gRPC and real Ray actors (tiny random Llama): disaggregated output
+equals colocated output equals HF generate; bad input, cancel, deadline and worker faults get
+the right status; every test ends with a cluster-wide leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import ray
+import pytest
+
+from deploy.launcher import ClusterConfig, ClusterThread
+from engine.config import EngineConfig
+from router.client import AsyncPdserveClient, PdserveClient
+from tests.conftest import cluster_leaks, hf_greedy
+
+MODEL = {"seed": 0}
+
+
+def start_cluster(mode: str, **overrides) -> ClusterThread:
+    config = ClusterConfig(
+        mode=mode, random_model=MODEL, port=0, cpus_per_worker=0.5, threads_per_worker=1,
+        prefill_engine=EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64),
+        decode_engine=EngineConfig(num_kv_blocks=160, block_size=16),
+        allow_fault_injection=True, **overrides,
+    )
+    cluster = ClusterThread(config)
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def disagg(ray_session):
+    cluster = start_cluster("disaggregated")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def coloc(ray_session):
+    cluster = start_cluster("colocated")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(hf_reference):
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 120))] for _ in range(16)]
+    max_tokens = [rng.randint(1, 30) for _ in prompts]
+    refs = [hf_greedy(hf_reference, p, n) for p, n in zip(prompts, max_tokens)]
+    return prompts, max_tokens, refs
+
+
+def address(cluster: ClusterThread) -> str:
+    return f"127.0.0.1:{cluster.cluster.port}"
+
+
+async def _concurrent(addr: str, prompts, max_tokens) -> list[list[int]]:
+    async with AsyncPdserveClient(addr) as client:
+        results = await asyncio.gather(*(
+            client.generate_text(token_ids=p, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, max_tokens)
+        ))
+    return [list(r.token_ids) for r in results]
+
+
+def test_sixteen_streams_disaggregated_equals_colocated_equals_hf(disagg, coloc, workload):
+    prompts, max_tokens, refs = workload
+    got_disagg = asyncio.run(_concurrent(address(disagg), prompts, max_tokens))
+    got_coloc = asyncio.run(_concurrent(address(coloc), prompts, max_tokens))
+    for i, ref in enumerate(refs):
+        assert got_disagg[i] == ref, f"disaggregated request {i} differs from HF"
+        assert got_coloc[i] == ref, f"colocated request {i} differs from HF"
+    assert cluster_leaks(disagg) == {} and cluster_leaks(coloc) == {}
+
+
+def test_final_message_carries_usage_and_timings(disagg):
+    with PdserveClient(address(disagg)) as client:
+        result = client.generate_text(token_ids=list(range(30, 90)), max_tokens=5, ignore_eos=True)
+    assert result.usage.prompt_tokens == 60 and result.usage.completion_tokens == 5
+    t = result.timings
+    assert t.kv_transfer_bytes > 0 and t.ttft_s > 0 and t.e2e_s >= t.ttft_s
+    assert t.prefill_worker_id == "prefill-0" and t.decode_worker_id == "decode-0"
+    assert cluster_leaks(disagg) == {}
+
+
+BAD_REQUESTS = [
+    ({"token_ids": []}, "token_ids"),
+    ({"token_ids": [5] * 600}, "token_ids"),
+    ({"token_ids": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"token_ids": [5, 6], "max_tokens": -3}, "max_tokens"),
+    ({"token_ids": [5] * 500, "max_tokens": 100}, "max_tokens"),
+    ({"token_ids": [5, 6], "temperature": -1.0}, "temperature"),
+    ({"token_ids": [5, 6], "top_p": 1.5}, "top_p"),
+    ({"token_ids": [5, 6], "top_k": -2}, "top_k"),
+    ({"token_ids": [5, 100000]}, "token_ids"),
+    ({"token_ids": [-1, 5]}, "token_ids"),
+    ({"text": "hello"}, "tokenizer"),
+]
+
+
+@pytest.mark.parametrize("kwargs, needle", BAD_REQUESTS)
+def test_bad_input_gets_invalid_argument_and_server_keeps_serving(disagg, kwargs, needle):
+    with PdserveClient(address(disagg)) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_text(**kwargs)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in info.value.details()
+        assert client.generate_text(token_ids=[7, 8, 9], max_tokens=3, ignore_eos=True).finish_reason is not None
+    assert cluster_leaks(disagg) == {}
+
+
+def test_malformed_chat_gets_invalid_argument(disagg):
+    with PdserveClient(address(disagg)) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_text(chat=[{"role": "wizard", "content": "hi"}])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in info.value.details()
+
+
+@pytest.mark.parametrize("fixture", ["disagg", "coloc"])
+def test_cancel_mid_stream_frees_everything(request, fixture):
+    cluster = request.getfixturevalue(fixture)
+    with PdserveClient(address(cluster)) as client:
+        stream = client.generate(token_ids=list(range(10, 60)), max_tokens=400, ignore_eos=True)
+        received = [next(stream) for _ in range(3)]
+        stream.close()  # stops reading: the client cancels the RPC
+    assert len(received) == 3
+    assert cluster_leaks(cluster) == {}
+
+
+def test_deadline_exceeded_frees_everything(disagg):
+    with PdserveClient(address(disagg), timeout_s=0.3) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_text(token_ids=list(range(10, 60)), max_tokens=450, ignore_eos=True)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cluster_leaks(disagg) == {}
+
+
+@pytest.mark.parametrize("role", ["prefill-0", "decode-0"])
+def test_worker_raising_mid_request_gets_internal(disagg, role):
+    worker = disagg.cluster.registry.get(role)
+    with PdserveClient(address(disagg)) as client:
+        stream = client.generate(token_ids=list(range(10, 40)), max_tokens=300, ignore_eos=True)
+        if role.startswith("decode"):
+            next(stream)  # the request is decoding when the fault hits
+        ray.get(worker.actor.inject_fault.remote("step"))
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stream:
+                pass
+    assert info.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in info.value.details()
+    with PdserveClient(address(disagg)) as client:  # and the cluster still serves
+        assert client.generate_text(token_ids=[3, 4], max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    assert cluster_leaks(disagg) == {}
