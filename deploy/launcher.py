@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from router.convert import ServerDefaults
+from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.registry import WorkerHandle, WorkerRegistry
 from router.server import PdserveServicer, ServerInfo, start_server
@@ -56,6 +57,7 @@ class ClusterConfig:
     defaults: dict = field(default_factory=dict)  # ServerDefaults overrides (max_tokens, ttft_s, ...)
     ray_init: dict = field(default_factory=dict)  # extra ray.init arguments (num_cpus, ...)
     allow_fault_injection: bool = False  # tests only
+    metrics_port: int | None = None      # Prometheus exposition on the router; None: off, 0: any free port
 
 
 class Cluster:
@@ -67,6 +69,7 @@ class Cluster:
         self.tokenizer = None
         self._pg = None
         self._started_ray = False
+        self.metrics_port: int | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -79,13 +82,16 @@ class Cluster:
             self.tokenizer = load_tokenizer(model_dir)
         infos = await self._start_workers(model_dir)
         await self._join_kv_group_if_needed()
-        self.streams = DecodeStreams(self.registry)
+        self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
+        self.streams = DecodeStreams(self.registry, on_stats=self.metrics.update_worker)
         self.streams.start()
         self.orchestrator = Orchestrator(self.registry, self.streams)
         info = infos[0]
         defaults = ServerDefaults(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"], **cfg.defaults)
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
-                                   ServerInfo(info["model"], cfg.mode, info["block_size"]))
+                                   ServerInfo(info["model"], cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer
         self.server, self.port = await start_server(servicer, cfg.host, cfg.port)
         return self.port
@@ -171,6 +177,8 @@ class Cluster:
             ray.kill(w.actor)
         if self._pg is not None:
             remove_placement_group(self._pg)
+        if getattr(self, "metrics", None):
+            self.metrics.close()
         if self._started_ray:
             ray.shutdown()
 

@@ -43,6 +43,7 @@ class RequestTrace:
     prefill: PrefillResult | None = None
     prefill_worker: str = ""
     decode_worker: str = ""
+    transport: str = ""
     recomputed: bool = False
 
     def on_tokens(self, n: int) -> None:
@@ -118,7 +119,7 @@ class Orchestrator:
         if prefill is None:
             await decode.actor.add_request.remote(spec)
             return None
-        transport = self.registry.transport(prefill, decode)
+        transport = trace.transport = self.registry.transport(prefill, decode)
         handle = await decode.actor.reserve.remote(spec, transport)
         result: PrefillResult = await prefill.actor.prefill.remote(spec, handle, decode.actor)
         trace.prefill = result

@@ -26,6 +26,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from router import convert
 from router.convert import IncrementalDetokenizer, ServerDefaults, Usage
 from router.errors import status_for
+from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -40,31 +41,51 @@ class ServerInfo:
 
 class PdserveServicer(pb_grpc.PdserveServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizer: Any | None, defaults: ServerDefaults,
-                 info: ServerInfo, observer: Any | None = None) -> None:
+                 info: ServerInfo, metrics: RouterMetrics | None = None) -> None:
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.defaults = defaults
         self.info = info
-        self.observer = observer  # metrics and admission hooks (the goodput layer)
+        self.metrics = metrics
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             spec = self._spec(request)
         except InvalidRequestError as exc:
+            if self.metrics:
+                self.metrics.request_invalid()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         trace = RequestTrace()
         detok = self._detokenizer(request, spec)
-        num_out = 0
+        outcome: FinishReason | str = FinishReason.ABORT  # until the stream says otherwise
         try:
             async for delta in self.orchestrator.generate(spec, trace):
                 trace.on_tokens(len(delta.token_ids))
-                num_out += len(delta.token_ids)
                 if delta.finish_reason is FinishReason.ERROR:
+                    outcome = FinishReason.ERROR
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error or "the worker failed")
-                yield self._response(delta, detok, spec, num_out, trace)
+                if delta.finished:
+                    outcome = delta.finish_reason
+                yield self._response(delta, detok, spec, trace)
         except PdserveError as exc:
             code, message = status_for(exc)
+            outcome = "rejected" if code is grpc.StatusCode.RESOURCE_EXHAUSTED else FinishReason.ERROR
             await context.abort(code, message)
+        finally:
+            self._record(spec, trace, outcome)
+
+    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason | str) -> None:
+        if self.metrics is None:
+            return
+        if outcome == "rejected":
+            self.metrics.request_rejected("capacity")
+            return
+        times = trace.token_times
+        itls = [b - a for a, b in zip(times, times[1:])]
+        self.metrics.request_finished(
+            outcome, trace.timings(), len(spec.prompt_token_ids), len(times), itls,
+            spec.slo.ttft_s, spec.slo.tpot_s, transport=trace.transport or None,
+        )
 
     def _spec(self, request: pb.GenerateRequest) -> RequestSpec:
         req_id = convert.req_id_from_proto(request)
@@ -82,11 +103,11 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         skip = convert.skip_special_tokens_from_proto(request)
         return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, skip_special_tokens=skip)
 
-    def _response(self, delta: TokenDelta, detok, spec: RequestSpec, num_out: int, trace: RequestTrace) -> pb.GenerateResponse:
+    def _response(self, delta: TokenDelta, detok, spec: RequestSpec, trace: RequestTrace) -> pb.GenerateResponse:
         text = detok.push(delta.token_ids, finished=delta.finished) if detok else ""
         if not delta.finished:
             return convert.delta_to_proto(delta, text)
-        usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=num_out)
+        usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=len(trace.token_times))
         return convert.delta_to_proto(delta, text, usage=usage, timings=trace.timings())
 
     async def ServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:

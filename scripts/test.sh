@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything and runs the whole test suite (fast tier, then the slow end-to-end tier).
+# Installs everything (scripts/install.sh) and runs the whole test suite: the fast tier, then
+# the slow tier (real SmolLM2 model, real cluster). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-export RAY_AUTH_MODE=disabled
-python3 -m pytest -q -p no:cacheprovider "$@"
+export RAY_AUTH_MODE=disabled   # local test clusters run without Ray's token auth
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,179 @@
+"""The ``pdserve`` command: ``serve`` a cluster, ``generate`` / ``chat`` against it, ``demo``
+the engine in-process, ``bench`` a server.
+
+``serve`` life cycle: start Ray (embedded, or ``--address``), the workers and the router;
+print where it listens; on Ctrl-C (SIGINT) or SIGTERM stop the router, shut every worker
+down (each unlinks its /dev/shm pool) and leave Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from deploy.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub.add_parser("serve", help="start a cluster and its gRPC router"))
+    for name, help_text in (("generate", "stream one completion"), ("chat", "interactive chat")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("prompt", nargs="?" if name == "chat" else None, help="the prompt")
+        p.add_argument("--address", default=DEFAULT_ADDRESS)
+        p.add_argument("--max-tokens", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=None)
+        p.add_argument("--top-p", type=float, default=None)
+        p.add_argument("--top-k", type=int, default=None)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
+        p.set_defaults(run=_run_generate if name == "generate" else _run_chat)
+    demo = sub.add_parser("demo", help="run the engine in-process on a short demo workload")
+    demo.add_argument("--model", default=None)
+    demo.add_argument("--num-requests", type=int, default=8)
+    demo.set_defaults(run=_run_demo)
+    sub.add_parser("bench", help="benchmark a server (see pdserve bench --help)")
+    return parser
+
+
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one ('auto' on a ray up head)")
+    p.add_argument("--kv-transport", choices=("shm", "torch_dist", "object_store", "cuda_ipc"), default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool per worker")
+    p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--ttft-ms", type=float, default=None, help="default TTFT target")
+    p.add_argument("--tpot-ms", type=float, default=None, help="default TPOT target")
+    p.add_argument("--default-max-tokens", type=int, default=128)
+    p.set_defaults(run=_run_serve)
+
+
+def cluster_config(args: argparse.Namespace):
+    from deploy.launcher import ClusterConfig
+    from engine.config import EngineConfig
+
+    def engine() -> EngineConfig:
+        return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+                            dtype=args.dtype, device=args.device)
+
+    defaults = {"max_tokens": args.default_max_tokens}
+    if args.ttft_ms:
+        defaults["ttft_s"] = args.ttft_ms / 1000
+    if args.tpot_ms:
+        defaults["tpot_s"] = args.tpot_ms / 1000
+    return ClusterConfig(
+        mode=args.mode, num_prefill=args.num_prefill, num_decode=args.num_decode, model=args.model,
+        prefill_engine=engine(), decode_engine=engine(), cpus_per_worker=args.cpus_per_worker,
+        threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
+        kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
+    )
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve(cluster_config(args)))
+
+
+async def _serve(config) -> int:
+    from deploy.launcher import Cluster
+
+    cluster = Cluster(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        port = await cluster.start()
+        print(f"pdserve ready: gRPC on {config.host}:{port}"
+              + (f", metrics on http://{config.host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
+              + f" ({config.mode}). Ctrl-C stops.", flush=True)
+        await stop.wait()
+        print("pdserve: shutting down", flush=True)
+    finally:
+        await cluster.stop()
+    return 0
+
+
+def _request_kwargs(args: argparse.Namespace) -> dict:
+    keys = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    messages = None if args.raw else [{"role": "user", "content": args.prompt}]
+    _stream_to_terminal(args, args.prompt if args.raw else None, messages)
+    return 0
+
+
+def _stream_to_terminal(args, text, messages) -> str:
+    import grpc
+
+    from router.client import PdserveClient
+
+    out = []
+    with PdserveClient(args.address) as client:
+        try:
+            for resp in client.generate(text=text, chat=messages, **_request_kwargs(args)):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                out.append(resp.text)
+        except grpc.RpcError as exc:
+            print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            raise SystemExit(1)
+    print()
+    return "".join(out)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    history: list[dict[str, str]] = []
+    first = args.prompt
+    while True:
+        try:
+            line = first if first else input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        first = None
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        history.append({"role": "assistant", "content": _stream_to_terminal(args, None, history)})
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from deploy.demo import run_demo
+
+    return run_demo(args.model, args.num_requests)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
