@@ -39,6 +39,7 @@ class PrefillWorker(WorkerBase):
         self._aborted: set[str] = set()
         self._senders: dict[str, Any] = {}
         self._transfer_lock = asyncio.Lock()  # one hand-off at a time: torch_dist pairs are FIFO
+        self._fail_next_send = False          # fault injection (tests): the next hand-off fails
 
     async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
         """Prefill ``spec``; with a handle, move its KV to ``decode`` (an actor with ``commit``)."""
@@ -100,6 +101,9 @@ class PrefillWorker(WorkerBase):
             await self.call(lambda e: e.release(req_id))
 
     async def _send(self, done: PrefillDone, handle: KVBlocksHandle, decode: Any) -> int:
+        if self._fail_next_send:
+            self._fail_next_send = False
+            raise KVTransferError("injected KV send failure")
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, done.block_ids[: handle.num_blocks])
         if sender.rendezvous:  # the receiver must be inside receive() while we send
@@ -115,6 +119,12 @@ class PrefillWorker(WorkerBase):
         if transport not in self._senders:
             self._senders[transport] = make_sender(transport)
         return self._senders[transport]
+
+    async def inject_fault(self, kind: str) -> None:
+        if kind == "kv_send" and self.spec.allow_fault_injection:
+            self._fail_next_send = True
+            return
+        await super().inject_fault(kind)
 
     def shutdown(self) -> None:
         super().shutdown()

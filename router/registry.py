@@ -63,5 +63,10 @@ class WorkerRegistry:
             )
         return self._transports[key]
 
+    def force_transport(self, name: str | None) -> None:
+        """Use ``name`` for every pair from now on (None: choose from placement again)."""
+        self.forced_transport = name
+        self._transports.clear()
+
     def get(self, worker_id: str) -> WorkerHandle | None:
         return next((w for w in self.all if w.worker_id == worker_id), None)

@@ -54,11 +54,14 @@ def assert_no_leaks(engine) -> None:
     assert not engine.kv.block_tables
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray instance for every cluster test (ray.init costs seconds)."""
+    """A local Ray instance per test module (modules that need a different Ray, e.g. two
+    nodes, start their own)."""
     import ray
 
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -1,0 +1,305 @@
+"""`pdserve bench`: dataset determinism, arrival statistics, metrics math on synthetic outcomes, the
+OpenAI backend against a fake SSE server, and one real run against a launched tiny cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import threading
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from deploy.bench import report
+from deploy.bench.backends import FAILED, OK, REJECTED, OpenAIBackend, RequestOutcome, parse_sse_line
+from deploy.bench.cli import cluster_config, is_loopback, main, run_parser
+from deploy.bench.dataset import BenchRequest, arrival_offsets, length_range, make_requests
+
+# ---------------------------------------------------------------- dataset and arrivals
+
+
+def test_same_seed_same_requests_other_seed_other_requests():
+    a = make_requests("random", 50, 64, 16, range_ratio=0.5, seed=7)
+    b = make_requests("random", 50, 64, 16, range_ratio=0.5, seed=7)
+    c = make_requests("random", 50, 64, 16, range_ratio=0.5, seed=8)
+    assert a == b and a != c
+    assert all(32 <= r.prompt_len <= 96 and 8 <= r.output_len <= 24 for r in a)
+    assert len({r.prompt_len for r in a}) > 5, "range ratio 0.5 should spread lengths"
+    assert all(1000 <= t < 40000 for r in a for t in r.prompt_token_ids)
+    # a prefix of a longer run is the shorter run: draws are per request, in order
+    assert make_requests("random", 10, 64, 16, range_ratio=0.5, seed=7) == a[:10]
+
+
+def test_fixed_dataset_exact_lengths_and_vocab():
+    reqs = make_requests("fixed", 20, 33, 9, range_ratio=0.9, vocab=(3, 10), seed=1)
+    assert {r.prompt_len for r in reqs} == {33} and {r.output_len for r in reqs} == {9}
+    assert {t for r in reqs for t in r.prompt_token_ids} <= set(range(3, 10))
+
+
+def test_length_range_bounds():
+    assert length_range(100, 0.0) == (100, 100)
+    assert length_range(100, 0.25) == (75, 125)
+    assert length_range(1, 0.9) == (1, 1)
+    with pytest.raises(ValueError):
+        length_range(10, 1.0)
+
+
+def test_poisson_arrivals_mean_gap_and_dispersion():
+    n, rate = 20000, 4.0
+    offsets = arrival_offsets(n, rate, seed=3)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0.0 and all(g >= 0 for g in gaps)
+    mean = statistics.fmean(gaps)
+    assert mean == pytest.approx(1 / rate, rel=0.03)
+    assert statistics.stdev(gaps) / mean == pytest.approx(1.0, rel=0.05)   # exponential: CV 1
+    bursty = arrival_offsets(n, rate, burstiness=0.25, seed=3)
+    bgaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    assert statistics.fmean(bgaps) == pytest.approx(1 / rate, rel=0.05)   # same rate...
+    assert statistics.stdev(bgaps) / statistics.fmean(bgaps) == pytest.approx(2.0, rel=0.1)  # ...burstier
+    assert arrival_offsets(5, 2.0, seed=3) == arrival_offsets(5, 2.0, seed=3)
+    doubled = arrival_offsets(100, 8.0, seed=3)   # same draws, rescaled: a sweep varies only the rate
+    assert doubled == pytest.approx([t / 2 for t in offsets[:100]])
+    assert arrival_offsets(4, math.inf) == [0.0] * 4
+
+
+# ---------------------------------------------------------------- metrics math
+
+
+def outcome(idx, status=OK, ttft=0.1, e2e=0.5, out=5, itls=None) -> RequestOutcome:
+    return RequestOutcome(idx, status, prompt_len=10, expected_output_len=out, output_len=out if status == OK else 0,
+                          ttft_s=ttft if status == OK else None, e2e_s=e2e,
+                          itls=list(itls if itls is not None else [0.1] * (out - 1)) if status == OK else [])
+
+
+def test_percentiles_match_linear_interpolation():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert report.percentile(xs, 50) == 3.0
+    assert report.percentile(xs, 90) == pytest.approx(4.6)
+    assert report.percentile(xs, 99) == pytest.approx(4.96)
+    assert report.percentile([7.0], 99) == 7.0 and math.isnan(report.percentile([], 50))
+
+
+def test_goodput_and_attainment_with_failures_and_rejections():
+    outcomes = [
+        outcome(0, ttft=0.1, e2e=0.5),            # tpot 0.1: good
+        outcome(1, ttft=0.3, e2e=0.7),            # ttft misses
+        outcome(2, ttft=0.1, e2e=1.3),            # tpot 0.3 misses
+        outcome(3, ttft=0.1, e2e=0.1, out=1),     # one token: TPOT cannot be missed
+        outcome(4, status=REJECTED),
+        outcome(5, status=FAILED),
+    ]
+    s = report.summarize(outcomes, duration_s=2.0, slos_ms={"ttft": 200, "tpot": 150})
+    assert (s["submitted"], s["completed"], s["failed"], s["rejected"], s["good"]) == (6, 4, 1, 1, 2)
+    assert s["goodput"] == pytest.approx(1.0)              # 2 good / 2 s
+    assert s["slo_attainment"] == pytest.approx(2 / 6)     # rejections and failures are misses
+    assert s["request_throughput"] == pytest.approx(2.0)
+    assert s["total_output_tokens"] == 16 and s["output_throughput"] == pytest.approx(8.0)
+    assert s["total_token_throughput"] == pytest.approx((40 + 16) / 2)
+    assert s["mean_ttft_ms"] == pytest.approx(150.0) and s["median_ttft_ms"] == pytest.approx(100.0)
+    assert s["median_tpot_ms"] == pytest.approx(100.0)     # tpot over the three with >= 2 tokens
+    assert s["p99_tpot_ms"] == pytest.approx(report.percentile([100, 100, 300], 99))
+    assert s["mean_itl_ms"] == pytest.approx(100.0)
+    assert report.summarize(outcomes, 2.0)["goodput"] is None   # no SLOs, no goodput
+    table = report.format_table(s)
+    assert "Serving Benchmark Result" in table and "Rejected requests:" in table
+    assert "good/submitted" in table and "P99 TTFT (ms):" in table
+
+
+def test_parse_goodput():
+    assert report.parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    for bad in (["ttft"], ["foo:1"], ["ttft:0"]):
+        with pytest.raises(ValueError):
+            report.parse_goodput(bad)
+
+
+def test_result_json_round_trip_with_inf_rate(tmp_path):
+    s = report.summarize([outcome(0)], 1.0, {"ttft": 200})
+    doc = report.result_document("x", {"request_rate": math.inf}, {}, [report.run_record(math.inf, 1.0, s, [outcome(0)])])
+    back = report.load_result(report.save_result(doc, tmp_path / "r.json"))
+    assert back["runs"][0]["request_rate"] == math.inf
+    assert back["runs"][0]["outcomes"][0]["itls"] == [0.1] * 4
+
+
+def test_loopback_only_by_default():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.1.2.3")
+    with pytest.raises(SystemExit):
+        main(["--address", "10.1.2.3:50051"])
+
+
+# ---------------------------------------------------------------- OpenAI backend vs a fake SSE server
+
+
+class FakeOpenAIServer:
+    """A fake OpenAI-compatible server (not a model): streams fixed SSE chunks with known gaps
+    from a background thread; records every request body."""
+
+    FIRST_S, GAP_S, NUM_CHUNKS = 0.15, 0.06, 4
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.reject_next = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.reject_next:
+            self.reject_next -= 1
+            return web.json_response({"error": "overloaded"}, status=429)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chat = request.path.endswith("chat/completions")
+        if chat:   # chat servers open with a role-only chunk: no content, so no first token yet
+            await resp.write(b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n')
+        await asyncio.sleep(self.FIRST_S)
+        for i in range(self.NUM_CHUNKS):
+            if i:
+                await asyncio.sleep(self.GAP_S)
+            choice = {"index": 0, "delta": {"content": f"t{i}"}} if chat else {"index": 0, "text": f"t{i}"}
+            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        if body.get("stream_options", {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": 2 * self.NUM_CHUNKS, "total_tokens": 0}
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake-model"}]})
+
+    async def _start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    def start(self) -> str:
+        self.thread.start()
+        port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def fake_openai():
+    server = FakeOpenAIServer()
+    url = server.start()
+    yield server, url
+    server.stop()
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+async def _send_one(url: str, req: BenchRequest, **kwargs) -> RequestOutcome:
+    backend = OpenAIBackend(url, **kwargs)
+    info = await backend.start()
+    try:
+        assert info["model"] == "fake-model"
+        return await backend.send(req)
+    finally:
+        await backend.close()
+
+
+def test_openai_backend_times_ttft_and_itl(fake_openai):
+    server, url = fake_openai
+    req = BenchRequest(0, [1001, 1002, 1003], 8)
+    out = asyncio.run(_send_one(url, req))
+    assert out.status == OK, out.error
+    assert server.bodies[-1]["prompt"] == [1001, 1002, 1003] and server.bodies[-1]["ignore_eos"] is True
+    assert server.bodies[-1]["max_tokens"] == 8 and server.bodies[-1]["model"] == "fake-model"
+    assert FakeOpenAIServer.FIRST_S * 0.9 <= out.ttft_s < FakeOpenAIServer.FIRST_S + 0.5
+    assert len(out.itls) == FakeOpenAIServer.NUM_CHUNKS - 1
+    assert all(FakeOpenAIServer.GAP_S * 0.8 <= g < FakeOpenAIServer.GAP_S + 0.3 for g in out.itls)
+    assert out.output_len == 8 and out.prompt_len == 7            # from usage, not chunk count
+    assert out.tpot_s == pytest.approx((out.e2e_s - out.ttft_s) / 7)
+
+
+def test_openai_backend_chat_counts_chunks_without_usage(fake_openai):
+    server, url = fake_openai
+    req = BenchRequest(1, [5, 6], 4, prompt_text="w5 w6")
+    out = asyncio.run(_send_one(url, req, endpoint="/v1/chat/completions", flavor="transformers"))
+    body = server.bodies[-1]
+    assert out.status == OK and out.output_len == 4 and out.ttft_s >= FakeOpenAIServer.FIRST_S * 0.9
+    assert body["messages"] == [{"role": "user", "content": "w5 w6"}] and body["max_completion_tokens"] == 4
+    assert "ignore_eos" not in body and "stream_options" not in body   # transformers serve refuses/ignores them
+    assert json.loads(body["generation_config"])["eos_token_id"] == -1
+
+
+def test_openai_backend_429_is_a_rejection(fake_openai):
+    server, url = fake_openai
+    server.reject_next = 1
+    out = asyncio.run(_send_one(url, BenchRequest(2, [1000], 2)))
+    assert out.status == REJECTED and "429" in out.error
+
+
+def test_parse_sse_line():
+    assert parse_sse_line(b"data: [DONE]\n") == "[DONE]"
+    assert parse_sse_line(b": keep-alive\n") is None and parse_sse_line(b"\n") is None
+    assert parse_sse_line('data: {"a": 1}') == {"a": 1}
+
+
+def test_cli_openai_run_saves_json(fake_openai, tmp_path, capsys):
+    _, url = fake_openai
+    path = tmp_path / "openai.json"
+    rc = main(["--backend", "openai", "--base-url", url, "--num-prompts", "3", "--num-warmups", "0",
+               "--input-len", "4", "--output-len", "8", "--goodput", "ttft:2000", "--save-result", str(path)])
+    assert rc == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    run = json.loads(path.read_text())["runs"][0]
+    assert run["summary"]["completed"] == 3 and run["summary"]["slo_attainment"] == 1.0
+
+
+# ---------------------------------------------------------------- end to end: a launched tiny cluster
+
+
+def test_launch_options_build_the_small_cluster_config():
+    args = run_parser().parse_args(["--launch", "disaggregated", "--random-model", "--num-kv-blocks", "128",
+                                    "--cpus-per-worker", "0.5", "--threads-per-worker", "1"])
+    cfg = cluster_config(args)
+    assert (cfg.mode, cfg.random_model, cfg.port, cfg.cpus_per_worker, cfg.threads_per_worker) == \
+        ("disaggregated", {"seed": 0}, 0, 0.5, 1)
+    assert cfg.prefill_engine.num_kv_blocks == 128 and cfg.decode_engine.num_kv_blocks == 128
+
+
+def test_launched_cluster_end_to_end(ray_session, tmp_path, capsys):
+    result = tmp_path / "disagg.json"
+    plots = tmp_path / "plots"
+    rc = main(["--launch", "disaggregated", "--random-model", "--num-kv-blocks", "128",
+               "--cpus-per-worker", "0.5", "--threads-per-worker", "1",
+               "--num-prompts", "12", "--request-rate", "20", "--input-len", "32", "--output-len", "8",
+               "--num-warmups", "1", "--goodput", "ttft:10000", "tpot:5000", "--max-duration-s", "60",
+               "--label", "pdserve-tiny", "--save-result", str(result), "--plot-dir", str(plots)])
+    assert rc == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    doc = json.loads(result.read_text())
+    run = doc["runs"][0]
+    s = run["summary"]
+    assert (s["completed"], s["failed"], s["rejected"]) == (12, 0, 0)
+    assert all(o["output_len"] == 8 and o["prompt_len"] == 32 for o in run["outcomes"])
+    assert all(o["ttft_s"] > 0 and len(o["itls"]) == 7 for o in run["outcomes"])
+    assert s["total_output_tokens"] == 96 and doc["server"]["mode"] == "disaggregated"
+    for name in ("attainment_vs_rate.png", "goodput_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png"):
+        assert (plots / name).stat().st_size > 1000
+    # two systems side by side: a second labelled file merged by the plot subcommand
+    other = json.loads(result.read_text())
+    other["label"] = "baseline"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    merged = tmp_path / "merged"
+    assert main(["plot", str(result), str(tmp_path / "other.json"), "--out", str(merged)]) == 0
+    assert len(list(Path(merged).glob("*.png"))) == 4
