@@ -1,0 +1,118 @@
+"""Slow tier: the embedded default model (SmolLM2-135M-Instruct, float32) through the engine
+equals HF generate, also with chunked prefill and preemption forced; and the whole product:
+``pdserve serve`` then ``pdserve generate`` answers with Paris, and Ctrl-C leaves no process
+and no /dev/shm segment behind."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.types import RequestSpec, SamplingParams
+from tests.conftest import assert_no_leaks, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the moon.",
+    "What is 2 + 2?",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from engine.model_loader import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def smol_cases(smol):
+    tok = smol.tokenizer
+    ref_model = copy.deepcopy(smol.model)
+    ref_model.config._attn_implementation = "sdpa"
+    prompts = []
+    for q in QUESTIONS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    refs = [hf_greedy(ref_model, p, 24) for p in prompts]
+    return prompts, refs
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(num_kv_blocks=256),
+    EngineConfig(num_kv_blocks=256, max_num_batched_tokens=16),                 # chunked prefill
+    EngineConfig(num_kv_blocks=9, block_size=16, max_num_batched_tokens=256),  # preemption
+], ids=["default", "chunked", "preempt"])
+def test_smollm2_greedy_matches_hf(smol, smol_cases, config):
+    prompts, refs = smol_cases
+    engine = LLMEngine(smol, config)
+    specs = [RequestSpec(f"q{i}", tuple(p), SamplingParams(max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)]
+    got = engine.generate(specs)
+    for i, ref in enumerate(refs):
+        assert got[f"q{i}"] == ref, f"{QUESTIONS[i]!r} differs from HF"
+    if config.num_kv_blocks == 9:
+        assert engine.scheduler.num_preemptions > 0
+    assert "Paris" in smol.tokenizer.decode(got["q0"])
+    assert_no_leaks(engine)
+
+
+def _pdserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "deploy.cli", *args]
+
+
+def _shm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/pdserve-*"))
+
+
+def test_serve_then_generate_answers_paris():
+    before = _shm_segments()
+    port = "50157"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    server = subprocess.Popen(_pdserve("serve", "--port", port, "--metrics-port", "0", "--kv-cache-gib", "0.25"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        _wait_ready(server, timeout_s=240)
+        out = subprocess.run(_pdserve("generate", "What is the capital of France?", "--address", f"127.0.0.1:{port}"),
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert server.returncode == 0
+    assert _shm_segments() - before == set(), "a /dev/shm KV segment was left behind"
+    time.sleep(2)
+    leftover = subprocess.run(["pgrep", "-f", "PrefillActor|DecodeActor"], capture_output=True, text=True).stdout
+    assert leftover.strip() == "", f"worker processes left behind: {leftover}"
+
+
+def _wait_ready(server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    lines = []
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if not line and server.poll() is not None:
+            raise AssertionError("pdserve serve exited:\n" + "".join(lines))
+        lines.append(line)
+        if "pdserve ready" in line:
+            # Keep draining its output so a full pipe can never block the server.
+            threading.Thread(target=server.stdout.read, daemon=True).start()
+            return
+    raise AssertionError("pdserve serve did not get ready:\n" + "".join(lines[-30:]))
