@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from router.convert import ServerDefaults
+from router.admission import Admission
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.registry import WorkerHandle, WorkerRegistry
@@ -58,6 +59,8 @@ class ClusterConfig:
     ray_init: dict = field(default_factory=dict)  # extra ray.init arguments (num_cpus, ...)
     allow_fault_injection: bool = False  # tests only
     metrics_port: int | None = None      # Prometheus exposition on the router; None: off, 0: any free port
+    admission: bool = True               # SLO-aware admission (off: admit everything, least loaded)
+    conditional_disagg: bool = True      # let admission prefill short prompts on the decode worker
 
 
 class Cluster:
@@ -85,9 +88,10 @@ class Cluster:
         self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
-        self.streams = DecodeStreams(self.registry, on_stats=self.metrics.update_worker)
+        self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg)
+        self.streams = DecodeStreams(self.registry, on_stats=self._on_worker_stats)
         self.streams.start()
-        self.orchestrator = Orchestrator(self.registry, self.streams)
+        self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics)
         info = infos[0]
         defaults = ServerDefaults(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"], **cfg.defaults)
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
@@ -95,6 +99,12 @@ class Cluster:
         self.servicer = servicer
         self.server, self.port = await start_server(servicer, cfg.host, cfg.port)
         return self.port
+
+    def _on_worker_stats(self, worker: WorkerHandle) -> None:
+        self.metrics.update_worker(worker.stats)
+        self.admission.observe_stats(worker)
+        if self.admission.num_queued:
+            asyncio.get_running_loop().create_task(self.admission.notify())
 
     def _init_ray(self) -> None:
         if ray.is_initialized():

@@ -151,6 +151,7 @@ class PrefillResult:
     transfer_s: float = 0.0     # KV hand-off, including the decode side's commit
     transfer_bytes: int = 0
     transport: str = ""
+    stats: WorkerStats | None = None   # the prefill worker's stats when it answered
 
 
 @dataclass(frozen=True, slots=True)

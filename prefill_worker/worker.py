@@ -14,6 +14,7 @@ will no longer write into the decode worker's reserved blocks, so the decode sid
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -51,8 +52,10 @@ class PrefillWorker(WorkerBase):
             await self.call(lambda e: e.add_request(spec))
             outcome = await waiter
             if isinstance(outcome, TokenDelta):
-                return _ended_at_prefill(outcome)
-            return await self._hand_off(outcome, handle, decode)
+                result = _ended_at_prefill(outcome)
+            else:
+                result = await self._hand_off(outcome, handle, decode)
+            return dataclasses.replace(result, stats=self.stats())
         finally:
             self._waiters.pop(req_id, None)
             self._aborted.discard(req_id)

@@ -1,14 +1,15 @@
 """Runs one request through the cluster and yields its token deltas.
 
 Life cycle (disaggregated):
-  pick (prefill, decode) -> register for the decode worker's stream -> decode ``reserve``s
-  blocks -> prefill worker prefills, moves the KV, decode ``commit``s -> first token
-  yielded -> the rest arrive through the decode worker's batched stream -> finish.
-Colocated (or no prefill worker): the decode worker runs the whole request.
-If the hand-off fails the request is recomputed on its decode worker (never decoded from
-garbage). On cancel, deadline or error, the request is aborted on the prefill worker first
-(its ``abort`` returns once it can no longer write into the reserved blocks) and then on the
-decode worker, so every block on both sides is freed. Worker deaths surface as
+  admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
+  worker's stream -> decode ``reserve``s blocks -> prefill worker prefills, moves the KV,
+  decode ``commit``s -> first token yielded -> the rest arrive through the decode worker's
+  batched stream -> finish.
+Colocated mode, or conditional disaggregation choosing it: the decode worker runs the whole
+request. If the hand-off fails the request is recomputed on its decode worker (never decoded
+from garbage). On cancel, deadline or error the request is aborted on the prefill worker
+first (its ``abort`` returns once it can no longer write into the reserved blocks) and then on
+the decode worker, so every block on both sides is freed. Worker deaths surface as
 WorkerFailedError.
 """
 
@@ -18,14 +19,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from ray.exceptions import RayActorError
 
-from engine.errors import KVTransferError, WorkerFailedError
+from engine.errors import WorkerFailedError
 from engine.types import FinishReason, PrefillResult, RequestSpec, TokenDelta
+from router.admission import Admission
 from router.convert import RequestTimings
-from router.policy import LeastLoadedPolicy, PairPolicy
 from router.registry import WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
 
@@ -74,14 +75,17 @@ class RequestTrace:
 
 
 class Orchestrator:
-    def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, policy: PairPolicy | None = None) -> None:
+    def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
+                 metrics: Any | None = None) -> None:
         self.registry = registry
         self.streams = streams
-        self.policy = policy or LeastLoadedPolicy()
+        self.admission = admission
+        self.metrics = metrics
         self._cleanups: set[asyncio.Task] = set()
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
-        prefill, decode = self.policy.pick(self.registry, spec)
+        pair = await self.admission.acquire(spec, self.metrics)
+        prefill, decode = pair.prefill, pair.decode
         trace.decode_worker = decode.worker_id
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
@@ -113,28 +117,42 @@ class Orchestrator:
                 prefill.end(num_prompt)
             if not finished:
                 self._abort_later(spec.req_id, prefill, decode)
+            self._capacity_changed()
 
     async def _start(self, spec, prefill, decode, trace) -> TokenDelta | None:
         """Get the request running on its decode worker; return the first token if known here."""
         if prefill is None:
-            await decode.actor.add_request.remote(spec)
+            await _call(decode, decode.actor.add_request.remote(spec))
             return None
         transport = trace.transport = self.registry.transport(prefill, decode)
-        handle = await decode.actor.reserve.remote(spec, transport)
-        result: PrefillResult = await prefill.actor.prefill.remote(spec, handle, decode.actor)
+        handle = await _call(decode, decode.actor.reserve.remote(spec, transport))
+        result: PrefillResult = await _call(prefill, prefill.actor.prefill.remote(spec, handle, decode.actor))
         trace.prefill = result
+        self._observe_prefill(prefill, result)
         if result.finish_reason is FinishReason.ERROR and result.error and "KV transfer" in result.error:
             return await self._recompute(spec, decode, trace, result.error)
         if result.finish_reason is not None:
-            await decode.actor.abort.remote(spec.req_id)  # free the unused reservation
+            await _call(decode, decode.actor.abort.remote(spec.req_id))  # free the unused reservation
         return TokenDelta(spec.req_id, _first(result), result.finish_reason,
                           (result.first_logprob,) if result.first_logprob is not None else None, result.error)
 
+    def _observe_prefill(self, prefill: WorkerHandle, result: PrefillResult) -> None:
+        if result.stats is not None:
+            prefill.stats = result.stats
+            self.admission.observe_stats(prefill)
+            if self.metrics is not None:
+                self.metrics.update_worker(result.stats)
+        if result.transfer_bytes:
+            self.admission.observe_handoff(result.transfer_s)
+
+    def _capacity_changed(self) -> None:
+        asyncio.get_running_loop().create_task(self.admission.notify())
+
     async def _recompute(self, spec, decode, trace, error: str) -> None:
         logger.warning("%s: %s; recomputing on %s", spec.req_id, error, decode.worker_id)
-        await decode.actor.abort.remote(spec.req_id)
+        await _call(decode, decode.actor.abort.remote(spec.req_id))
         trace.recomputed = True
-        await decode.actor.add_request.remote(spec)
+        await _call(decode, decode.actor.add_request.remote(spec))
         return None
 
     def _abort_later(self, req_id: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
@@ -155,6 +173,15 @@ class Orchestrator:
     async def drain_cleanups(self) -> None:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+
+
+async def _call(worker: WorkerHandle, ref):
+    """Await a worker call; a dead actor marks the worker dead and becomes WorkerFailedError."""
+    try:
+        return await ref
+    except RayActorError as exc:
+        worker.alive = False
+        raise WorkerFailedError(f"worker {worker.worker_id} died: {exc}") from exc
 
 
 def _first(result: PrefillResult) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import logging
 from typing import Callable
 
 from engine.errors import WorkerFailedError
-from engine.types import StreamBatch, TokenDelta, WorkerStats
+from engine.types import StreamBatch, TokenDelta
 from router.registry import WorkerHandle, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ QueueItem = TokenDelta | Exception
 
 
 class DecodeStreams:
-    def __init__(self, registry: WorkerRegistry, on_stats: Callable[[WorkerStats], None] | None = None) -> None:
+    def __init__(self, registry: WorkerRegistry, on_stats: Callable[[WorkerHandle], None] | None = None) -> None:
         self.registry = registry
         self.on_stats = on_stats
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
@@ -67,7 +67,7 @@ class DecodeStreams:
         if batch.stats is not None:
             worker.stats = batch.stats
             if self.on_stats:
-                self.on_stats(batch.stats)
+                self.on_stats(worker)
         for delta in batch.deltas:
             queue = self._queues.get(delta.req_id)
             if queue is not None:

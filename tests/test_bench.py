@@ -117,7 +117,8 @@ def test_parse_goodput():
 
 def test_result_json_round_trip_with_inf_rate(tmp_path):
     s = report.summarize([outcome(0)], 1.0, {"ttft": 200})
-    doc = report.result_document("x", {"request_rate": math.inf}, {}, [report.run_record(math.inf, 1.0, s, [outcome(0)])])
+    runs = [report.run_record(math.inf, 1.0, s, [outcome(0)])]
+    doc = report.result_document("x", {"request_rate": math.inf}, {}, runs)
     back = report.load_result(report.save_result(doc, tmp_path / "r.json"))
     assert back["runs"][0]["request_rate"] == math.inf
     assert back["runs"][0]["outcomes"][0]["itls"] == [0.1] * 4
@@ -263,6 +264,26 @@ def test_cli_openai_run_saves_json(fake_openai, tmp_path, capsys):
     assert "Serving Benchmark Result" in capsys.readouterr().out
     run = json.loads(path.read_text())["runs"][0]
     assert run["summary"]["completed"] == 3 and run["summary"]["slo_attainment"] == 1.0
+
+
+def test_max_duration_cancels_what_is_still_running(fake_openai):
+    from deploy.bench.runner import run_rate
+
+    _, url = fake_openai
+    reqs = make_requests("fixed", 3, 4, 8, seed=0)
+
+    async def go():
+        backend = OpenAIBackend(url)
+        await backend.start()
+        try:   # every first chunk comes after FIRST_S: nothing finishes inside the limit
+            return await run_rate(backend, reqs, math.inf, max_duration_s=FakeOpenAIServer.FIRST_S / 3)
+        finally:
+            await backend.close()
+
+    run = asyncio.run(go())
+    assert [o.status for o in run.outcomes] == [FAILED] * 3 and run.num_not_sent == 0
+    assert all("max-duration" in o.error for o in run.outcomes)
+    assert run.duration_s < FakeOpenAIServer.FIRST_S
 
 
 # ---------------------------------------------------------------- end to end: a launched tiny cluster

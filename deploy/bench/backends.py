@@ -210,8 +210,9 @@ class OpenAIBackend:
     async def _first_model(self) -> str | None:
         import aiohttp
 
-        try:
-            async with self._session.get(self.base_url + "/v1/models") as resp:
+        try:   # a session of its own: an error reply may close the connection, which must not be pooled
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=self._headers) as s, \
+                    s.get(self.base_url + "/v1/models") as resp:
                 if resp.status != 200:
                     return None
                 data = (await resp.json()).get("data") or []

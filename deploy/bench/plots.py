@@ -64,6 +64,7 @@ def _rate_plot(plt, docs, labels, key: str, ylabel: str, path: Path, *, dashed: 
             ax.plot(xs, [r["summary"][dashed] for r in runs], linestyle="--", color=line.get_color(),
                     alpha=0.6, label=f"{label} ({dashed.replace('_', ' ')})")
     ax.set_xticks(ticks, tick_labels)
+    ax.set_ylim(0, 1.05 if key == "slo_attainment" else None)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
@@ -79,13 +80,15 @@ def _rate_plot(plt, docs, labels, key: str, ylabel: str, path: Path, *, dashed: 
 def _cdf_plot(plt, docs, labels, metric: str, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(docs), figsize=(5.0 * len(docs), 4.0), squeeze=False, sharey=True)
     for ax, doc, label in zip(axes[0], docs, labels):
+        largest = 0.0
         for run in sorted(doc["runs"], key=lambda r: r["request_rate"]):
             values = sorted(v for o in run["outcomes"] if (v := _latency_ms(o, metric)) is not None)
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
                 ax.step(values, ys, where="post", label=f"{run['request_rate']:g} req/s")
+                largest = max(largest, values[-1])
         slo = (doc["runs"][0]["summary"].get("slos_ms") or {}).get(metric) if doc["runs"] else None
-        if slo:
+        if slo and slo <= 2 * largest:   # a far-away SLO line would squash every curve into the left edge
             ax.axvline(slo, color="grey", linestyle=":", label=f"SLO {slo:g} ms")
         ax.set_title(label, fontsize="small")
         ax.set_xlabel(f"{metric.upper()} (ms)")

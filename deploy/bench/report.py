@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from deploy.bench.backends import FAILED, OK, REJECTED, RequestOutcome
+from deploy.bench.backends import FAILED, REJECTED, RequestOutcome
 
 RESULT_VERSION = 1
 PERCENTILES = (50, 90, 99)
@@ -108,7 +108,7 @@ def format_table(summary: Mapping[str, Any], *, title: str = "Serving Benchmark 
     rows: list[str] = [f"{' ' + title + ' ':=^50}"]
 
     def line(label: str, value: Any, fmt: str = ".2f") -> None:
-        rows.append(f"{label:<40} {value:<10{fmt if isinstance(value, float) else ''}}")
+        rows.append(f"{label:<40} {value:{fmt if isinstance(value, float) else ''}}")
 
     line("Successful requests:", summary["completed"])
     line("Failed requests:", summary["failed"])
@@ -148,7 +148,8 @@ def format_sweep(runs: Sequence[Mapping[str, Any]]) -> str:
         gp = "-" if s["goodput"] is None else f"{s['goodput']:.2f}"
         att = "-" if s["slo_attainment"] is None else f"{s['slo_attainment']:.3f}"
         rows.append(f"{run['request_rate']:>8g} {s['completed']:>5} {s['failed']:>5} {s['rejected']:>5} "
-                    f"{s['request_throughput']:>7.2f} {gp:>8} {att:>7} {s['p99_ttft_ms']:>9.1f} {s['p99_tpot_ms']:>9.1f}")
+                    f"{s['request_throughput']:>7.2f} {gp:>8} {att:>7} "
+                    f"{s['p99_ttft_ms']:>9.1f} {s['p99_tpot_ms']:>9.1f}")
     return "\n".join(rows)
 
 

@@ -64,7 +64,8 @@ async def _timed_send(backend: Backend, req: BenchRequest, start: float) -> Requ
     return outcome
 
 
-async def _collect(tasks: list[asyncio.Task], requests: Sequence[BenchRequest], deadline: float) -> list[RequestOutcome]:
+async def _collect(tasks: list[asyncio.Task], requests: Sequence[BenchRequest],
+                   deadline: float) -> list[RequestOutcome]:
     if tasks:
         timeout = None if math.isinf(deadline) else max(0.0, deadline - time.perf_counter())
         _, pending = await asyncio.wait(tasks, timeout=timeout)

@@ -1,0 +1,207 @@
+"""SLO-aware admission and pair choice.
+
+For every candidate (prefill, decode) pair the router predicts, from live worker stats and
+step-time models fitted online (``router.step_model``):
+  TTFT = (prefill worker's queued prompt tokens + this prompt) x its seconds per prefill token
+         + the recent KV hand-off time,
+  TPOT = the decode worker's step time with this request added (batch size, KV tokens).
+Conditional disaggregation: the decode worker prefilling the prompt itself is a candidate too
+(no hand-off, but its prefill interferes with its decodes); it is taken when it predicts more
+headroom, which on this kind of machine happens for short prompts.
+Decision (targets scaled down for lower priority classes, so they are shed first):
+  admit  - both predictions within target: the pair with the most headroom runs it;
+  queue  - TTFT fits but the decode side is full (TPOT over target, or no KV room): wait for
+           capacity until the TTFT deadline, re-evaluated whenever a worker reports;
+  reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
+           prediction in the message.
+With no targets (best effort) or before any step timing arrived, requests are admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.errors import CapacityError, WorkerFailedError
+from engine.types import RequestSpec
+from router.registry import WorkerHandle, WorkerRegistry
+from router.step_model import StepTimeModel
+
+logger = logging.getLogger(__name__)
+
+SAFETY = 0.85            # predictions must fit 85% of a target: models are fitted, not exact
+PRIORITY_STEP = 0.15     # each lower priority class gets 15% less of its targets
+MIN_PRIORITY_SCALE = 0.4
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    prefill: WorkerHandle | None   # None: the decode worker prefills (colocated / conditional)
+    decode: WorkerHandle
+    ttft_s: float | None
+    tpot_s: float | None
+
+    def headroom(self, ttft_target: float | None, tpot_target: float | None) -> float:
+        """Smallest relative slack against the targets (higher is better; < 0 misses one)."""
+        slacks = [1.0 - p / t for p, t in ((self.ttft_s, ttft_target), (self.tpot_s, tpot_target))
+                  if p is not None and t]
+        return min(slacks) if slacks else float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str                    # "admit" | "queue" | "reject"
+    reason: str
+    prediction: Prediction | None = None
+
+
+class Admission:
+    def __init__(self, registry: WorkerRegistry, enabled: bool = True, conditional: bool = True) -> None:
+        self.registry = registry
+        self.enabled = enabled
+        self.conditional = conditional
+        self.models: dict[str, StepTimeModel] = {}
+        self.handoff_s = 0.0           # EMA of measured hand-off time
+        self._changed = asyncio.Condition()
+        self.num_queued = 0
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def observe_stats(self, worker: WorkerHandle) -> None:
+        if worker.stats is not None:
+            steps = worker.stats.recent_steps
+            if worker.role == "decode":  # decode TPOT model: pure decode steps only
+                steps = tuple(s for s in steps if s.num_prefill_tokens == 0)
+            self.model(worker.worker_id).observe(steps)
+
+    def observe_handoff(self, seconds: float) -> None:
+        self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
+
+    def model(self, worker_id: str) -> StepTimeModel:
+        return self.models.setdefault(worker_id, StepTimeModel())
+
+    async def notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- predictions -----------------------------------------------------------------------
+    def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle) -> Prediction:
+        prompt = len(spec.prompt_token_ids)
+        return Prediction(prefill, decode, self._ttft(prompt, prefill, decode), self._tpot(prompt, decode, prefill is None))
+
+    def _ttft(self, prompt: int, prefill: WorkerHandle | None, decode: WorkerHandle) -> float | None:
+        worker = prefill or decode
+        per_token = self.model(worker.worker_id).seconds_per_token()
+        if per_token is None:
+            return None
+        queued = worker.num_inflight_tokens if prefill else _waiting_tokens(decode)
+        return (queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)
+
+    def _tpot(self, prompt: int, decode: WorkerHandle, prefills_here: bool) -> float | None:
+        model = self.model(decode.worker_id)
+        seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1
+        kv = _kv_tokens(decode) + prompt
+        step = model.predict(seqs, kv, seqs)
+        if step is None:
+            return None
+        if prefills_here:  # its own prefill chunks ride along in the decode steps for a while
+            per_token = model.seconds_per_token() or 0.0
+            step += prompt * per_token / max(1, seqs)
+        return step
+
+    def candidates(self, spec: RequestSpec) -> list[Prediction]:
+        decodes = self.registry.alive("decode")
+        if not decodes:
+            raise WorkerFailedError("no decode worker is alive")
+        if not self.registry.prefill:  # colocated mode
+            return [self.predict(spec, None, d) for d in decodes]
+        prefills = self.registry.alive("prefill")
+        if not prefills:
+            raise WorkerFailedError("no prefill worker is alive")
+        preds = [self.predict(spec, p, d) for p in prefills for d in decodes]
+        if self.conditional:
+            preds += [self.predict(spec, None, d) for d in decodes]
+        return preds
+
+    # ---- decisions ---------------------------------------------------------------------------
+    def decide(self, spec: RequestSpec, now_s: float | None = None) -> Decision:
+        ttft_t, tpot_t = self._targets(spec)
+        preds = self.candidates(spec)
+        disagg = [p for p in preds if p.prefill is not None] or preds
+        if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
+            best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
+            return Decision("admit", "best_effort" if self.enabled else "admission_off", best)
+        best = max(preds, key=lambda p: p.headroom(ttft_t, tpot_t))
+        if ttft_t and best.ttft_s > ttft_t * SAFETY:
+            return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms > target {ttft_t * 1e3:.0f} ms", best)
+        if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * SAFETY:
+            return Decision("queue", f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
+        if not _has_kv_room(best.decode, spec):
+            return Decision("queue", "decode KV cache full", best)
+        return Decision("admit", "within_slo", best)
+
+    async def acquire(self, spec: RequestSpec, metrics=None) -> Prediction:
+        """Admit (returning the pair), wait in the queue, or raise CapacityError."""
+        ttft_t, _ = self._targets(spec)
+        deadline = time.perf_counter() + (ttft_t or 30.0)
+        decision = self.decide(spec)
+        queued = False
+        try:
+            while decision.action == "queue":
+                if not queued:
+                    queued = True
+                    self._count_queue(+1, metrics, decision)
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise CapacityError(f"queued past its TTFT deadline ({decision.reason})")
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass
+                decision = self.decide(spec)
+        finally:
+            if queued:
+                self._count_queue(-1, metrics)
+        if decision.action == "reject":
+            raise CapacityError(decision.reason)
+        if metrics is not None:
+            metrics.admission("admit", decision.reason)
+        return decision.prediction
+
+    def _count_queue(self, delta: int, metrics, decision: Decision | None = None) -> None:
+        self.num_queued += delta
+        if metrics is not None:
+            metrics.set_queued(self.num_queued)
+            if decision is not None:
+                metrics.admission("queue", "tpot" if "TPOT" in decision.reason else "kv_full")
+
+    @staticmethod
+    def _targets(spec: RequestSpec) -> tuple[float | None, float | None]:
+        scale = max(MIN_PRIORITY_SCALE, 1.0 - PRIORITY_STEP * max(0, spec.priority))
+        ttft = spec.slo.ttft_s * scale if spec.slo.ttft_s else None
+        tpot = spec.slo.tpot_s * scale if spec.slo.tpot_s else None
+        return ttft, tpot
+
+
+def _load(p: Prediction) -> tuple[int, int, int]:
+    free = p.decode.stats.num_free_blocks if p.decode.stats else 0
+    return (p.prefill.num_inflight_tokens if p.prefill else 0, p.decode.num_inflight, -free)
+
+
+def _waiting_tokens(w: WorkerHandle) -> int:
+    return w.stats.num_waiting_tokens if w.stats else 0
+
+
+def _kv_tokens(w: WorkerHandle) -> int:
+    if w.stats is None:
+        return 0
+    return (w.stats.num_total_blocks - w.stats.num_free_blocks) * w.stats.block_size
+
+
+def _has_kv_room(w: WorkerHandle, spec: RequestSpec) -> bool:
+    if w.stats is None:
+        return True
+    need = -(-(len(spec.prompt_token_ids) + spec.sampling.max_tokens) // w.stats.block_size)
+    return need <= w.stats.num_free_blocks
