@@ -90,24 +90,27 @@ class Admission:
         prompt = len(spec.prompt_token_ids)
         return Prediction(prefill, decode, self._ttft(prompt, prefill, decode), self._tpot(prompt, decode, prefill is None))
 
+    def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
+        """Measured on prefill workers (a decode worker prefilling runs the same model on the
+        same kind of core); in colocated mode, on the workers themselves."""
+        workers = [prefill] if prefill else (self.registry.alive("prefill") or self.registry.alive("decode"))
+        rates = [r for r in (self.model(w.worker_id).seconds_per_token() for w in workers) if r is not None]
+        return min(rates) if rates else None
+
     def _ttft(self, prompt: int, prefill: WorkerHandle | None, decode: WorkerHandle) -> float | None:
-        worker = prefill or decode
-        per_token = self.model(worker.worker_id).seconds_per_token()
+        per_token = self._prefill_seconds_per_token(prefill)
         if per_token is None:
             return None
-        queued = worker.num_inflight_tokens if prefill else _waiting_tokens(decode)
+        queued = prefill.num_inflight_tokens if prefill else _waiting_tokens(decode)
         return (queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)
 
     def _tpot(self, prompt: int, decode: WorkerHandle, prefills_here: bool) -> float | None:
-        model = self.model(decode.worker_id)
         seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1
-        kv = _kv_tokens(decode) + prompt
-        step = model.predict(seqs, kv, seqs)
+        step = self.model(decode.worker_id).predict(seqs, _kv_tokens(decode) + prompt, seqs)
         if step is None:
             return None
-        if prefills_here:  # its own prefill chunks ride along in the decode steps for a while
-            per_token = model.seconds_per_token() or 0.0
-            step += prompt * per_token / max(1, seqs)
+        if prefills_here:  # its prefill chunks ride along in the decode steps: spread over the batch
+            step += prompt * (self._prefill_seconds_per_token(None) or 0.0) / seqs
         return step
 
     def candidates(self, spec: RequestSpec) -> list[Prediction]:
