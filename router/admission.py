@@ -31,7 +31,7 @@ from router.step_model import StepTimeModel
 
 logger = logging.getLogger(__name__)
 
-SAFETY = 0.85            # predictions must fit 85% of a target: models are fitted, not exact
+SAFETY = 0.8             # predictions must fit 80% of a target: models are fitted, not exact
 PRIORITY_STEP = 0.15     # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
 
@@ -64,6 +64,10 @@ class Admission:
         self.conditional = conditional
         self.models: dict[str, StepTimeModel] = {}
         self.handoff_s = 0.0           # EMA of measured hand-off time
+        # EMA of observed / predicted TTFT: absorbs what the step models leave out (router and
+        # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
+        # shut admission down.
+        self.ttft_correction = 1.0
         self._changed = asyncio.Condition()
         self.num_queued = 0
 
@@ -77,6 +81,11 @@ class Admission:
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
+
+    def observe_ttft(self, predicted_s: float | None, observed_s: float) -> None:
+        if predicted_s:
+            ratio = min(3.0, max(0.8, observed_s / predicted_s))
+            self.ttft_correction = 0.8 * self.ttft_correction + 0.2 * ratio
 
     def model(self, worker_id: str) -> StepTimeModel:
         return self.models.setdefault(worker_id, StepTimeModel())
@@ -102,7 +111,7 @@ class Admission:
         if per_token is None:
             return None
         queued = prefill.num_inflight_tokens if prefill else _waiting_tokens(decode)
-        return (queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)
+        return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
 
     def _tpot(self, prompt: int, decode: WorkerHandle, prefills_here: bool) -> float | None:
         seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1

@@ -100,12 +100,16 @@ class Orchestrator:
                 prefill.end(num_prompt)
                 prefill = None
             if first is not None:
+                self.admission.observe_ttft(pair.ttft_s, time.perf_counter() - trace.start_s)
                 yield first
                 finished = first.finished
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if first is None and item.token_ids:
+                    first = item
+                    self.admission.observe_ttft(pair.ttft_s, time.perf_counter() - trace.start_s)
                 finished = item.finished
                 yield item
         except RayActorError as exc:

@@ -76,8 +76,8 @@ def test_predictions_follow_the_fitted_models():
 
 
 def test_lower_priority_is_shed_first():
-    # Predicted TTFT 0.42 s against a 0.6 s target: fits at priority 0 (0.85 x 0.6 = 0.51), not at
-    # priority 2 (targets scaled by 0.7: 0.36).
+    # Predicted TTFT 0.42 s against a 0.6 s target: fits at priority 0 (0.8 x 0.6 = 0.48), not at
+    # priority 2 (targets scaled by 0.7: 0.34).
     admission = cluster(prefill_inflight_tokens=4_000)
     assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=0)).action == "admit"
     assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=2)).action == "reject"
