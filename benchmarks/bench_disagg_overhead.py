@@ -1,0 +1,411 @@
+"""What disaggregation and the router cost one request at a time, next to the bare engine.
+
+One request at a time (no concurrency): a prompt of ``--prompt-len`` seeded random token ids
+in [1000, 40000), ``--max-tokens`` output tokens, greedy, EOS ignored; one warm-up request per
+system, then ``--repeats`` requests, each system taking its turn within the same repeat so the
+numbers being compared come from the same minute of a shared machine. Three systems:
+
+(a) in-process: ``LLMEngine(load_model(), EngineConfig(...))`` stepped in this process with 1
+    torch thread (one worker's share), token budget 512 (the launcher's prefill default), so
+    its first step is exactly the prefill a prefill worker runs. TTFT = ``add_request`` to the
+    step that produced the first token; TPOT = (last token - first token) / (n - 1).
+(b) disaggregated cluster: 1 prefill + 1 decode Ray actor (1 CPU, 1 torch thread each; the
+    launcher's default prefill budget of 512), reached over real gRPC with the sync
+    ``PdserveClient``. Client-observed TTFT and TPOT from ``time.perf_counter`` at each
+    received message, plus the server's breakdown from the final message's ``timings``
+    (queue_s, prefill_s, kv_transfer_s, ttft_s, e2e_s, kv_transfer_bytes) and the decode
+    worker's own step times (``WorkerStats.recent_steps``, streamed with every batch).
+(c) colocated cluster (``--no-colocated`` skips it): one worker doing prefill and decode.
+
+The router runs in this process (``ClusterThread``), so the client's and the router's clocks
+are the same ``perf_counter`` and their stamps subtract exactly. Derived rows:
+  router overhead  = client TTFT - (queue + prefill + KV transfer)   [disaggregated]
+                   = client TTFT - the worker's prefill step          [colocated]
+    split into gRPC + handler (client TTFT - server ttft_s) and Ray control plane
+    (server ttft_s - queue - prefill - transfer: pair choice, ``reserve``, the ``prefill``
+    call and its reply);
+  first-token delivery = client TTFT - (queue + prefill): everything after the first token
+    was sampled (hand-off included) until the client holds it;
+  streaming per token  = client TPOT - the decode worker's mean decode-step time, and the
+    TPOT ratio cluster / in-process.
+Targets checked: router + gRPC add <= 2 ms per request (TTFT) and router + streaming <= 5 % of
+TPOT per token. Both are judged on same-clock differences (client and router share this
+process's clock; step times come from the worker itself). The cluster / in-process TPOT ratio is
+printed too, but it compares the model's speed in two processes, which on a shared 2-core machine
+drifts by more than the effect; the in-process TPOT's own spread across repeats is shown next to it.
+The sync client shares this process (and its GIL) with the router: that inflates, never hides,
+the overhead. Idle round trips of one Ray actor call and one unary gRPC call give the scale.
+
+Run: ``python benchmarks/bench_disagg_overhead.py`` (SmolLM2-135M fp32, ~3.5 min on 2 cores);
+``--quick`` uses the tiny random model and short requests to check the script (printed only,
+unless ``--out`` is given). The full run writes benchmarks/results/disagg_overhead.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray workers must import the project's packages too.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+import grpc  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from deploy.launcher import ClusterConfig, ClusterThread  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.types import RequestSpec, SamplingParams, StepTiming  # noqa: E402
+from router.client import PdserveClient  # noqa: E402
+from router.convert import RequestTimings, timings_from_proto  # noqa: E402
+
+logger = logging.getLogger("bench_disagg_overhead")
+
+TOKEN_ID_RANGE = (1000, 40000)    # clear of SmolLM2's special ids (same as benchmarks/workload.py)
+RANDOM_MODEL = {"seed": 0}
+PREFILL_BUDGET = 512              # the launcher's default prefill_engine token budget
+NUM_KV_BLOCKS = 64                # plenty for one request; keeps each pool small on a shared box
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request on one system; seconds, ``perf_counter`` clock of this process."""
+
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    token_ids: list[int]
+    num_messages: int = 0
+    prefill_step_s: float | None = None    # the worker's (or engine's) prefill step
+    decode_step_s: float | None = None     # mean decode-only step of the worker (or engine)
+    timings: RequestTimings | None = None  # server side, clusters only
+
+
+@dataclass(slots=True)
+class System:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+    round_trips_s: list[float] = field(default_factory=list)  # clusters: idle Ray actor call, per repeat
+    grpc_trips_s: list[float] = field(default_factory=list)   # clusters: idle unary ServerInfo call, per repeat
+
+    def median(self, fn) -> float | None:
+        values = [v for v in (fn(s) for s in self.samples) if v is not None]
+        return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------- the three systems
+
+
+def run_inprocess(engine: LLMEngine, req_id: str, prompt: list[int], max_tokens: int) -> Sample:
+    spec = RequestSpec(req_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    stamps: list[float] = []
+    ids: list[int] = []
+    steps: list[StepTiming] = []
+    start = time.perf_counter()
+    engine.add_request(spec)
+    while engine.has_work():
+        result = engine.step()
+        now = time.perf_counter()
+        if result.timing is not None:
+            steps.append(result.timing)
+        for delta in result.deltas:
+            stamps.extend([now] * len(delta.token_ids))
+            ids.extend(delta.token_ids)
+    sample = _from_stamps(start, stamps, ids)
+    sample.num_messages = len(steps)
+    sample.prefill_step_s = steps[0].duration_s
+    sample.decode_step_s = _mean_decode_step(steps, len(ids) - 1)
+    return sample
+
+
+def run_cluster(client: PdserveClient, cluster: ClusterThread, prompt: list[int], max_tokens: int) -> Sample:
+    stamps: list[float] = []
+    ids: list[int] = []
+    timings = None
+    num_messages = 0
+    start = time.perf_counter()
+    for resp in client.generate(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0):
+        now = time.perf_counter()
+        num_messages += 1
+        stamps.extend([now] * len(resp.token_ids))
+        ids.extend(resp.token_ids)
+        if resp.HasField("timings"):
+            timings = timings_from_proto(resp.timings)
+    sample = _from_stamps(start, stamps, ids)
+    sample.num_messages = num_messages
+    sample.timings = timings
+    # The decode worker's stats ride on every stream batch; the last batch carries this request's steps.
+    stats = cluster.cluster.registry.decode[0].stats
+    steps = list(stats.recent_steps) if stats else []
+    sample.decode_step_s = _mean_decode_step(steps, len(ids) - 1)
+    if cluster.cluster.config.mode == "colocated":
+        prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
+        sample.prefill_step_s = prefill_steps[-1].duration_s if prefill_steps else None
+    return sample
+
+
+def _from_stamps(start: float, stamps: list[float], ids: list[int]) -> Sample:
+    if not stamps:
+        raise RuntimeError("no tokens came back")
+    n = len(stamps)
+    tpot = (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else 0.0
+    return Sample(ttft_s=stamps[0] - start, tpot_s=tpot, e2e_s=stamps[-1] - start, token_ids=ids)
+
+
+def _mean_decode_step(steps: list[StepTiming], num_decode_steps: int) -> float | None:
+    """Mean of this request's decode-only steps: the last ``num_decode_steps`` steps without
+    prompt tokens (older steps in the window belong to earlier requests)."""
+    decode = [s.duration_s for s in steps if s.num_prefill_tokens == 0 and s.num_seqs == 1]
+    decode = decode[-num_decode_steps:] if num_decode_steps > 0 else []
+    return statistics.fmean(decode) if decode else None
+
+
+async def _ray_round_trip(actor, num_calls: int) -> list[float]:
+    times = []
+    for _ in range(num_calls):
+        start = time.perf_counter()
+        await actor.stats.remote()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def ray_round_trip_s(cluster: ClusterThread, num_calls: int = 10) -> float:
+    """Median of a no-op actor call (``stats``) to the decode worker, awaited on the router's
+    loop as the orchestrator does: the unit of the control plane's cost."""
+    actor = cluster.cluster.registry.decode[0].actor
+    return statistics.median(cluster.run(_ray_round_trip(actor, num_calls)))
+
+
+def grpc_round_trip_s(client: PdserveClient, num_calls: int = 10) -> float:
+    """Median of a unary ``ServerInfo`` call from this client: gRPC's floor on this machine."""
+    times = []
+    for _ in range(num_calls):
+        start = time.perf_counter()
+        client.server_info()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def start_cluster(mode: str, random_model: dict | None) -> ClusterThread:
+    kv = dict(num_kv_blocks=NUM_KV_BLOCKS)
+    config = ClusterConfig(
+        mode=mode, num_prefill=1, num_decode=1, random_model=random_model, port=0,
+        cpus_per_worker=1.0, threads_per_worker=1,
+        prefill_engine=EngineConfig(max_num_batched_tokens=PREFILL_BUDGET, **kv),
+        # colocated: the worker prefills too, with the same budget as a prefill worker
+        decode_engine=EngineConfig(max_num_batched_tokens=PREFILL_BUDGET, **kv),
+    )
+    cluster = ClusterThread(config)
+    cluster.start()
+    return cluster
+
+
+# ---------------------------------------------------------------- report
+
+
+def ms(value: float | None, width: int = 12) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value * 1e3:>{width}.2f}"
+
+
+def ratio(a: float | None, b: float | None, width: int = 12) -> str:
+    return f"{'-':>{width}}" if a is None or not b else f"{a / b:>{width}.3f}"
+
+
+def server(fn):
+    return lambda s: fn(s.timings) if s.timings is not None else None
+
+
+def report(systems: list[System], args, header: list[str]) -> str:
+    inproc, clusters = systems[0], systems[1:]
+    names = [s.name for s in systems]
+    width = 14
+    lines = header + ["", f"medians over {args.repeats} requests (ms unless noted)", ""]
+    lines.append(f"{'':<52}" + "".join(f"{n:>{width}}" for n in names))
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"{label:<52}" + "".join(values))
+
+    def per_system(label: str, fn, systems_=systems, fmt=ms) -> None:
+        row(label, [fmt(s.median(fn), width) if s in systems_ else f"{'-':>{width}}" for s in systems])
+
+    queue = server(lambda t: t.queue_s)
+    transfer = server(lambda t: t.kv_transfer_s)
+    worker_prefill = lambda s: (s.timings.prefill_s if s.timings and s.timings.prefill_s else s.prefill_step_s)  # noqa: E731
+    served = lambda s: (s.timings.queue_s + s.timings.prefill_s + s.timings.kv_transfer_s  # noqa: E731
+                        if s.timings and s.timings.prefill_s else s.prefill_step_s)
+    per_system("TTFT, client-observed", lambda s: s.ttft_s)
+    per_system("  prefill compute (engine step / prefill_s)", worker_prefill)
+    per_system("  queue in the prefill worker", queue, clusters)
+    per_system("  KV transfer incl. decode commit", transfer, clusters)
+    per_system("  Ray control plane (ttft_s - queue-prefill-xfer)",
+               lambda s: s.timings.ttft_s - served(s) if s.timings and served(s) is not None else None, clusters)
+    per_system("  gRPC + handler (client TTFT - server ttft_s)",
+               lambda s: s.ttft_s - s.timings.ttft_s if s.timings else None, clusters)
+    row("  (one idle unary gRPC call round trip, for scale)",
+        [ms(statistics.median(s.grpc_trips_s), width) if s.grpc_trips_s else f"{'-':>{width}}" for s in systems])
+    row("  (one idle Ray actor call round trip, for scale)",
+        [ms(statistics.median(s.round_trips_s), width) if s.round_trips_s else f"{'-':>{width}}" for s in systems])
+    per_system("router overhead (client TTFT - queue-prefill-xfer)",
+               lambda s: s.ttft_s - served(s) if served(s) is not None else None, clusters)
+    per_system("first-token delivery (client TTFT - queue-prefill)",
+               lambda s: s.ttft_s - s.timings.queue_s - s.timings.prefill_s
+               if s.timings and s.timings.prefill_s else None, clusters)
+    per_system("TTFT - in-process TTFT", lambda s: s.ttft_s - inproc.median(lambda x: x.ttft_s), clusters)
+    row("TTFT ratio vs in-process", [ratio(s.median(lambda x: x.ttft_s), inproc.median(lambda x: x.ttft_s), width)
+                                     for s in systems])
+    lines.append("")
+    per_system("TPOT, client-observed", lambda s: s.tpot_s)
+    per_system("  server tpot_s (router clock)", server(lambda t: t.tpot_s), clusters)
+    per_system("  decode step in the worker (mean)", lambda s: s.decode_step_s)
+    per_system("streaming per token (client TPOT - worker step)",
+               lambda s: s.tpot_s - s.decode_step_s if s.decode_step_s else None)
+    row("TPOT ratio vs in-process", [ratio(s.median(lambda x: x.tpot_s), inproc.median(lambda x: x.tpot_s), width)
+                                     for s in systems])
+    row("TPOT ratio vs the worker's own decode step", [ratio(s.median(lambda x: x.tpot_s),
+                                                             s.median(lambda x: x.decode_step_s), width)
+                                                       for s in systems])
+    lines.append("")
+    per_system("E2E, client-observed", lambda s: s.e2e_s)
+    per_system("  server e2e_s", server(lambda t: t.e2e_s), clusters)
+    row("messages per request (stream batches / steps)",
+        [f"{s.median(lambda x: x.num_messages):>{width}.0f}" for s in systems])
+    row("KV bytes handed over", [f"{s.median(server(lambda t: t.kv_transfer_bytes)) or 0:>{width},.0f}"
+                                 for s in systems])
+    lines += ["", "targets (disaggregated):"]
+    lines += targets(inproc, clusters)
+    lines += ["", "per request (ms): TTFT / TPOT / prefill_s / xfer_s / server ttft_s"]
+    for s in systems:
+        for i, x in enumerate(s.samples):
+            t = x.timings
+            extra = f" / {t.prefill_s * 1e3:.2f} / {t.kv_transfer_s * 1e3:.2f} / {t.ttft_s * 1e3:.2f}" if t else ""
+            lines.append(f"  {s.name:<14} #{i}: {x.ttft_s * 1e3:8.2f} / {x.tpot_s * 1e3:7.2f}{extra}")
+    return "\n".join(lines) + "\n"
+
+
+def targets(inproc: System, clusters: list[System]) -> list[str]:
+    """The two targets, judged on differences of stamps taken on one clock in one process (client,
+    router) or one worker (its step times). Cluster vs in-process compares two processes' model
+    speed, which on a shared machine drifts by more than the effect; it is shown with its noise."""
+    disagg = next((s for s in clusters if s.name == "disaggregated"), None)
+    if disagg is None:
+        return []
+    overhead_fn = lambda s: s.ttft_s - (s.timings.queue_s + s.timings.prefill_s + s.timings.kv_transfer_s)  # noqa: E731
+    overhead = disagg.median(overhead_fn)
+    best = min(overhead_fn(s) for s in disagg.samples)
+    tpot = inproc.median(lambda x: x.tpot_s)
+    per_token = disagg.median(lambda s: s.tpot_s - s.decode_step_s if s.decode_step_s else None)
+    cross = disagg.median(lambda x: x.tpot_s) / tpot
+    spread = (max(x.tpot_s for x in inproc.samples) - min(x.tpot_s for x in inproc.samples)) / tpot
+    ok = lambda good: "PASS" if good else "MISS"  # noqa: E731
+    lines = [f"  router + gRPC per request (TTFT)  {overhead * 1e3:7.2f} ms  (best of {len(disagg.samples)}:"
+             f" {best * 1e3:.2f})   target <= 2 ms      {ok(overhead <= 2e-3)}"]
+    if per_token is not None:
+        lines.append(f"  router + streaming per token      {per_token * 1e3:7.2f} ms = {per_token / tpot:.1%} of TPOT"
+                     f"          target <= 5 %       {ok(per_token / tpot <= 0.05)}"
+                     "   (client TPOT - the decode worker's own step)")
+    lines.append(f"  TPOT cluster / in-process         {cross:7.3f}   in-process TPOT alone spans {spread:.0%} of its"
+                 f" median across repeats: {'within' if abs(cross - 1) <= spread else 'beyond'} that noise")
+    return lines
+
+
+def machine_header(args, model_name: str, transport: str, id_range: tuple[int, int]) -> list[str]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return [
+        f"bench_disagg_overhead  {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"machine: {platform.node()}, {os.cpu_count()} cores ({cpu}), load avg at start {load}",
+        f"python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}, grpc {grpc.__version__}",
+        f"model: {model_name} fp32; prompt {args.prompt_len} random ids in [{id_range[0]}, {id_range[1]}), "
+        f"{args.max_tokens} output tokens, greedy, ignore_eos; 1 request at a time; 1 warm-up + {args.repeats} repeats",
+        f"in-process: 1 torch thread, token budget {PREFILL_BUDGET}; clusters: 1 CPU and 1 torch thread per worker, "
+        f"prefill budget {PREFILL_BUDGET}, KV transport {transport}, sync gRPC client in this process",
+    ]
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny random model, short requests, 2 repeats")
+    parser.add_argument("--random-model", action="store_true", help="tiny random Llama instead of SmolLM2")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-colocated", action="store_true", help="skip (c), the colocated cluster")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/disagg_overhead.txt (not written with --quick)")
+    args = parser.parse_args()
+    if args.quick:
+        args.random_model, args.prompt_len, args.max_tokens, args.repeats = True, 64, 16, 2
+    out = args.out or (None if args.quick else ROOT / "benchmarks" / "results" / "disagg_overhead.txt")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    random_model = RANDOM_MODEL if args.random_model else None
+    id_range = (3, 512) if args.random_model else TOKEN_ID_RANGE  # the tiny model's vocab is 512
+
+    from engine.model_loader import load_model
+    from engine.model_loader import random_model as make_random_model
+
+    loaded = make_random_model(**RANDOM_MODEL) if args.random_model else load_model()
+    engine = LLMEngine(loaded, EngineConfig(max_num_batched_tokens=PREFILL_BUDGET, num_kv_blocks=NUM_KV_BLOCKS,
+                                            num_threads=1))
+    # Logical CPUs: both clusters' placement groups fit (3 workers x 1 CPU); only one runs at a time.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    clusters: list[tuple[System, ClusterThread]] = []
+    try:
+        modes = ["disaggregated"] + ([] if args.no_colocated else ["colocated"])
+        for mode in modes:
+            logger.info("starting the %s cluster", mode)
+            clusters.append((System(mode), start_cluster(mode, random_model)))
+        disagg = clusters[0][1].cluster
+        transport = disagg.registry.transport(disagg.registry.prefill[0], disagg.registry.decode[0])
+        inproc = System("in-process")
+        clients = [PdserveClient(f"127.0.0.1:{c.cluster.port}") for _, c in clusters]
+        rng = random.Random(args.seed)
+        for i in range(args.repeats + 1):
+            prompt = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
+            warm = i == 0
+            samples = [run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
+            samples += [run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
+            for system, sample in zip([inproc] + [s for s, _ in clusters], samples):
+                if sample.token_ids != samples[0].token_ids:
+                    raise AssertionError(f"{system.name} output differs from the in-process engine's")
+                if not warm:
+                    system.samples.append(sample)
+            if not warm:
+                for (system, cluster), client in zip(clusters, clients):
+                    system.round_trips_s.append(ray_round_trip_s(cluster))
+                    system.grpc_trips_s.append(grpc_round_trip_s(client))
+            logger.info("%s: TTFT ms %s", "warm-up" if warm else f"repeat {i}",
+                        " / ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples))
+        for client in clients:
+            client.close()
+        text = report([inproc] + [s for s, _ in clusters], args, machine_header(args, loaded.name, transport, id_range))
+    finally:
+        for _, cluster in clusters:
+            cluster.stop()
+        ray.shutdown()
+    sys.stdout.write(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        logger.info("wrote %s", out)
+
+
+if __name__ == "__main__":
+    main()

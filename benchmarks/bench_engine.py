@@ -1,0 +1,140 @@
+"""Engine throughput on W64, side by side with HF baselines and the machine's ceiling, in one run.
+
+W64 (benchmarks/workload.py): 64 requests, prompts uniform in [64, 512], outputs uniform in
+[64, 128], random ids, greedy, EOS ignored, all submitted at once. SmolLM2-135M fp32, 2 threads.
+Rows: pdserve's engine (colocated, chunked prefill), HF ``generate`` over left-padded static
+batches of 16, transformers' continuous batching (``generate_batch``), and the ceiling computed
+from this machine's measured fp32 GEMM throughput and memory bandwidth. Also: pdserve's decode
+step at batch 64 against its GEMM-bound time, and the engine's own per-step overhead
+(scheduling, input preparation, sampling = step time outside the model forward).
+
+    python -m benchmarks.bench_engine [--num-requests 64] [--skip-generate-batch] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.baselines import hf_generate_batch, hf_static_batches
+from benchmarks.ceiling import decode_step_bound, measure_machine, w64_ceiling
+from benchmarks.workload import make_w64, summarize
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model_loader import load_model
+from engine.types import RequestSpec, SamplingParams
+
+
+@dataclass(slots=True)
+class EngineRun:
+    wall_s: float
+    output_tokens: int
+    forward_s: float
+    step_s: float
+    decode64_ms: float | None     # median decode-only step with 64 sequences
+    decode64_kv: int              # its KV tokens (for the bound)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def run_engine(loaded, workload, budget: int) -> EngineRun:
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=3 << 30, max_num_seqs=64, max_num_batched_tokens=budget))
+    forward = _time_forward(engine)
+    specs = [RequestSpec(f"w{i}", tuple(r.prompt_token_ids), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+             for i, r in enumerate(workload)]
+    start = time.perf_counter()
+    outputs = engine.generate(specs)
+    wall = time.perf_counter() - start
+    steps = _all_steps(engine)
+    full = sorted((s.duration_s, s.num_kv_tokens) for s in steps if s.num_seqs == 64 and s.num_prefill_tokens == 0)
+    mid = full[len(full) // 2] if full else (None, 0)
+    return EngineRun(wall, sum(len(o) for o in outputs.values()), forward[0], sum(s.duration_s for s in steps),
+                     mid[0] * 1e3 if mid[0] else None, mid[1])
+
+
+def _time_forward(engine: LLMEngine) -> list[float]:
+    """Wrap the model forward to separate it from the engine's own per-step work."""
+    total = [0.0]
+    execute = engine.runner.execute
+
+    def timed(inputs):
+        t = time.perf_counter()
+        out = execute(inputs)
+        total[0] += time.perf_counter() - t
+        return out
+
+    engine.runner.execute = timed
+    engine._step_log = []
+    step = engine._record_timing
+
+    def record(out, duration_s):
+        timing = step(out, duration_s)
+        engine._step_log.append(timing)
+        return timing
+
+    engine._record_timing = record
+    return total
+
+
+def _all_steps(engine: LLMEngine):
+    return engine._step_log
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=2048, help="engine max_num_batched_tokens")
+    parser.add_argument("--skip-generate-batch", action="store_true")
+    parser.add_argument("--skip-static", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/engine_w64.txt")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model()
+    workload = make_w64(num_requests=args.num_requests)
+    peaks = measure_machine(loaded.model.config, num_threads=args.threads)
+    ceiling = w64_ceiling(loaded.model.config, workload, peaks)
+    ours = run_engine(loaded, workload, args.budget)
+    rows = [("pdserve engine", ours.output_tok_s, ours.wall_s)]
+    if not args.skip_static:
+        static = hf_static_batches(loaded.model, workload, batch_size=16)
+        rows.append(("HF generate, static batches of 16", static.output_tok_s, static.wall_s))
+    if not args.skip_generate_batch:
+        cb = hf_generate_batch(loaded.model, workload)
+        rows.append(("transformers generate_batch", cb.output_tok_s, cb.wall_s))
+    rows.append(("machine ceiling (GEMM + bandwidth)", ceiling.output_tok_s, ceiling.total_s))
+    print(report(args, workload, peaks, ceiling, ours, rows, loaded))
+    with open(args.out, "w") as f:
+        f.write(report(args, workload, peaks, ceiling, ours, rows, loaded) + "\n")
+
+
+def report(args, workload, peaks, ceiling, ours: EngineRun, rows, loaded) -> str:
+    lines = [f"bench_engine  {datetime.datetime.now().isoformat(timespec='seconds')}",
+             f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+             f"model: {loaded.name} float32; workload: {summarize(workload)}",
+             f"peaks: GEMM {peaks.gemm_flops / 1e9:.1f} GFLOP/s, read {peaks.read_bytes_s / 1e9:.1f} GB/s",
+             "", f"{'system':<38}{'out tok/s':>10}{'wall s':>9}{'vs HF static':>14}{'vs ceiling':>12}"]
+    static = next((r[1] for r in rows if r[0].startswith("HF generate")), None)
+    for name, tok_s, wall in rows:
+        vs_static = f"{tok_s / static:.2f}x" if static else "-"
+        lines.append(f"{name:<38}{tok_s:>10.1f}{wall:>9.1f}{vs_static:>14}{tok_s / ceiling.output_tok_s:>11.0%}")
+    lines.append(f"\nceiling breakdown: prefill {ceiling.prefill_s:.1f} s + decode {ceiling.decode_s:.1f} s")
+    if ours.decode64_ms:
+        bound = decode_step_bound(loaded.model.config, 64, peaks)
+        lines.append(f"decode step at batch 64 (KV {ours.decode64_kv} tokens): {ours.decode64_ms:.1f} ms vs GEMM-bound "
+                     f"{bound.gemm_s * 1e3:.1f} ms = {ours.decode64_ms / (bound.gemm_s * 1e3):.2f}x (target <= 1.25x)")
+    overhead = 1 - ours.forward_s / ours.step_s
+    lines.append(f"engine per-step overhead (scheduling, inputs, sampling): {overhead:.1%} of step time (target < 10%)")
+    lines.append(f"target: pdserve >= 70% of ceiling: {'PASS' if ours.output_tok_s >= 0.7 * ceiling.output_tok_s else 'MISS'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
