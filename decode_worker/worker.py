@@ -75,16 +75,27 @@ class DecodeWorker(WorkerBase):
         start = time.perf_counter()
         receiver = self._receiver(handle.transport)
         try:
-            await asyncio.to_thread(receiver.receive, self.engine.cache, handle, timeout_s=RECEIVE_TIMEOUT_S)
+            if handle.transport == "shm":  # the bytes are already here: receive only checks
+                receiver.receive(self.engine.cache, handle)
+            else:
+                await asyncio.to_thread(receiver.receive, self.engine.cache, handle, timeout_s=RECEIVE_TIMEOUT_S)
         except Exception as exc:
             await self.call(lambda e: e.abort(req_id))  # frees the parked reservation
             if isinstance(exc, KVTransferError):
                 raise
             raise KVTransferError(f"{req_id}: receive failed: {exc}") from exc
-        delta = await self.call(lambda e: e.commit_kv(req_id, first_token_id))
-        if delta is not None:  # finished with its first token (e.g. the model length)
-            self._publish((delta,))
+        # Not awaited: the request joins the batch at the next step boundary either way, and the
+        # prefill worker (and the client's first token) should not wait for a decode step.
+        self.loop.call(lambda e: e.commit_kv(req_id, first_token_id)).add_done_callback(self._committed)
         return time.perf_counter() - start
+
+    def _committed(self, future) -> None:
+        """Loop thread: a request that finished with its first token (e.g. the model length)
+        still reports its end on the stream; a commit of an already aborted one is dropped."""
+        if future.exception() is not None:
+            logger.info("commit dropped: %s", future.exception())
+        elif future.result() is not None:
+            self.aio.call_soon_threadsafe(self._publish, (future.result(),))
 
     async def add_request(self, spec: RequestSpec) -> None:
         await self.call(lambda e: e.add_request(spec))

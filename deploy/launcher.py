@@ -130,7 +130,8 @@ class Cluster:
             actors.append(("colocated" if colocated else "decode", opts.remote(spec, colocated)))
         infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
         for (role, actor), info in zip(actors, infos):
-            self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"]))
+            self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
+                                           shm_path=info.get("shm_path")))
         return list(infos)
 
     def _spec(self, worker_id: str, model_dir: str | None, engine: EngineConfig, threads: int) -> WorkerSpec:
@@ -185,6 +186,7 @@ class Cluster:
         await asyncio.gather(*(w.actor.shutdown.remote() for w in self.registry.all if w.alive), return_exceptions=True)
         for w in self.registry.all:
             ray.kill(w.actor)
+            _unlink(w.shm_path)  # a worker that died never unlinked its pool
         if self._pg is not None:
             remove_placement_group(self._pg)
         if getattr(self, "metrics", None):
@@ -197,6 +199,14 @@ async def _prepare_model_remote(source: str | None) -> str:
     from deploy.model_prep import prepare_model
 
     return await prepare_model.remote(source)
+
+
+def _unlink(path: str | None) -> None:
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _free_port() -> int:

@@ -39,11 +39,15 @@ class PrefillWorker(WorkerBase):
         self._done: dict[str, asyncio.Event] = {}
         self._aborted: set[str] = set()
         self._senders: dict[str, Any] = {}
-        self._transfer_lock = asyncio.Lock()  # one hand-off at a time: torch_dist pairs are FIFO
+        self._transfer_lock = asyncio.Lock()  # rendezvous transports (torch_dist) pair FIFO
         self._fail_next_send = False          # fault injection (tests): the next hand-off fails
 
-    async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
-        """Prefill ``spec``; with a handle, move its KV to ``decode`` (an actor with ``commit``)."""
+    async def prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
+        """Prefill ``spec``; with a handle, move its KV to ``decode`` (an actor with ``commit``).
+
+        ``handle`` may be ``[ObjectRef]`` of the decode worker's ``reserve``: the router starts
+        both at once and the handle is awaited only when the KV is ready to move, so the
+        reservation's round trip overlaps the prefill."""
         req_id = spec.req_id
         waiter = self.aio.create_future()
         self._waiters[req_id] = waiter
@@ -94,14 +98,18 @@ class PrefillWorker(WorkerBase):
                 return _result(done, FinishReason.ABORT)
             if handle is None:  # no decode side (tests of the prefill path alone)
                 return _result(done, None)
-            async with self._transfer_lock:
-                num_bytes = await self._send(done, handle, decode)
+            if isinstance(handle, list):
+                handle = await handle[0]
+            num_bytes = await self._send(done, handle, decode)
             return _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
         except KVTransferError as exc:
             logger.warning("KV hand-off of %s failed: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=f"KV transfer failed: {exc}")
+        except Exception as exc:  # the reservation failed: the router re-raises its real error
+            return _result(done, FinishReason.ERROR, error=f"decode reservation failed: {exc}")
         finally:
-            await self.call(lambda e: e.release(req_id))
+            # Not awaited: the blocks go back at the next step boundary, the answer goes now.
+            self.loop.call(lambda e: e.release(req_id))
 
     async def _send(self, done: PrefillDone, handle: KVBlocksHandle, decode: Any) -> int:
         if self._fail_next_send:
@@ -110,8 +118,9 @@ class PrefillWorker(WorkerBase):
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, done.block_ids[: handle.num_blocks])
         if sender.rendezvous:  # the receiver must be inside receive() while we send
-            commit = decode.commit.remote(done.req_id, done.first_token_id, bound)
-            sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
+            async with self._transfer_lock:  # per peer pair, transfers are strictly FIFO
+                commit = decode.commit.remote(done.req_id, done.first_token_id, bound)
+                sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
             await commit
         else:
             sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)

@@ -129,10 +129,14 @@ class Orchestrator:
             await _call(decode, decode.actor.add_request.remote(spec))
             return None
         transport = trace.transport = self.registry.transport(prefill, decode)
-        handle = await _call(decode, decode.actor.reserve.remote(spec, transport))
-        result: PrefillResult = await _call(prefill, prefill.actor.prefill.remote(spec, handle, decode.actor))
+        # Reserve and prefill start together; the prefill worker awaits the handle only when its
+        # KV is ready (wrapped in a list so Ray passes the ref instead of resolving it first).
+        handle_ref = decode.actor.reserve.remote(spec, transport)
+        result: PrefillResult = await _call(prefill, prefill.actor.prefill.remote(spec, [handle_ref], decode.actor))
         trace.prefill = result
         self._observe_prefill(prefill, result)
+        if result.error and result.error.startswith("decode reservation failed"):
+            await _call(decode, handle_ref)  # raises the reservation's own error (e.g. CapacityError)
         if result.finish_reason is FinishReason.ERROR and result.error and "KV transfer" in result.error:
             return await self._recompute(spec, decode, trace, result.error)
         if result.finish_reason is not None:

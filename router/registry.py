@@ -26,6 +26,7 @@ class WorkerHandle:
     num_inflight: int = 0         # requests the router has sent here and not seen finish
     num_inflight_tokens: int = 0  # their prompt tokens (prefill load)
     alive: bool = True
+    shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
 
     def begin(self, num_tokens: int) -> None:
         self.num_inflight += 1
