@@ -153,3 +153,16 @@ def test_worker_raising_mid_request_gets_internal(disagg, role):
     with PdserveClient(address(disagg)) as client:  # and the cluster still serves
         assert client.generate_text(token_ids=[3, 4], max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
     assert cluster_leaks(disagg) == {}
+
+
+def test_health_and_reflection_are_served(disagg):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(address(disagg)) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Pdserve"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"pdserve.v1.Pdserve", "grpc.health.v1.Health"} <= names

@@ -73,3 +73,27 @@ def test_greedy_unaffected_by_sampled_neighbours(tiny_model, workload):
         assert got[f"r{i}"] == ref
     assert all(len(got[s.req_id]) == 20 for s in noisy)
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("config_name", ["Qwen2Config", "MistralConfig"])
+def test_other_llama_family_models_match_hf(config_name):
+    """Qwen2 (biased q/k/v projections) and Mistral run through the same paged attention."""
+    import copy
+
+    import transformers
+
+    from engine.model_loader import random_model
+    from tests.conftest import hf_greedy
+
+    config = getattr(transformers, config_name)(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256, eos_token_id=3,
+    )
+    loaded = random_model(config, seed=2)
+    reference = copy.deepcopy(loaded.model)
+    prompts = [[5, 9, 17, 33, 2], list(range(10, 60)), [7]]
+    refs = [hf_greedy(reference, p, 12) for p in prompts]
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16))
+    got = run_staggered(engine, prompts, [12] * len(prompts))
+    assert [got[f"r{i}"] for i in range(len(prompts))] == refs
+    assert_no_leaks(engine)
