@@ -83,9 +83,11 @@ class Admission:
         self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
 
     def observe_ttft(self, predicted_s: float | None, observed_s: float) -> None:
+        """``predicted_s`` already carries the correction: move it geometrically toward the
+        observed/predicted ratio (an EMA in log space), so it converges on the true bias."""
         if predicted_s:
-            ratio = min(3.0, max(0.8, observed_s / predicted_s))
-            self.ttft_correction = 0.8 * self.ttft_correction + 0.2 * ratio
+            ratio = observed_s / predicted_s
+            self.ttft_correction = min(3.0, max(0.8, self.ttft_correction * ratio ** 0.2))
 
     def model(self, worker_id: str) -> StepTimeModel:
         return self.models.setdefault(worker_id, StepTimeModel())
@@ -103,7 +105,7 @@ class Admission:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
         same kind of core); in colocated mode, on the workers themselves."""
         workers = [prefill] if prefill else (self.registry.alive("prefill") or self.registry.alive("decode"))
-        rates = [r for r in (self.model(w.worker_id).seconds_per_token() for w in workers) if r is not None]
+        rates = [r for r in (self.model(w.worker_id).seconds_per_prefill_token() for w in workers) if r is not None]
         return min(rates) if rates else None
 
     def _ttft(self, prompt: int, prefill: WorkerHandle | None, decode: WorkerHandle) -> float | None:
@@ -145,6 +147,8 @@ class Admission:
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
             return Decision("admit", "best_effort" if self.enabled else "admission_off", best)
         best = max(preds, key=lambda p: p.headroom(ttft_t, tpot_t))
+        if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
+            return Decision("admit", "idle", best)
         if ttft_t and best.ttft_s > ttft_t * SAFETY:
             return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms > target {ttft_t * 1e3:.0f} ms", best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * SAFETY:
@@ -200,6 +204,11 @@ class Admission:
 def _load(p: Prediction) -> tuple[int, int, int]:
     free = p.decode.stats.num_free_blocks if p.decode.stats else 0
     return (p.prefill.num_inflight_tokens if p.prefill else 0, p.decode.num_inflight, -free)
+
+
+def _idle(p: Prediction) -> bool:
+    busy = p.decode.num_inflight or (p.decode.stats and (p.decode.stats.num_running or p.decode.stats.num_waiting))
+    return not busy and not (p.prefill and p.prefill.num_inflight_tokens)
 
 
 def _waiting_tokens(w: WorkerHandle) -> int:

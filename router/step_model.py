@@ -1,14 +1,17 @@
 """Online models of a worker's speed, fitted to the step timings it reports.
 
-``StepTimeModel`` fits ``duration = a + b * num_seqs + c * num_kv_tokens + d * num_tokens`` by
-least squares over the worker's recent steps; it predicts the TPOT a decode worker would have
-with one more request, and the time a prefill worker needs for its queued prompt tokens.
-Until enough distinct steps have been seen it answers None (admission is then optimistic).
+``StepTimeModel`` fits ``duration = a + b * num_seqs + c * num_kv_tokens + d * num_tokens`` with
+non-negative coefficients (more work never makes a step faster) over the worker's recent steps,
+then refits without outliers (a cold first step, a burst of foreign load). It predicts the TPOT
+a decode worker would have with one more request. ``seconds_per_prefill_token`` is the
+throughput view of prefill-dominated steps: what a prefill worker needs per queued prompt token.
+Until enough distinct steps have been seen the answers are None (admission is then optimistic).
 Torch-free (numpy only).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
@@ -16,6 +19,7 @@ import numpy as np
 from engine.types import StepTiming
 
 MIN_STEPS = 4
+OUTLIER_FACTOR = 3.0     # residual beyond 3x the median absolute residual (and 1 ms) is dropped
 
 
 class StepTimeModel:
@@ -44,27 +48,40 @@ class StepTimeModel:
         coef = self._fit()
         if coef is None:
             return None
-        x = np.array([1.0, num_seqs, num_kv_tokens, num_tokens])
-        return float(max(x @ coef, self._min_duration()))
+        return float(np.array([1.0, num_seqs, num_kv_tokens, num_tokens]) @ coef)
 
-    def seconds_per_token(self) -> float | None:
-        """Throughput view for prefill: total step time over total tokens of recent steps."""
-        if not self.ready:
+    def seconds_per_prefill_token(self) -> float | None:
+        """Step time per token over steps that are mostly prefill (decode-only steps excluded)."""
+        steps = [s for s in self._steps if 2 * s.num_prefill_tokens >= s.num_tokens > 0]
+        if not steps:
             return None
-        tokens = sum(s.num_tokens for s in self._steps)
-        return sum(s.duration_s for s in self._steps) / tokens if tokens else None
+        return sum(s.duration_s for s in steps) / sum(s.num_tokens for s in steps)
 
     def _fit(self) -> np.ndarray | None:
         if not self.ready:
             return None
         if self._dirty or self._coef is None:
-            rows = np.array([[1.0, s.num_seqs, s.num_kv_tokens, s.num_tokens] for s in self._steps])
+            x = np.array([[1.0, s.num_seqs, s.num_kv_tokens, s.num_tokens] for s in self._steps])
             y = np.array([s.duration_s for s in self._steps])
-            # Non-negative slopes: more work never makes a step faster (keeps sparse data sane).
-            coef, *_ = np.linalg.lstsq(rows, y, rcond=None)
-            self._coef = np.maximum(coef, 0.0)
-            self._dirty = False
+            coef = _nnls(x, y)
+            residual = np.abs(x @ coef - y)
+            keep = residual <= max(OUTLIER_FACTOR * float(np.median(residual)), 1e-3)
+            if keep.sum() >= MIN_STEPS and not keep.all():
+                coef = _nnls(x[keep], y[keep])
+            self._coef, self._dirty = coef, False
         return self._coef
 
-    def _min_duration(self) -> float:
-        return min(s.duration_s for s in self._steps)
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0: with 4 features, trying every subset is exact and cheap."""
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y * y))
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            sub, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if np.all(sub >= 0):
+                coef = np.zeros(x.shape[1])
+                coef[list(cols)] = sub
+                err = float(np.sum((x @ coef - y) ** 2))
+                if err < best_err:
+                    best, best_err = coef, err
+    return best

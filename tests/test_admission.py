@@ -31,13 +31,15 @@ def stats(worker_id, role, steps, free=1000, running=0) -> WorkerStats:
     return WorkerStats(worker_id, role, 0, running, 0, free, 1000, 16, 0, steps)
 
 
-def cluster(prefill_inflight_tokens=0, decode_inflight=0, free_blocks=1000, conditional=False, num_decode=1):
+def cluster(prefill_inflight_tokens=0, decode_inflight=0, free_blocks=1000, conditional=False, num_decode=1,
+            decode_running=1):
     registry = WorkerRegistry()
     p = WorkerHandle("p0", "prefill", None, "n", "cpu", stats("p0", "prefill", prefill_steps()))
     p.num_inflight_tokens = prefill_inflight_tokens
     registry.add(p)
     for i in range(num_decode):
-        d = WorkerHandle(f"d{i}", "decode", None, "n", "cpu", stats(f"d{i}", "decode", decode_steps(), free_blocks))
+        d = WorkerHandle(f"d{i}", "decode", None, "n", "cpu",
+                         stats(f"d{i}", "decode", decode_steps(), free_blocks, running=decode_running))
         d.num_inflight = decode_inflight if i == 0 else 0
         registry.add(d)
     admission = Admission(registry, conditional=conditional)
@@ -58,6 +60,7 @@ CASES = [
     ("decode batch too big", {"decode_inflight": 60}, {"ttft": 0.5, "tpot": 0.05}, "queue", "TPOT"),
     ("decode KV full", {"free_blocks": 5}, {"ttft": 0.5, "tpot": 0.05}, "queue", "KV"),
     ("TTFT only target", {"prefill_inflight_tokens": 2_000}, {"ttft": 0.5}, "admit", "within_slo"),
+    ("idle pair is never refused", {"decode_running": 0}, {"ttft": 0.001, "tpot": 0.0001}, "admit", "idle"),
 ]
 
 
@@ -73,6 +76,15 @@ def test_predictions_follow_the_fitted_models():
     assert p.ttft_s == pytest.approx((1000 + 200) * PREFILL_S_PER_TOKEN, rel=1e-6)
     # 4 sequences, KV = 0 used blocks + 200 prompt tokens: 10 ms + 4 ms + 0.2 ms
     assert p.tpot_s == pytest.approx(0.010 + 0.004 + 200e-6, rel=0.05)
+
+
+def test_step_model_ignores_a_cold_outlier_and_never_fits_negative_slopes():
+    model = StepTimeModel()
+    cold = StepTiming(1, 1, 0, 50, 0.094)            # first step: caches cold, allocator warming up
+    warm = tuple(StepTiming(8, 8, 0, 400 + 10 * i, 0.005 + 1e-6 * i) for i in range(15))
+    model.observe((cold,) + warm)
+    assert model.predict(8, 500, 8) == pytest.approx(0.005, abs=0.002)
+    assert model.predict(1, 50, 1) < 0.01, "the cold step must not become the intercept"
 
 
 def test_lower_priority_is_shed_first():
@@ -136,3 +148,4 @@ def test_step_time_model_fits_linear_steps():
     model.observe(decode_steps())
     model.observe(decode_steps())  # repeats are ignored
     assert model.predict(10, 2000, 10) == pytest.approx(0.010 + 0.010 + 0.002, rel=0.05)
+    assert model.seconds_per_prefill_token() is None, "decode-only steps say nothing about prefill speed"

@@ -52,7 +52,7 @@ async def _traffic(address: str):
     async with AsyncPdserveClient(address) as client:
         warm = [await _one(client, i) for i in range(3)]          # unloaded TTFT
         unloaded_ttft = min(r.timings.ttft_s for r in warm)
-        ttft_target_ms = max(150.0, 5 * unloaded_ttft * 1000)
+        ttft_target_ms = max(250.0, 10 * unloaded_ttft * 1000)  # room for several prompts at once
         for round_ in range(3):  # concurrent warm-up: the models learn the loaded machine too
             warm += await asyncio.gather(*(_one(client, 10 * round_ + i) for i in range(8)))
         burst = await asyncio.gather(*(_one(client, 100 + i, ttft_ms=ttft_target_ms) for i in range(48)))
@@ -65,7 +65,7 @@ def test_burst_is_shed_and_admitted_requests_meet_ttft_then_metrics_validate(clu
     served = [r for r in burst if not isinstance(r, grpc.aio.AioRpcError)]
     assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "TTFT" in r.details() for r in rejected)
     assert rejected, "a burst of 48 long prompts must exceed what meets the TTFT target"
-    assert len(served) >= 3, "admission must not refuse everything"
+    assert len(served) >= 3, f"admission must not refuse everything: {rejected[0].details()} (target {target_ms:.0f} ms)"
     late = [r.timings.ttft_s * 1000 for r in served if r.timings.ttft_s * 1000 > target_ms]
     assert not late, f"admitted requests missed the {target_ms:.0f} ms TTFT target: {late}"
     assert cluster_leaks(cluster) == {}
