@@ -99,7 +99,8 @@ class Admission:
     # ---- predictions -----------------------------------------------------------------------
     def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle) -> Prediction:
         prompt = len(spec.prompt_token_ids)
-        return Prediction(prefill, decode, self._ttft(prompt, prefill, decode), self._tpot(prompt, decode, prefill is None))
+        return Prediction(prefill, decode, self._ttft(prompt, prefill, decode),
+                          self._tpot(prompt, spec.sampling.max_tokens, decode, prefill is None))
 
     def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
@@ -115,13 +116,15 @@ class Admission:
         queued = prefill.num_inflight_tokens if prefill else _waiting_tokens(decode)
         return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
 
-    def _tpot(self, prompt: int, decode: WorkerHandle, prefills_here: bool) -> float | None:
+    def _tpot(self, prompt: int, max_tokens: int, decode: WorkerHandle, prefills_here: bool) -> float | None:
         seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1
         step = self.model(decode.worker_id).predict(seqs, _kv_tokens(decode) + prompt, seqs)
         if step is None:
             return None
-        if prefills_here:  # its prefill chunks ride along in the decode steps: spread over the batch
-            step += prompt * (self._prefill_seconds_per_token(None) or 0.0) / seqs
+        if prefills_here:
+            # Its prefill stalls every running request for one long step; averaged over a
+            # request's output that adds (prefill time / output tokens) to its TPOT.
+            step += prompt * (self._prefill_seconds_per_token(None) or 0.0) / max(1, max_tokens)
         return step
 
     def candidates(self, spec: RequestSpec) -> list[Prediction]:
