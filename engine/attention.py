@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from engine import paged_kernel
+
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
 
@@ -37,6 +39,7 @@ class DecodeGroup:
     q_index: torch.Tensor       # [G] packed positions of the group's decode tokens
     block_tables: torch.Tensor  # [G, max_blocks] (padded with block 0; masked out)
     key_mask: torch.Tensor      # [G, 1, 1, max_blocks * block_size] bool
+    context_lens: torch.Tensor | None = None  # [G] int64 keys per request (the paged kernel's bound)
 
 
 @dataclass(slots=True)
@@ -88,6 +91,17 @@ def _prefill(q, k_cache, v_cache, seg: PrefillSegment, groups: int, scaling) -> 
 
 
 def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torch.Tensor:
+    if (
+        grp.context_lens is not None
+        and q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and q.device.type == "cpu"
+        and paged_kernel.enabled()
+    ):
+        # Reads each request's blocks in place, once: no gathered copy, no padding.
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        qd = q[:, grp.q_index].transpose(0, 1)     # [G, heads, head_dim]
+        return paged_kernel.paged_decode_attention(qd, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
     kv_heads, head_dim = k_cache.shape[-2:]
     n = grp.q_index.numel()
     k = _gather(k_cache, grp.block_tables.view(-1)).view(n, -1, kv_heads, head_dim).transpose(1, 2)

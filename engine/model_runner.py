@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import attention
+from engine import attention, paged_kernel
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.kv_manager import KVCacheManager
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -98,21 +98,28 @@ class ModelRunner:
         )
 
     def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]]) -> list[DecodeGroup]:
-        # Similar context lengths share a group so the padded gather wastes little.
+        # Similar context lengths share a group so the padded gather wastes little. The paged
+        # kernel gathers nothing: one call for all decodes balances its threads best.
         decodes.sort(key=lambda d: d[1].request.num_computed_tokens)
-        return [self._decode_group(decodes[i : i + self.decode_group]) for i in range(0, len(decodes), self.decode_group)]
+        size = max(1, len(decodes)) if self._paged_kernel() else self.decode_group
+        return [self._decode_group(decodes[i : i + size]) for i in range(0, len(decodes), size)]
+
+    def _paged_kernel(self) -> bool:
+        return self.kv_cache.dtype == torch.float32 and self.device.type == "cpu" and paged_kernel.enabled()
 
     def _decode_group(self, members: list[tuple[int, ScheduledRequest]]) -> DecodeGroup:
         ctx_lens = [s.request.num_computed_tokens + 1 for _, s in members]
         max_blocks = -(-max(ctx_lens) // self.block_size)
         tables = [self.kv.block_tables[s.request.req_id][:max_blocks] for _, s in members]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        context_lens = self._tensor(ctx_lens)
         key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-        key_mask = key_pos[None, :] < self._tensor(ctx_lens)[:, None]
+        key_mask = key_pos[None, :] < context_lens[:, None]
         return DecodeGroup(
             q_index=self._tensor([q for q, _ in members]),
             block_tables=self._tensor(tables),
             key_mask=key_mask[:, None, None, :],
+            context_lens=context_lens,
         )
 
     def _tensor(self, values: list) -> torch.Tensor:

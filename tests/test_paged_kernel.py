@@ -172,3 +172,56 @@ def test_dispatch_falls_back_without_context_lens(kernel, monkeypatch):
     grp.context_lens = torch.tensor([5, 40])
     half = attention._decode(packed.double(), kc.double(), vc.double(), grp, groups, 0.125)
     assert half.dtype == torch.float64
+
+
+def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
+    """A machine where the kernel cannot build: one warning, enabled() is False, attention works."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def broken_load(*args, **kwargs):
+        raise RuntimeError("Error building extension: no compiler")
+
+    monkeypatch.setattr(paged_kernel, "_module", None)
+    monkeypatch.setattr(paged_kernel, "_error", None)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    monkeypatch.delenv(paged_kernel.ENV_VAR, raising=False)
+    with caplog.at_level("WARNING", logger=paged_kernel.__name__):
+        assert not paged_kernel.available()
+        assert not paged_kernel.enabled()
+        packed, kc, vc, grp, groups = _decode_inputs([5, 40])
+        out = attention._decode(packed, kc, vc, grp, groups, 0.125)
+    assert torch.isfinite(out).all()
+    assert "no compiler" in paged_kernel.unavailable_reason()
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+
+
+def test_releases_the_gil(kernel):
+    """Another Python thread runs while the kernel computes (as with torch's own ops): the engine
+    shares its process with gRPC / Ray / asyncio threads."""
+    import threading
+    import time
+
+    g = torch.Generator().manual_seed(7)
+    kc, vc = torch.randn(2, 64, 16, 3, 64, generator=g)
+    tables = torch.arange(64).repeat(64, 4)                  # 64 requests x 4096 keys, 3 MB of cache
+    ctx = torch.full((64,), 4096)
+    q = torch.randn(64, 9, 64, generator=g)
+    stamps, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        time.sleep(0.02)
+        start = time.perf_counter()
+        kernel.paged_decode_attention(q, kc, vc, tables, ctx, 0.125)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    margin = 0.2 * (end - start)
+    inside = [s for s in stamps if start + margin < s < end - margin]
+    assert end - start > 0.005 and len(inside) > 10, (end - start, len(inside))
