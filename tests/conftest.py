@@ -78,3 +78,19 @@ def cluster_leaks(cluster_thread) -> dict:
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.1)
+
+
+PROMTOOL_INSTALL = "apt-get install -y --no-install-recommends prometheus (scripts/install.sh does it)"
+
+
+def require_promtool() -> str:
+    """promtool's path; a missing one fails under CI (it is part of the test contract), skips locally."""
+    import shutil
+
+    path = shutil.which("promtool")
+    if path is None:
+        msg = f"promtool not on PATH (install: {PROMTOOL_INSTALL})"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path

@@ -11,20 +11,17 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from router.metrics import DEFAULT_METRICS_PORT, RouterMetrics
+from tests.conftest import require_promtool
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
-PROMTOOL_INSTALL = "apt-get update && apt-get install -y --no-install-recommends prometheus"
 METRIC_NAME = re.compile(r"\bpdserve_[a-zA-Z0-9_]+")  # Prometheus names allow digits (e2e)
 # The sample names each family type puts in an exposition (the family name is the base).
 SAMPLE_SUFFIXES = {
@@ -61,15 +58,6 @@ def dashboard_exprs() -> list[str]:
     return exprs
 
 
-def require_promtool() -> str:
-    """promtool's path; a missing one fails under CI, skips locally."""
-    path = shutil.which("promtool")
-    if path is None:
-        msg = f"promtool not on PATH (install: {PROMTOOL_INSTALL})"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return path
 
 
 # ---------------------------------------------------------------- Grafana dashboard

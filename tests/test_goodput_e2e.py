@@ -6,9 +6,7 @@ histogram counts equal the requests served."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import shutil
 import subprocess
 import urllib.request
 
@@ -18,7 +16,7 @@ import pytest
 from deploy.launcher import ClusterConfig, ClusterThread
 from engine.config import EngineConfig
 from router.client import AsyncPdserveClient
-from tests.conftest import cluster_leaks
+from tests.conftest import cluster_leaks, require_promtool
 
 # Big enough that prefill takes real time on this CPU, small enough to load at once.
 MODEL = {"seed": 1, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
@@ -75,9 +73,6 @@ def test_burst_is_shed_and_admitted_requests_meet_ttft_then_metrics_validate(clu
     assert sum(float(c) for c in counts) == len(warm) + len(served)
     rejected_total = re.search(r'^pdserve_requests_total\{outcome="rejected"\} (\S+)$', text, re.M)
     assert float(rejected_total.group(1)) == len(rejected)
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        assert not os.environ.get("CI"), "promtool must be installed in CI (scripts/install.sh)"
-        pytest.skip("promtool not installed (Debian package prometheus)")
+    promtool = require_promtool()
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -9,8 +9,6 @@ under ``CI=true`` a missing promtool fails the test rather than silently skippin
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -22,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.types import FinishReason, StepTiming, WorkerStats
 from router.convert import RequestTimings
 from router.metrics import RouterMetrics, SloWindow, outcome_name, slo_met
+from tests.conftest import require_promtool
 
-PROMTOOL_INSTALL = "apt-get update && apt-get install -y --no-install-recommends prometheus"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -184,15 +182,6 @@ def test_metrics_module_is_torch_free():
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 
-def require_promtool() -> str:
-    """promtool's path; a missing one fails under CI (it is part of the test contract), skips locally."""
-    path = shutil.which("promtool")
-    if path is None:
-        msg = f"promtool not on PATH (install: {PROMTOOL_INSTALL})"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return path
 
 
 def test_promtool_accepts_exposition(metrics):
