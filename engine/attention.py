@@ -5,8 +5,10 @@ call is ours. Per layer it (1) writes the step's new keys/values into the paged 
 token's slot, then (2) attends each request's queries to that request's own KV read through its
 block table — never across requests:
 - prefill chunks: one SDPA per request with a causal mask offset by the already-computed tokens;
-- decode tokens: gathered in groups of similar context length into one padded SDPA per group
-  (the padding is only in the gathered keys, masked out; the packed GEMMs carry no padding).
+- decode tokens: float32 on CPU goes to the C++ paged kernel (engine/paged_kernel.py), which reads
+  each request's blocks in place, once, with an online softmax; otherwise (or with
+  PDSERVE_ATTENTION=torch) they are gathered in groups of similar context length into one padded
+  SDPA per group (the padding is only in the gathered keys, masked out; the packed GEMMs carry none).
 Grouped-query attention folds the query heads sharing a KV head into the query-length axis,
 so KV heads are never repeated in memory.
 """
@@ -100,7 +102,7 @@ def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torc
     ):
         # Reads each request's blocks in place, once: no gathered copy, no padding.
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        qd = q[:, grp.q_index].transpose(0, 1)     # [G, heads, head_dim]
+        qd = q.index_select(1, grp.q_index).transpose(0, 1)   # [G, heads, head_dim]; faster than q[:, idx]
         return paged_kernel.paged_decode_attention(qd, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
     kv_heads, head_dim = k_cache.shape[-2:]
     n = grp.q_index.numel()

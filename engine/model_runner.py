@@ -38,6 +38,8 @@ class ModelRunner:
         self.num_q_groups = model.config.num_attention_heads // model.config.num_key_value_heads
         self.decode_group = decode_group
         self.device = kv_cache.device
+        if self.device.type == "cpu":
+            paged_kernel.available()  # build or load the kernel now, not during the first decode step
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:

@@ -86,7 +86,7 @@ static inline float exp_neg(float x) {
 // plain loops for the compiler to vectorize; attend_simd below is the fast one.
 // D > 0: head_dim known at compile time (the common sizes); D == 0: runtime head_dim.
 template <int D>
-void attend_generic(const Params& p, int64_t i, int64_t h0, int64_t h1, int64_t, int64_t, float* scratch) {
+void attend_generic(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scratch) {
   const int64_t hd = D > 0 ? D : p.head_dim;
   const int64_t G = p.groups, bs = p.block_size;
   const int64_t nh = h1 - h0, H = nh * G;      // KV heads, query heads of this item
@@ -248,7 +248,7 @@ static inline float dot1(const float* q, const float* k) {
 }
 
 // Walks the 64-byte lines of `nt` rows (`row` floats each, `stride` apart), prefetching a few
-// per step.
+// per step; the first block of a request is left to the hardware prefetcher.
 struct Prefetcher {
   const float* base;
   int64_t stride, row, nt;
@@ -267,8 +267,7 @@ struct Prefetcher {
 
 // Same contract as attend_generic, head_dim = NV * W.
 template <int NV>
-void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, int64_t next_i, int64_t next_h0,
-                 float* scratch) {
+void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scratch) {
   constexpr int64_t hd = NV * W;
   const int64_t G = p.groups, bs = p.block_size;
   const int64_t nh = h1 - h0, H = nh * G;
@@ -309,15 +308,9 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, int64_t nex
     // block would wait on memory between bursts of compute. Instead the next block's K rows
     // are requested while this block is scored and its V rows while this block is
     // accumulated, a few lines per step, so memory traffic overlaps the arithmetic.
-    // After the last block, the thread's next item's first block.
-    int64_t next_base = 0, next_nt = 0;
-    if (j + 1 < num_blocks) {
-      next_base = (table[j + 1] * bs * p.kv_heads + h0) * hd;
-      next_nt = std::min(bs, ctx - (j + 1) * bs);
-    } else if (next_i >= 0) {
-      next_base = (p.tables[next_i * p.table_stride] * bs * p.kv_heads + next_h0) * hd;
-      next_nt = std::min(bs, p.ctx[next_i]);
-    }
+    const bool more = j + 1 < num_blocks;
+    const int64_t next_base = more ? (table[j + 1] * bs * p.kv_heads + h0) * hd : 0;
+    const int64_t next_nt = more ? std::min(bs, ctx - (j + 1) * bs) : 0;
     const int64_t next_lines = next_nt * lines_per_row;
     Prefetcher pk{p.k + next_base, tok_stride, row, next_nt};
     Prefetcher pv{p.v + next_base, tok_stride, row, next_nt};
@@ -414,7 +407,7 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, int64_t nex
 }
 #endif  // PDSERVE_SIMD
 
-template <void (*Attend)(const Params&, int64_t, int64_t, int64_t, int64_t, int64_t, float*)>
+template <void (*Attend)(const Params&, int64_t, int64_t, int64_t, float*)>
 void run(const Params& p, int64_t n) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   // A whole request per item reads its blocks as contiguous runs; with few requests per
@@ -431,16 +424,9 @@ void run(const Params& p, int64_t n) {
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     std::vector<float> scratch(scratch_floats);
-    // Each thread claims its next item one ahead, so the current item's last block can
-    // prefetch the next one's first.
-    int64_t it = next.fetch_add(1, std::memory_order_relaxed);
-    while (it < items) {
-      const int64_t nx = next.fetch_add(1, std::memory_order_relaxed);
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t h0 = (it % splits) * heads_per_item;
-      const int64_t next_i = nx < items ? order[nx / splits] : -1;
-      const int64_t next_h0 = nx < items ? (nx % splits) * heads_per_item : 0;
-      Attend(p, order[it / splits], h0, h0 + heads_per_item, next_i, next_h0, scratch.data());
-      it = nx;
+      Attend(p, order[it / splits], h0, h0 + heads_per_item, scratch.data());
     }
   };
   const int64_t workers = std::min(threads, items);
