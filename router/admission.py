@@ -1,10 +1,15 @@
 """SLO-aware admission and pair choice.
 
-For every candidate (prefill, decode) pair the router predicts, from live worker stats and
-step-time models fitted online (``router.step_model``):
-  TTFT = (prefill worker's queued prompt tokens + this prompt) x its seconds per prefill token
-         + the recent KV hand-off time,
-  TPOT = the decode worker's step time with this request added (batch size, KV tokens).
+For every candidate (prefill, decode) pair the router predicts, from live worker stats, its own
+in-flight counts and step-time models fitted online (``router.step_model``):
+  TTFT = (prompt tokens waiting for prefill on the prefilling worker + this prompt)
+         x its seconds per prefill token + the recent KV hand-off time,
+  TPOT = the decode worker's step time with this request added (batch size, KV tokens),
+         divided by (1 - u) when that worker also prefills (colocated, or conditional
+         disaggregation): u is the share of its time prefill will take while this request
+         decodes, from the prompt tokens assigned to it over the last request lifetime plus
+         this prompt. Prefill steps stall every decode on that worker, so a worker at u = 0.5
+         delivers tokens at half its decode speed; near u = 1 nothing meets a TPOT target.
 Conditional disaggregation: the decode worker prefilling the prompt itself is a candidate too
 (no hand-off, but its prefill interferes with its decodes); it is taken when it predicts more
 headroom, which on this kind of machine happens for short prompts.
@@ -32,6 +37,8 @@ from router.step_model import StepTimeModel
 logger = logging.getLogger(__name__)
 
 SAFETY = 0.8             # predictions must fit 80% of a target: models are fitted, not exact
+MAX_PREFILL_SHARE = 0.95 # beyond this a worker that prefills is treated as saturated
+DEFAULT_TPOT_S = 0.1     # sizes the prefill-load window when a request has no TPOT target
 PRIORITY_STEP = 0.15     # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
 
@@ -97,10 +104,12 @@ class Admission:
             self._changed.notify_all()
 
     # ---- predictions -----------------------------------------------------------------------
-    def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle) -> Prediction:
+    def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle,
+                now: float | None = None) -> Prediction:
         prompt = len(spec.prompt_token_ids)
+        now = time.perf_counter() if now is None else now
         return Prediction(prefill, decode, self._ttft(prompt, prefill, decode),
-                          self._tpot(prompt, spec.sampling.max_tokens, decode, prefill is None))
+                          self._tpot(spec, decode, prefill is None, now))
 
     def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
@@ -113,38 +122,49 @@ class Admission:
         per_token = self._prefill_seconds_per_token(prefill)
         if per_token is None:
             return None
-        queued = prefill.num_inflight_tokens if prefill else _waiting_tokens(decode)
+        prefiller = prefill or decode
+        # The router's count is fresh; the worker's own adds prompts it must recompute.
+        queued = max(prefiller.num_prefill_tokens, _waiting_tokens(prefiller))
         return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
 
-    def _tpot(self, prompt: int, max_tokens: int, decode: WorkerHandle, prefills_here: bool) -> float | None:
+    def _tpot(self, spec: RequestSpec, decode: WorkerHandle, prefills_here: bool, now: float) -> float | None:
+        prompt = len(spec.prompt_token_ids)
         seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1
         step = self.model(decode.worker_id).predict(seqs, _kv_tokens(decode) + prompt, seqs)
         if step is None:
             return None
-        if prefills_here:
-            # Its prefill stalls every running request for one long step; averaged over a
-            # request's output that adds (prefill time / output tokens) to its TPOT.
-            step += prompt * (self._prefill_seconds_per_token(None) or 0.0) / max(1, max_tokens)
-        return step
+        share = self._prefill_share(spec, decode, prompt if prefills_here else 0, now)
+        return step / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
 
-    def candidates(self, spec: RequestSpec) -> list[Prediction]:
+    def _prefill_share(self, spec: RequestSpec, worker: WorkerHandle, prompt: int, now: float) -> float:
+        """Fraction of ``worker``'s time prefill takes over one request lifetime (max_tokens x
+        TPOT target): the prompt tokens sent to it in the last such window, plus ``prompt``,
+        as a rate, times its seconds per prefill token. Recent arrivals stand in for the
+        ones to come: the same traffic keeps arriving while this request decodes."""
+        window = spec.sampling.max_tokens * (self._targets(spec)[1] or DEFAULT_TPOT_S)
+        tokens = worker.prefill_tokens_since(now - window) + prompt
+        if tokens == 0:
+            return 0.0
+        return tokens * (self._prefill_seconds_per_token(None) or 0.0) / window
+
+    def candidates(self, spec: RequestSpec, now: float | None = None) -> list[Prediction]:
         decodes = self.registry.alive("decode")
         if not decodes:
             raise WorkerFailedError("no decode worker is alive")
         if not self.registry.prefill:  # colocated mode
-            return [self.predict(spec, None, d) for d in decodes]
+            return [self.predict(spec, None, d, now) for d in decodes]
         prefills = self.registry.alive("prefill")
         if not prefills:
             raise WorkerFailedError("no prefill worker is alive")
-        preds = [self.predict(spec, p, d) for p in prefills for d in decodes]
+        preds = [self.predict(spec, p, d, now) for p in prefills for d in decodes]
         if self.conditional:
-            preds += [self.predict(spec, None, d) for d in decodes]
+            preds += [self.predict(spec, None, d, now) for d in decodes]
         return preds
 
     # ---- decisions ---------------------------------------------------------------------------
-    def decide(self, spec: RequestSpec, now_s: float | None = None) -> Decision:
+    def decide(self, spec: RequestSpec, now: float | None = None) -> Decision:
         ttft_t, tpot_t = self._targets(spec)
-        preds = self.candidates(spec)
+        preds = self.candidates(spec, now)
         disagg = [p for p in preds if p.prefill is not None] or preds
         if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
@@ -206,12 +226,12 @@ class Admission:
 
 def _load(p: Prediction) -> tuple[int, int, int]:
     free = p.decode.stats.num_free_blocks if p.decode.stats else 0
-    return (p.prefill.num_inflight_tokens if p.prefill else 0, p.decode.num_inflight, -free)
+    return (p.prefill.num_prefill_tokens if p.prefill else 0, p.decode.num_inflight, -free)
 
 
 def _idle(p: Prediction) -> bool:
     busy = p.decode.num_inflight or (p.decode.stats and (p.decode.stats.num_running or p.decode.stats.num_waiting))
-    return not busy and not (p.prefill and p.prefill.num_inflight_tokens)
+    return not busy and not (p.prefill and p.prefill.num_prefill_tokens)
 
 
 def _waiting_tokens(w: WorkerHandle) -> int:

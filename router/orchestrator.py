@@ -90,16 +90,21 @@ class Orchestrator:
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
         num_prompt = len(spec.prompt_token_ids)
-        decode.begin(num_prompt)
+        prefiller = prefill or decode   # whoever prefills carries the prompt until its first token
+        prefiller.begin_prefill(num_prompt)
+        prefill_pending = True
+        decode.begin()
         if prefill:
-            prefill.begin(num_prompt)
+            prefill.begin()
         finished = False
         try:
             first = await self._start(spec, prefill, decode, trace)
             if prefill:
-                prefill.end(num_prompt)
+                prefill.end()
                 prefill = None
             if first is not None:
+                prefiller.end_prefill(num_prompt)
+                prefill_pending = False
                 self.admission.observe_ttft(pair.ttft_s, time.perf_counter() - trace.start_s)
                 yield first
                 finished = first.finished
@@ -107,8 +112,9 @@ class Orchestrator:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                if first is None and item.token_ids:
-                    first = item
+                if prefill_pending and item.token_ids:
+                    prefiller.end_prefill(num_prompt)
+                    prefill_pending = False
                     self.admission.observe_ttft(pair.ttft_s, time.perf_counter() - trace.start_s)
                 finished = item.finished
                 yield item
@@ -116,9 +122,11 @@ class Orchestrator:
             raise WorkerFailedError(f"a worker died: {exc}") from exc
         finally:
             self.streams.unregister(spec.req_id)
-            decode.end(num_prompt)
+            decode.end()
             if prefill:
-                prefill.end(num_prompt)
+                prefill.end()
+            if prefill_pending:
+                prefiller.end_prefill(num_prompt)
             if not finished:
                 self._abort_later(spec.req_id, prefill, decode)
             self._capacity_changed()

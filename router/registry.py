@@ -2,17 +2,22 @@
 
 Life cycle: the launcher ``add``s each started worker; stats arrive with every decode
 stream batch and after each prefill; the router counts what it has in flight per worker
-(stats lag by a step, its own counters do not); a worker whose calls fail is marked dead
-and never picked again.
+(stats lag by a step, its own counters do not): requests, prompt tokens still to prefill, and
+a log of recent prefill assignments (the prefill load a colocated worker will carry while a
+new request decodes); a worker whose calls fail is marked dead and never picked again.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import WorkerStats
 from kvtransfer.select import choose_transport
+
+PREFILL_LOG_HORIZON_S = 600.0
 
 
 @dataclass(slots=True, eq=False)
@@ -24,17 +29,31 @@ class WorkerHandle:
     device: str
     stats: WorkerStats | None = None
     num_inflight: int = 0         # requests the router has sent here and not seen finish
-    num_inflight_tokens: int = 0  # their prompt tokens (prefill load)
+    num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
     alive: bool = True
     shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
+    prefill_log: deque[tuple[float, int]] = field(default_factory=deque)  # (time, prompt tokens)
 
-    def begin(self, num_tokens: int) -> None:
+    def begin(self) -> None:
         self.num_inflight += 1
-        self.num_inflight_tokens += num_tokens
 
-    def end(self, num_tokens: int) -> None:
+    def end(self) -> None:
         self.num_inflight -= 1
-        self.num_inflight_tokens -= num_tokens
+
+    def begin_prefill(self, num_tokens: int, now: float | None = None) -> None:
+        self.num_prefill_tokens += num_tokens
+        self.prefill_log.append((time.perf_counter() if now is None else now, num_tokens))
+
+    def end_prefill(self, num_tokens: int) -> None:
+        self.num_prefill_tokens -= num_tokens
+
+    def prefill_tokens_since(self, since: float) -> int:
+        """Prompt tokens assigned here after ``since`` (entries older than the log's horizon
+        are dropped)."""
+        horizon = (self.prefill_log[-1][0] if self.prefill_log else 0.0) - PREFILL_LOG_HORIZON_S
+        while self.prefill_log and self.prefill_log[0][0] < horizon:
+            self.prefill_log.popleft()
+        return sum(n for t, n in self.prefill_log if t >= since)
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ def cluster(prefill_inflight_tokens=0, decode_inflight=0, free_blocks=1000, cond
             decode_running=1):
     registry = WorkerRegistry()
     p = WorkerHandle("p0", "prefill", None, "n", "cpu", stats("p0", "prefill", prefill_steps()))
-    p.num_inflight_tokens = prefill_inflight_tokens
+    p.num_prefill_tokens = prefill_inflight_tokens
     registry.add(p)
     for i in range(num_decode):
         d = WorkerHandle(f"d{i}", "decode", None, "n", "cpu",
@@ -141,6 +141,52 @@ def test_queue_waits_for_capacity_then_admits_or_times_out():
         assert admission.num_queued == 0
 
     asyncio.run(scenario())
+
+
+def colocated_worker(prior_prompts=(), now=100.0) -> tuple[Admission, WorkerHandle]:
+    """One colocated worker running one request; ``prior_prompts``: (seconds ago, tokens)."""
+    registry = WorkerRegistry()
+    w = WorkerHandle("c0", "colocated", None, "n", "cpu",
+                     stats("c0", "colocated", decode_steps() + prefill_steps(), running=1))
+    for ago, tokens in prior_prompts:
+        w.begin_prefill(tokens, now=now - ago)
+        w.end_prefill(tokens)
+    registry.add(w)
+    admission = Admission(registry)
+    admission.observe_stats(w)
+    return admission, w
+
+
+@pytest.mark.parametrize("prior, share", [
+    ((), 200),                                   # only its own prompt
+    (((0.5, 1000), (1.0, 1000), (1.5, 1000)), 3200),
+    (((1.0, 1000), (60.0, 5000)), 1200),         # 60 s ago is outside one lifetime (32 x 50 ms = 1.6 s)
+])
+def test_colocated_tpot_is_stretched_by_the_prefill_share(prior, share):
+    admission, w = colocated_worker(prior)
+    s = spec(prompt=200, ttft=5.0, tpot=0.05)
+    p = admission.predict(s, None, w, now=100.0)
+    step = admission.model("c0").predict(2, 200, 2)
+    per_token = admission.model("c0").seconds_per_prefill_token()
+    u = share * per_token / (32 * 0.05)
+    assert p.tpot_s == pytest.approx(step / (1 - u), rel=1e-6)
+
+
+def test_colocated_worker_saturated_by_prefill_queues_new_requests():
+    admission, w = colocated_worker([(i * 0.1, 1000) for i in range(20)])  # 2 s of prefill in 1.6 s
+    decision = admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0)
+    assert decision.action == "queue" and "TPOT" in decision.reason
+
+
+def test_colocated_ttft_counts_prompts_the_router_sent_and_the_worker_has_not_prefilled():
+    admission, w = colocated_worker()
+    w.begin_prefill(3000, now=100.0)   # sent, no first token yet
+    per_token = admission.model("c0").seconds_per_prefill_token()
+    p = admission.predict(spec(prompt=200, ttft=5.0, tpot=0.05), None, w, now=100.0)
+    assert p.ttft_s == pytest.approx(3200 * per_token, rel=1e-6)
+    w.end_prefill(3000)
+    p = admission.predict(spec(prompt=200, ttft=5.0, tpot=0.05), None, w, now=100.0)
+    assert p.ttft_s == pytest.approx(200 * per_token, rel=1e-6)
 
 
 def test_step_time_model_fits_linear_steps():
