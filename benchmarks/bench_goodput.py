@@ -37,8 +37,11 @@ Procedure
      is logged). Where a system's lowest rate misses 90% attainment, up to two halvings are added (fewer
      prompts, about ``--extra-run-s`` seconds each); where (a)/(b) still meet 90% at the top rate, one doubling.
   4. (d) runs the better mode's rates plus R2 = 2 x its capacity (the rate where its attainment crosses 90%,
-     interpolated); if the better mode has no run within 10% of R2, one more admission-on run is made there.
-  5. (c) runs last, after Ray is shut down, so no Ray process shares the cores with it.
+     interpolated) with ``--overload-prompts`` (a longer overload shows whether a system keeps up); the
+     better mode gets the same R2 run with admission on (a sweep run within 10% is reused only when it had
+     as many prompts).
+  5. (c) runs last, after Ray is shut down, so no Ray process shares the cores with it; ``--peer-rates`` and
+     ``--peer-prompts`` place its ladder where it saturates (it saturates far below pdserve).
 
 Reported (``summary.txt``, ``summary.json``): unloaded TTFT/TPOT per system; per rate attainment, goodput,
 throughput, rejection rate; per system the goodput at 90% attainment = the highest measured rate whose
@@ -395,11 +398,13 @@ class Bench:
 
 
 def sweep(bench: Bench, target: Target, res: SystemResult, rates: list[float], slo: SLO, *,
-          extend_down: bool, extend_up: bool) -> None:
-    """The rates in order on one running system, then halvings/doublings as the results ask for."""
+          extend_down: bool, extend_up: bool, prompts: dict[float, int] | None = None) -> None:
+    """The rates in order on one running system, then halvings/doublings as the results ask for.
+    ``prompts``: a different number of prompts at some rates (the overload run)."""
     warmups = 2
     for rate in sorted(rates):
-        res.add(bench.rate(target, res.label, rate, bench.args.num_prompts, slo, warmups=warmups))
+        n = (prompts or {}).get(rate, bench.args.num_prompts)
+        res.add(bench.rate(target, res.label, rate, n, slo, warmups=warmups))
         warmups = 0
     for _ in range(2 if extend_down else 0):
         lowest = min(r["request_rate"] for r in res.doc["runs"])
@@ -596,7 +601,9 @@ def run_session(args) -> list[SystemResult]:
                 with transformers_session(args, model_dir, tmp / "transformers-serve.log") as target:
                     res.unloaded, doc = bench.unloaded(target, res.label)
                     report.save_result(doc, out_dir / f"unloaded-{res.label}.json")
-                    sweep(bench, target, res, rates, slo, extend_down=True, extend_up=False)
+                    peer_rates = args.peer_rates or rates
+                    sweep(bench, target, res, peer_rates, slo, extend_down=True, extend_up=False,
+                          prompts={r: args.peer_prompts for r in peer_rates})
     finally:
         if ray_up:
             import ray
@@ -617,26 +624,41 @@ def better_mode(args, results: dict[str, SystemResult]) -> str:
 
 def run_no_admission(args, bench: Bench, results: dict[str, SystemResult], rates: list[float], slo: SLO,
                      out_dir: Path) -> None:
-    """(d): the better mode's rates with admission off, plus R2 = 2x the better mode's capacity; the better
-    mode gets one more (admission on) run at R2 when it has none within 10% of it."""
+    """(d): the better mode's rates with admission off, plus R2 = 2x the better mode's capacity with
+    ``--overload-prompts`` prompts; the better mode gets the same R2 run with admission on (a sweep
+    run there is reused only when it had as many prompts)."""
     key = better_mode(args, results)
     on = results.get(key)
     on_doc = on.doc if on else None
     d_rates = {r["request_rate"] for r in on_doc["runs"]} if on_doc else set(rates)
     cap = capacity(on_doc) if on_doc else None
+    prompts: dict[float, int] = {}
     if cap is not None:
         args.capacity = cap
-        near = nearest_run(on_doc, 2 * cap)
-        args.r2 = near["request_rate"] if near else round_rate(2 * cap)
+        args.r2 = overload_rate(args, on_doc, cap)
         d_rates.add(args.r2)
+        prompts[args.r2] = args.overload_prompts
     res = results["d"] = SystemResult("d", f"{LABELS[key]}-noadmit", describe(args, key) + ", admission OFF",
                                       out_dir=out_dir)
     with guarded(res), pdserve_session(args, key, admission=False, slo=slo) as target:
-        sweep(bench, target, res, sorted(d_rates), slo, extend_down=False, extend_up=False)
+        sweep(bench, target, res, sorted(d_rates), slo, extend_down=False, extend_up=False, prompts=prompts)
     if args.r2 is not None and run_at(on_doc, args.r2) is None:
-        on.notes.append(f"added {args.r2:g} req/s = 2x its capacity, for the admission on/off comparison")
+        on.notes.append(f"added {args.r2:g} req/s = 2x its capacity ({args.overload_prompts} prompts), "
+                        "for the admission on/off comparison")
         with guarded(on), pdserve_session(args, key, admission=True, slo=slo) as target:
-            on.add(bench.rate(target, on.label, args.r2, args.num_prompts, slo, warmups=2))
+            on.add(bench.rate(target, on.label, args.r2, args.overload_prompts, slo, warmups=2))
+
+
+def overload_rate(args, on_doc: dict, cap: float) -> float:
+    """2x capacity: a sweep run within 10% of it when it had ``--overload-prompts`` prompts,
+    else a rate of its own (nudged off any sweep rate, so runs stay distinct by rate)."""
+    near = nearest_run(on_doc, 2 * cap)
+    if near and near["summary"]["submitted"] == args.overload_prompts:
+        return near["request_rate"]
+    rate = round_rate(2 * cap)
+    while run_at(on_doc, rate) is not None:
+        rate = round_rate(rate * 1.05)
+    return rate
 
 
 # ---------------------------------------------------------------- summary
@@ -658,6 +680,8 @@ def summarize(args, results: list[SystemResult]) -> tuple[str, dict]:
         f"{args.num_prompts} prompts per rate",
         f"SLO (one for all): TTFT <= {slo.ttft_ms:.1f} ms, TPOT <= {slo.tpot_ms:.1f} ms  <- {slo.source}",
         f"rates: {', '.join(f'{r:g}' for r in args.rates_used)} req/s  <- {args.rates_why}",
+        f"transformers serve: rates {', '.join(f'{r:g}' for r in (args.peer_rates or args.rates_used))} req/s, "
+        f"{args.peer_prompts} prompts per rate; 2x-capacity runs: {args.overload_prompts} prompts",
         "goodput@90 = goodput at the highest measured rate with attainment >= 90% (crossing = interpolated 90% point)",
         "",
     ]
@@ -737,7 +761,7 @@ def comparisons(args, results: dict[str, SystemResult], data: dict) -> list[str]
             frac_off = g_off / peak_off if peak_off else math.nan
             cap = getattr(args, "capacity", None)
             lines.append(f"  at 2x capacity: {r2:g} req/s (capacity = where {results[best].label}'s attainment crosses "
-                         f"90%{f' ~{cap:.2f} req/s; the nearest run within 10% of 2x is used' if cap else ''}):")
+                         f"90%{f' ~{cap:.2f} req/s' if cap else ''}; {run_on['summary']['submitted']} prompts):")
             lines.append(f"    admission on : goodput {g_on:.3f} = {frac_on:.0%} of its peak {peak_on:.3f}, "
                          f"rejected {run_on['summary']['rejected']}/{run_on['summary']['submitted']}   "
                          f"target >= 90% of peak   {'PASS' if frac_on >= 0.9 else 'MISS'}")
@@ -778,6 +802,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="x estimated capacity (default 0.25,0.5,1,1.5,2,3; --quick 0.5,1,2)")
     p.add_argument("--num-prompts", type=int, default=None, help="per rate (default 40; --quick 8)")
     p.add_argument("--unloaded-prompts", type=int, default=None, help="default 6; --quick 3")
+    p.add_argument("--overload-prompts", type=int, default=None,
+                   help="prompts of the 2x-capacity runs, admission on and off (default: --num-prompts); more "
+                        "prompts make a longer overload, where a system without admission keeps falling behind")
+    p.add_argument("--peer-rates", type=lambda s: [float(x) for x in s.split(",") if x.strip()], default=None,
+                   help="rates for transformers serve (default: the same rates as pdserve)")
+    p.add_argument("--peer-prompts", type=int, default=None, help="prompts per rate for transformers serve "
+                   "(default: --num-prompts)")
     p.add_argument("--input-len", type=int, default=None, help="default 256; --quick 64")
     p.add_argument("--output-len", type=int, default=None, help="default 64; --quick 16")
     p.add_argument("--range-ratio", type=float, default=0.5)
@@ -807,6 +838,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.overload_prompts = args.overload_prompts or args.num_prompts
+    args.peer_prompts = args.peer_prompts or args.num_prompts
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if set(args.systems) - set("abcd"):
         p.error(f"--systems takes a,b,c,d; got {args.systems}")

@@ -7,9 +7,12 @@ in-flight counts and step-time models fitted online (``router.step_model``):
   TPOT = the decode worker's step time with this request added (batch size, KV tokens),
          divided by (1 - u) when that worker also prefills (colocated, or conditional
          disaggregation): u is the share of its time prefill will take while this request
-         decodes, from the prompt tokens assigned to it over the last request lifetime plus
-         this prompt. Prefill steps stall every decode on that worker, so a worker at u = 0.5
+         decodes, from the rate of prompt tokens sent to it (decayed over 20 s) plus this
+         prompt spread over the request's lifetime. Prefill steps stall every decode on that worker, so a worker at u = 0.5
          delivers tokens at half its decode speed; near u = 1 nothing meets a TPOT target.
+Both predictions are scaled by an online correction: a log-space EMA of observed / predicted
+per finished request (TTFT at the first token, TPOT at the end), absorbing what the models leave
+out (RPC latency, contention from other processes, load that arrives later).
 Conditional disaggregation: the decode worker prefilling the prompt itself is a candidate too
 (no hand-off, but its prefill interferes with its decodes); it is taken when it predicts more
 headroom, which on this kind of machine happens for short prompts.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -36,7 +40,11 @@ from router.step_model import StepTimeModel
 
 logger = logging.getLogger(__name__)
 
-SAFETY = 0.8             # predictions must fit 80% of a target: models are fitted, not exact
+# Predictions must fit a share of their target: the models are fitted, not exact. TTFT is a hard
+# per-request deadline predicted from a queue (errors add up), TPOT an average over a lifetime
+# whose bias the online correction tracks.
+TTFT_SAFETY = 0.8
+TPOT_SAFETY = 0.9
 MAX_PREFILL_SHARE = 0.95 # beyond this a worker that prefills is treated as saturated
 DEFAULT_TPOT_S = 0.1     # sizes the prefill-load window when a request has no TPOT target
 PRIORITY_STEP = 0.15     # each lower priority class gets 15% less of its targets
@@ -75,6 +83,7 @@ class Admission:
         # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
         # shut admission down.
         self.ttft_correction = 1.0
+        self.tpot_correction = 1.0     # the same for TPOT: contention, future load, batching
         self._changed = asyncio.Condition()
         self.num_queued = 0
 
@@ -90,11 +99,10 @@ class Admission:
         self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
 
     def observe_ttft(self, predicted_s: float | None, observed_s: float) -> None:
-        """``predicted_s`` already carries the correction: move it geometrically toward the
-        observed/predicted ratio (an EMA in log space), so it converges on the true bias."""
-        if predicted_s:
-            ratio = observed_s / predicted_s
-            self.ttft_correction = min(3.0, max(0.8, self.ttft_correction * ratio ** 0.2))
+        self.ttft_correction = _corrected(self.ttft_correction, predicted_s, observed_s, 0.8, 3.0)
+
+    def observe_tpot(self, predicted_s: float | None, observed_s: float) -> None:
+        self.tpot_correction = _corrected(self.tpot_correction, predicted_s, observed_s, 0.5, 2.0)
 
     def model(self, worker_id: str) -> StepTimeModel:
         return self.models.setdefault(worker_id, StepTimeModel())
@@ -134,18 +142,19 @@ class Admission:
         if step is None:
             return None
         share = self._prefill_share(spec, decode, prompt if prefills_here else 0, now)
-        return step / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
+        tpot = step * self.tpot_correction / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
+        logger.debug("%s tpot: seqs %d step %.3f share %.2f correction %.2f -> %.3f s",
+                     decode.worker_id, seqs, step, share, self.tpot_correction, tpot)
+        return tpot
 
     def _prefill_share(self, spec: RequestSpec, worker: WorkerHandle, prompt: int, now: float) -> float:
-        """Fraction of ``worker``'s time prefill takes over one request lifetime (max_tokens x
-        TPOT target): the prompt tokens sent to it in the last such window, plus ``prompt``,
-        as a rate, times its seconds per prefill token. Recent arrivals stand in for the
-        ones to come: the same traffic keeps arriving while this request decodes."""
-        window = spec.sampling.max_tokens * (self._targets(spec)[1] or DEFAULT_TPOT_S)
-        tokens = worker.prefill_tokens_since(now - window) + prompt
-        if tokens == 0:
-            return 0.0
-        return tokens * (self._prefill_seconds_per_token(None) or 0.0) / window
+        """Fraction of ``worker``'s time prefill takes while this request decodes: the rate of
+        prompt tokens sent to it (recent traffic stands in for what keeps arriving) plus this
+        prompt spread over the request's lifetime (max_tokens x TPOT target), times its
+        seconds per prefill token."""
+        per_token = self._prefill_seconds_per_token(None) or 0.0
+        lifetime = spec.sampling.max_tokens * (self._targets(spec)[1] or DEFAULT_TPOT_S)
+        return per_token * (worker.prefill_token_rate(now) + prompt / lifetime)
 
     def candidates(self, spec: RequestSpec, now: float | None = None) -> list[Prediction]:
         decodes = self.registry.alive("decode")
@@ -172,9 +181,9 @@ class Admission:
         best = max(preds, key=lambda p: p.headroom(ttft_t, tpot_t))
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision("admit", "idle", best)
-        if ttft_t and best.ttft_s > ttft_t * SAFETY:
+        if ttft_t and best.ttft_s > ttft_t * TTFT_SAFETY:
             return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms > target {ttft_t * 1e3:.0f} ms", best)
-        if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * SAFETY:
+        if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
             return Decision("queue", f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not _has_kv_room(best.decode, spec):
             return Decision("queue", "decode KV cache full", best)
@@ -222,6 +231,15 @@ class Admission:
         ttft = spec.slo.ttft_s * scale if spec.slo.ttft_s else None
         tpot = spec.slo.tpot_s * scale if spec.slo.tpot_s else None
         return ttft, tpot
+
+
+def _corrected(current: float, predicted_s: float | None, observed_s: float, low: float, high: float) -> float:
+    """``predicted_s`` already carries ``current``: move it geometrically toward the
+    observed/predicted ratio (an EMA in log space), so it converges on the true bias; clamped
+    so one outlier can't shut admission down or open it wide."""
+    if not predicted_s or not math.isfinite(predicted_s) or observed_s <= 0:
+        return current
+    return min(high, max(low, current * (observed_s / predicted_s) ** 0.2))
 
 
 def _load(p: Prediction) -> tuple[int, int, int]:

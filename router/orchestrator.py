@@ -32,6 +32,8 @@ from router.streams import DecodeStreams
 
 logger = logging.getLogger(__name__)
 
+MIN_TOKENS_FOR_TPOT = 8   # shorter outputs say little about a worker's decode speed
+
 
 @dataclass(slots=True)
 class RequestTrace:
@@ -129,6 +131,8 @@ class Orchestrator:
                 prefiller.end_prefill(num_prompt)
             if not finished:
                 self._abort_later(spec.req_id, prefill, decode)
+            elif len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
+                self.admission.observe_tpot(pair.tpot_s, trace.timings().tpot_s)
             self._capacity_changed()
 
     async def _start(self, spec, prefill, decode, trace) -> TokenDelta | None:

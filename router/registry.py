@@ -3,21 +3,21 @@
 Life cycle: the launcher ``add``s each started worker; stats arrive with every decode
 stream batch and after each prefill; the router counts what it has in flight per worker
 (stats lag by a step, its own counters do not): requests, prompt tokens still to prefill, and
-a log of recent prefill assignments (the prefill load a colocated worker will carry while a
-new request decodes); a worker whose calls fail is marked dead and never picked again.
+the rate of prompt tokens sent here to prefill (the prefill load a colocated worker will carry
+while a new request decodes); a worker whose calls fail is marked dead and never picked again.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import WorkerStats
 from kvtransfer.select import choose_transport
 
-PREFILL_LOG_HORIZON_S = 600.0
+PREFILL_RATE_TAU_S = 20.0
 
 
 @dataclass(slots=True, eq=False)
@@ -32,7 +32,8 @@ class WorkerHandle:
     num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
     alive: bool = True
     shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
-    prefill_log: deque[tuple[float, int]] = field(default_factory=deque)  # (time, prompt tokens)
+    _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
+    _prefill_rate_at: float = 0.0
 
     def begin(self) -> None:
         self.num_inflight += 1
@@ -41,19 +42,19 @@ class WorkerHandle:
         self.num_inflight -= 1
 
     def begin_prefill(self, num_tokens: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
         self.num_prefill_tokens += num_tokens
-        self.prefill_log.append((time.perf_counter() if now is None else now, num_tokens))
+        self._prefill_rate = self.prefill_token_rate(now) + num_tokens / PREFILL_RATE_TAU_S
+        self._prefill_rate_at = now
 
     def end_prefill(self, num_tokens: int) -> None:
         self.num_prefill_tokens -= num_tokens
 
-    def prefill_tokens_since(self, since: float) -> int:
-        """Prompt tokens assigned here after ``since`` (entries older than the log's horizon
-        are dropped)."""
-        horizon = (self.prefill_log[-1][0] if self.prefill_log else 0.0) - PREFILL_LOG_HORIZON_S
-        while self.prefill_log and self.prefill_log[0][0] < horizon:
-            self.prefill_log.popleft()
-        return sum(n for t, n in self.prefill_log if t >= since)
+    def prefill_token_rate(self, now: float) -> float:
+        """Prompt tokens per second assigned here to prefill, exponentially decayed (time
+        constant ``PREFILL_RATE_TAU_S``): smooth enough that a Poisson burst does not read as a
+        new load level, quick enough to follow a change of traffic within a minute."""
+        return self._prefill_rate * math.exp(-max(0.0, now - self._prefill_rate_at) / PREFILL_RATE_TAU_S)
 
 
 @dataclass(slots=True)

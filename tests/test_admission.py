@@ -5,13 +5,14 @@ headroom. No Ray: worker handles carry stats only."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from engine.errors import CapacityError
 from engine.types import RequestSpec, SamplingParams, SLOTarget, StepTiming, WorkerStats
 from router.admission import Admission
-from router.registry import WorkerHandle, WorkerRegistry
+from router.registry import PREFILL_RATE_TAU_S, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 
 PREFILL_S_PER_TOKEN = 1e-4   # 10k prompt tokens/s
@@ -157,23 +158,20 @@ def colocated_worker(prior_prompts=(), now=100.0) -> tuple[Admission, WorkerHand
     return admission, w
 
 
-@pytest.mark.parametrize("prior, share", [
-    ((), 200),                                   # only its own prompt
-    (((0.5, 1000), (1.0, 1000), (1.5, 1000)), 3200),
-    (((1.0, 1000), (60.0, 5000)), 1200),         # 60 s ago is outside one lifetime (32 x 50 ms = 1.6 s)
-])
-def test_colocated_tpot_is_stretched_by_the_prefill_share(prior, share):
-    admission, w = colocated_worker(prior)
-    s = spec(prompt=200, ttft=5.0, tpot=0.05)
-    p = admission.predict(s, None, w, now=100.0)
+@pytest.mark.parametrize("prior", [(), ((0.5, 1000), (1.0, 1000), (1.5, 1000)), ((1.0, 1000), (300.0, 5000))],
+                         ids=["own prompt only", "recent traffic", "old traffic has decayed"])
+def test_colocated_tpot_is_stretched_by_the_prefill_share(prior):
+    admission, w = colocated_worker(sorted(prior, reverse=True))
+    p = admission.predict(spec(prompt=200, ttft=5.0, tpot=0.05), None, w, now=100.0)
     step = admission.model("c0").predict(2, 200, 2)
     per_token = admission.model("c0").seconds_per_prefill_token()
-    u = share * per_token / (32 * 0.05)
+    rate = sum(n / PREFILL_RATE_TAU_S * math.exp(-ago / PREFILL_RATE_TAU_S) for ago, n in prior)
+    u = per_token * (rate + 200 / (32 * 0.05))   # + its own prompt over its lifetime (32 tokens x 50 ms)
     assert p.tpot_s == pytest.approx(step / (1 - u), rel=1e-6)
 
 
 def test_colocated_worker_saturated_by_prefill_queues_new_requests():
-    admission, w = colocated_worker([(i * 0.1, 1000) for i in range(20)])  # 2 s of prefill in 1.6 s
+    admission, w = colocated_worker([(i, 20_000) for i in range(40, 0, -1)])  # ~1.5 s of prefill per second
     decision = admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0)
     assert decision.action == "queue" and "TPOT" in decision.reason
 
@@ -195,3 +193,19 @@ def test_step_time_model_fits_linear_steps():
     model.observe(decode_steps())  # repeats are ignored
     assert model.predict(10, 2000, 10) == pytest.approx(0.010 + 0.010 + 0.002, rel=0.05)
     assert model.seconds_per_prefill_token() is None, "decode-only steps say nothing about prefill speed"
+
+
+def test_corrections_converge_on_the_observed_bias_and_stay_clamped():
+    admission, w = colocated_worker()
+    s = spec(prompt=200, ttft=5.0, tpot=0.05)
+    for _ in range(60):  # the worker runs 1.5x slower than its model says
+        p = admission.predict(s, None, w, now=100.0)
+        admission.observe_tpot(p.tpot_s, 1.5 * p.tpot_s / admission.tpot_correction)
+        admission.observe_ttft(p.ttft_s, 1.5 * p.ttft_s / admission.ttft_correction)
+    assert admission.tpot_correction == pytest.approx(1.5, rel=0.01)
+    assert admission.ttft_correction == pytest.approx(1.5, rel=0.01)
+    for _ in range(60):
+        admission.observe_tpot(0.01, 100.0)
+    assert admission.tpot_correction == 2.0
+    admission.observe_tpot(float("inf"), 0.01)   # a saturated prediction teaches nothing
+    assert admission.tpot_correction == 2.0
