@@ -26,6 +26,7 @@ import torch
 
 from engine import kv_cache
 from engine.config import EngineConfig, EngineRole
+from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
@@ -92,8 +93,6 @@ class LLMEngine:
         self._validate(spec)
         needed = -(-len(spec.prompt_token_ids) // self.config.block_size)
         if needed > self.kv.num_free_blocks:
-            from engine.errors import CapacityError
-
             raise CapacityError(f"{needed} KV blocks needed, {self.kv.num_free_blocks} free")
         return self.scheduler.park(self._new_request(spec))
 
@@ -119,7 +118,7 @@ class LLMEngine:
 
     # ---- the step loop -------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self.scheduler._pending_aborts)
+        return self.scheduler.has_work
 
     def step(self) -> StepResult:
         start = time.perf_counter()
@@ -201,8 +200,6 @@ class LLMEngine:
     def _validate(self, spec: RequestSpec) -> None:
         validate_spec(spec, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         if spec.req_id in self.scheduler.requests or spec.req_id in self.scheduler.held:
-            from engine.errors import InvalidRequestError
-
             raise InvalidRequestError("request_id", f"{spec.req_id!r} is already in flight")
 
     def _new_request(self, spec: RequestSpec) -> Request:

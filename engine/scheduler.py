@@ -59,6 +59,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ---- queue entry points -------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Something to schedule, or an abort to apply at the next step boundary."""
+        return bool(self.waiting or self.running or self._pending_aborts)
+
     def add(self, request: Request) -> None:
         self.requests[request.req_id] = request
         self._enqueue_waiting(request)

@@ -8,16 +8,20 @@ in-flight counts and step-time models fitted online (``router.step_model``):
          divided by (1 - u) when that worker also prefills (colocated, or conditional
          disaggregation): u is the share of its time prefill will take while this request
          decodes, from the rate of prompt tokens sent to it (decayed over 20 s) plus this
-         prompt spread over the request's lifetime. Prefill steps stall every decode on that worker, so a worker at u = 0.5
-         delivers tokens at half its decode speed; near u = 1 nothing meets a TPOT target.
+         prompt spread over the request's lifetime. Prefill steps stall every decode on that
+         worker, so at u = 0.5 it delivers tokens at half its decode speed; near u = 1 nothing
+         meets a TPOT target.
 Both predictions are scaled by an online correction: a log-space EMA of observed / predicted
 per finished request (TTFT at the first token, TPOT at the end), absorbing what the models leave
 out (RPC latency, contention from other processes, load that arrives later).
-Conditional disaggregation: the decode worker prefilling the prompt itself is a candidate too
-(no hand-off, but its prefill interferes with its decodes); it is taken when it predicts more
-headroom, which on this kind of machine happens for short prompts.
+Pair choice: among the pairs predicted to meet both targets, disaggregated pairs first, then
+the lowest TTFT (balances prefill queues), then the most headroom. Conditional disaggregation:
+the decode worker prefilling the prompt itself is a candidate too (no hand-off, but its prefill
+interferes with its decodes); it is taken when no prefill worker can meet the request's TTFT
+and its own predictions fit: extra prefill capacity exactly when the prefill side is the
+bottleneck.
 Decision (targets scaled down for lower priority classes, so they are shed first):
-  admit  - both predictions within target: the pair with the most headroom runs it;
+  admit  - both predictions within target: the chosen pair runs it;
   queue  - TTFT fits but the decode side is full (TPOT over target, or no KV room): wait for
            capacity until the TTFT deadline, re-evaluated whenever a worker reports;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
@@ -178,7 +182,7 @@ class Admission:
         if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
             return Decision("admit", "best_effort" if self.enabled else "admission_off", best)
-        best = max(preds, key=lambda p: p.headroom(ttft_t, tpot_t))
+        best = self._choose(spec, preds, ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision("admit", "idle", best)
         if ttft_t and best.ttft_s > ttft_t * TTFT_SAFETY:
@@ -188,6 +192,20 @@ class Admission:
         if not _has_kv_room(best.decode, spec):
             return Decision("queue", "decode KV cache full", best)
         return Decision("admit", "within_slo", best)
+
+    @staticmethod
+    def _choose(spec: RequestSpec, preds: list[Prediction], ttft_t: float | None, tpot_t: float | None) -> Prediction:
+        """Among the pairs predicted to meet both targets (with KV room): disaggregated ones
+        first (a decode worker takes a prompt only when no prefill worker can meet its TTFT),
+        then the lowest TTFT (it balances prefill queues; TPOT already fits), then the most
+        headroom. When none meets both: the most headroom among those meeting TTFT (the
+        request may queue for decode capacity), else among all (it will be rejected)."""
+        fits_ttft = [p for p in preds if _within(p.ttft_s, ttft_t, TTFT_SAFETY)]
+        fits = [p for p in fits_ttft if _within(p.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(p.decode, spec)]
+        if fits:
+            pool = [p for p in fits if p.prefill is not None] or fits
+            return min(pool, key=lambda p: (p.ttft_s, -p.headroom(ttft_t, tpot_t)))
+        return max(fits_ttft or preds, key=lambda p: p.headroom(ttft_t, tpot_t))
 
     async def acquire(self, spec: RequestSpec, metrics=None) -> Prediction:
         """Admit (returning the pair), wait in the queue, or raise CapacityError."""
@@ -240,6 +258,10 @@ def _corrected(current: float, predicted_s: float | None, observed_s: float, low
     if not predicted_s or not math.isfinite(predicted_s) or observed_s <= 0:
         return current
     return min(high, max(low, current * (observed_s / predicted_s) ** 0.2))
+
+
+def _within(predicted: float | None, target: float | None, safety: float) -> bool:
+    return not target or predicted is None or predicted <= target * safety
 
 
 def _load(p: Prediction) -> tuple[int, int, int]:

@@ -96,15 +96,18 @@ def test_lower_priority_is_shed_first():
     assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=2)).action == "reject"
 
 
-def test_pair_with_most_headroom_is_chosen():
+def test_pairs_tied_on_ttft_are_chosen_by_headroom():
     admission = cluster(decode_inflight=20, num_decode=2)
     decision = admission.decide(spec(ttft=0.5, tpot=0.05))
     assert decision.action == "admit" and decision.prediction.decode.worker_id == "d1"
 
 
-def test_conditional_disaggregation_prefills_short_prompts_on_decode_when_it_predicts_better():
+def test_conditional_disaggregation_prefills_on_decode_only_when_the_prefill_side_misses_ttft():
     admission = cluster(prefill_inflight_tokens=3_000, conditional=True)
-    short = admission.decide(spec(prompt=16, ttft=0.5, tpot=0.05))
+    fits = admission.decide(spec(prompt=16, ttft=0.5, tpot=0.05))   # 0.30 s <= 0.8 x 0.5 s
+    assert fits.action == "admit" and fits.prediction.prefill is not None, "decode workers stay clean when they can"
+    admission = cluster(prefill_inflight_tokens=4_500, conditional=True)
+    short = admission.decide(spec(prompt=16, ttft=0.5, tpot=0.05))  # 0.45 s > 0.4 s: the prefill side misses
     assert short.action == "admit" and short.prediction.prefill is None, "short prompt skips the busy prefill worker"
     admission.handoff_s = 0.0
     long_prompt = cluster(conditional=True).decide(spec(prompt=2000, ttft=0.5, tpot=0.05))
@@ -174,6 +177,19 @@ def test_colocated_worker_saturated_by_prefill_queues_new_requests():
     admission, w = colocated_worker([(i, 20_000) for i in range(40, 0, -1)])  # ~1.5 s of prefill per second
     decision = admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0)
     assert decision.action == "queue" and "TPOT" in decision.reason
+
+
+def test_colocated_pair_choice_balances_prefill_queues():
+    registry = WorkerRegistry()
+    for i in range(2):
+        registry.add(WorkerHandle(f"c{i}", "colocated", None, "n", "cpu",
+                                  stats(f"c{i}", "colocated", decode_steps() + prefill_steps(), running=1 + 3 * i)))
+    registry.decode[0].begin_prefill(2000, now=100.0)   # c0: fewer running requests, longer prefill queue
+    admission = Admission(registry)
+    for w in registry.all:
+        admission.observe_stats(w)
+    decision = admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0)
+    assert decision.action == "admit" and decision.prediction.decode.worker_id == "c1"
 
 
 def test_colocated_ttft_counts_prompts_the_router_sent_and_the_worker_has_not_prefilled():
