@@ -59,6 +59,8 @@ for all systems (attainment_vs_rate, goodput_vs_rate, ttft_cdf, tpot_cdf) and fo
 
 Usage:
   python benchmarks/bench_goodput.py                      # the full session (~25 min on a quiet 2-core machine)
+  python benchmarks/bench_goodput.py --rates 0.4,0.55,0.7,0.85,1.0 --num-prompts 40 --overload-prompts 96 \
+      --peer-rates 0.2,0.25,0.3,0.35,0.4 --peer-prompts 24   # the recorded sessions (~43 min)
   python benchmarks/bench_goodput.py --quick              # tiny random model, a,b,d only, ~2 min: checks the script
   python benchmarks/bench_goodput.py --quick --systems a,b,c,d   # + transformers serve on a tiny random Llama
   python benchmarks/bench_goodput.py --systems a,b --rates 1,2,4 --num-prompts 30

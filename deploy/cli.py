@@ -73,6 +73,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-ms", type=float, default=None, help="default TTFT target")
     p.add_argument("--tpot-ms", type=float, default=None, help="default TPOT target")
     p.add_argument("--default-max-tokens", type=int, default=128)
+    p.add_argument("--no-admission", action="store_true",
+                   help="admit every request on the least loaded pair (no SLO predictions, no rejections)")
+    p.add_argument("--no-conditional-disagg", action="store_true",
+                   help="never prefill on a decode worker, even when the prefill side would miss TTFT")
     p.set_defaults(run=_run_serve)
 
 
@@ -95,6 +99,7 @@ def cluster_config(args: argparse.Namespace):
         prefill_engine=engine(), decode_engine=engine(), cpus_per_worker=args.cpus_per_worker,
         threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
+        admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
     )
 
 

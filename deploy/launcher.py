@@ -60,7 +60,7 @@ class ClusterConfig:
     allow_fault_injection: bool = False  # tests only
     metrics_port: int | None = None      # Prometheus exposition on the router; None: off, 0: any free port
     admission: bool = True               # SLO-aware admission (off: admit everything, least loaded)
-    conditional_disagg: bool = True      # let admission prefill short prompts on the decode worker
+    conditional_disagg: bool = True      # let admission prefill on a decode worker when the prefill side misses TTFT
 
 
 class Cluster:

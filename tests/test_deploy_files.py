@@ -171,3 +171,15 @@ def test_cluster_yaml_passes_ray_up_checks():
     assert cfg["head_node_type"] not in gpu
     assert any("pip install" in c and "pdserve" in c for c in cfg["head_setup_commands"])
     assert any("torch==2.13.0" in c for c in cfg["worker_setup_commands"])
+
+
+def test_serve_flags_reach_the_cluster_config():
+    from deploy.cli import _parser, cluster_config
+
+    args = _parser().parse_args(["serve", "--mode", "colocated", "--ttft-ms", "500", "--tpot-ms", "50",
+                                 "--no-admission", "--no-conditional-disagg"])
+    cfg = cluster_config(args)
+    assert (cfg.mode, cfg.admission, cfg.conditional_disagg) == ("colocated", False, False)
+    assert cfg.defaults == {"max_tokens": 128, "ttft_s": 0.5, "tpot_s": 0.05}
+    default = cluster_config(_parser().parse_args(["serve"]))
+    assert default.admission and default.conditional_disagg
