@@ -49,9 +49,9 @@ logger = logging.getLogger(__name__)
 # whose bias the online correction tracks.
 TTFT_SAFETY = 0.8
 TPOT_SAFETY = 0.9
-MAX_PREFILL_SHARE = 0.95 # beyond this a worker that prefills is treated as saturated
-DEFAULT_TPOT_S = 0.1     # sizes the prefill-load window when a request has no TPOT target
-PRIORITY_STEP = 0.15     # each lower priority class gets 15% less of its targets
+MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as saturated
+DEFAULT_TPOT_S = 0.1      # sizes the prefill-load window when a request has no TPOT target
+PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
 
 
