@@ -28,6 +28,8 @@ class StepTimeModel:
         self._seen: set[tuple] = set()
         self._coef: np.ndarray | None = None
         self._dirty = False
+        self._spt: float | None = None
+        self._spt_dirty = False
 
     def observe(self, steps: tuple[StepTiming, ...]) -> None:
         """Add steps not seen before (a worker's recent steps arrive many times)."""
@@ -36,7 +38,7 @@ class StepTimeModel:
             if key not in self._seen:
                 self._seen.add(key)
                 self._steps.append(s)
-                self._dirty = True
+                self._dirty = self._spt_dirty = True
         if len(self._seen) > 4 * self._steps.maxlen:
             self._seen = {(s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s) for s in self._steps}
 
@@ -51,11 +53,15 @@ class StepTimeModel:
         return float(np.array([1.0, num_seqs, num_kv_tokens, num_tokens]) @ coef)
 
     def seconds_per_prefill_token(self) -> float | None:
-        """Step time per token over steps that are mostly prefill (decode-only steps excluded)."""
-        steps = [s for s in self._steps if 2 * s.num_prefill_tokens >= s.num_tokens > 0]
-        if not steps:
-            return None
-        return sum(s.duration_s for s in steps) / sum(s.num_tokens for s in steps)
+        """Step time per token over steps that are mostly prefill (decode-only steps excluded).
+        Cached until new steps arrive: admission asks for it per candidate pair, again for
+        every queued request each time a worker reports."""
+        if self._spt_dirty:
+            steps = [s for s in self._steps if 2 * s.num_prefill_tokens >= s.num_tokens > 0]
+            total = sum(s.num_tokens for s in steps)
+            self._spt = sum(s.duration_s for s in steps) / total if total else None
+            self._spt_dirty = False
+        return self._spt
 
     def _fit(self) -> np.ndarray | None:
         if not self.ready:

@@ -225,3 +225,13 @@ def test_corrections_converge_on_the_observed_bias_and_stay_clamped():
     assert admission.tpot_correction == 2.0
     admission.observe_tpot(float("inf"), 0.01)   # a saturated prediction teaches nothing
     assert admission.tpot_correction == 2.0
+
+
+def test_prefill_rate_follows_new_steps():
+    model = StepTimeModel()
+    model.observe(prefill_steps())
+    assert model.seconds_per_prefill_token() == pytest.approx(PREFILL_S_PER_TOKEN)
+    model.observe(tuple(StepTiming(1, t, t, t, 3 * t * PREFILL_S_PER_TOKEN) for t in (100, 200)))
+    # (64+128+256+512) tokens at 1x and 300 tokens at 3x
+    expected = (960 + 3 * 300) * PREFILL_S_PER_TOKEN / 1260
+    assert model.seconds_per_prefill_token() == pytest.approx(expected)

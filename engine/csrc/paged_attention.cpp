@@ -59,6 +59,30 @@ struct Params {
   float scale;
 };
 
+// One work item's scratch (H query heads of head_dim hd, blocks of bs tokens), carved from the
+// buffer `run` gives each thread.
+struct Scratch {
+  float* qs;     // [H, hd] scaled queries (local head hh * groups + g)
+  float* acc;    // [H, hd] unnormalized output
+  float* sc;     // [H, bs] scores, then weights, of the current block
+  float* mx;     // [H] running max
+  float* sum;    // [H] running sum of exp(score - max)
+  float* alpha;  // [H] rescale of acc for the current block
+  Scratch(float* s, int64_t H, int64_t hd, int64_t bs)
+      : qs(s), acc(qs + H * hd), sc(acc + H * hd), mx(sc + H * bs), sum(mx + H), alpha(sum + H) {}
+  static int64_t floats(int64_t H, int64_t hd, int64_t bs) { return 2 * H * hd + H * bs + 3 * H; }
+};
+
+// Block j of request i: where KV heads [h0, ..) of its first token start in the K (and V) cache.
+static inline int64_t block_offset(const Params& p, int64_t i, int64_t j, int64_t h0, int64_t hd) {
+  return (p.tables[i * p.table_stride + j] * p.block_size * p.kv_heads + h0) * hd;
+}
+
+// Tokens of request i held in its block j (the last block may be partly filled).
+static inline int64_t block_tokens(const Params& p, int64_t i, int64_t j) {
+  return std::min(p.block_size, p.ctx[i] - j * p.block_size);
+}
+
 // exp(x) for x <= 0, written with plain arithmetic so `omp simd` loops vectorize it
 // (glibc's expf only vectorizes under -ffast-math). Cody-Waite range reduction and a degree-6
 // polynomial on [-ln2/2, ln2/2]: relative error ~1e-7, below float32 rounding of the sums.
@@ -91,11 +115,8 @@ void attend_generic(const Params& p, int64_t i, int64_t h0, int64_t h1, float* s
   const int64_t G = p.groups, bs = p.block_size;
   const int64_t nh = h1 - h0, H = nh * G;      // KV heads, query heads of this item
   const int64_t tok_stride = p.kv_heads * hd;  // floats between consecutive tokens' rows
-  float* qs = scratch;              // [H, hd] scaled queries (local head hh * G + g)
-  float* acc = qs + H * hd;         // [H, hd] unnormalized output
-  float* sc = acc + H * hd;         // [H, bs] scores, then weights, of the current block
-  float* mx = sc + H * bs;          // [H] running max
-  float* sum = mx + H;              // [H] running sum of exp(score - max)
+  const Scratch buf(scratch, H, hd, bs);
+  float *qs = buf.qs, *acc = buf.acc, *sc = buf.sc, *mx = buf.mx, *sum = buf.sum;
 
   for (int64_t qh = 0; qh < H; ++qh) {
     const float* src = p.q + i * p.q_s0 + (h0 * G + qh) * p.q_s1;
@@ -108,12 +129,10 @@ void attend_generic(const Params& p, int64_t i, int64_t h0, int64_t h1, float* s
     sum[qh] = 0.0f;
   }
 
-  const int64_t ctx = p.ctx[i];
-  const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const int64_t* table = p.tables + i * p.table_stride;
+  const int64_t num_blocks = (p.ctx[i] + bs - 1) / bs;
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t nt = std::min(bs, ctx - j * bs);
-    const int64_t base = (table[j] * bs * p.kv_heads + h0) * hd;
+    const int64_t nt = block_tokens(p, i, j);
+    const int64_t base = block_offset(p, i, j, h0, hd);
     const float* kb = p.k + base;
     const float* vb = p.v + base;
 
@@ -278,12 +297,8 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
   constexpr int CHMAX = W == 16 ? 8 : 4;
   constexpr int CH = NV < CHMAX ? NV : CHMAX;
   constexpr int NCH = NV / CH;       // accumulator chunks per query head
-  float* qs = scratch;              // [H, hd] scaled queries
-  float* acc = qs + H * hd;         // [H, hd] unnormalized output
-  float* sc = acc + H * hd;         // [H, bs] scores, then weights, of the current block
-  float* mx = sc + H * bs;          // [H] running max
-  float* sum = mx + H;              // [H] running sum of exp(score - max)
-  float* alpha = sum + H;           // [H] rescale of acc for the current block
+  const Scratch buf(scratch, H, hd, bs);
+  float *qs = buf.qs, *acc = buf.acc, *sc = buf.sc, *mx = buf.mx, *sum = buf.sum, *alpha = buf.alpha;
 
   const vec scale = vset1(p.scale);
   for (int64_t qh = 0; qh < H; ++qh) {
@@ -296,12 +311,10 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
     sum[qh] = 0.0f;
   }
 
-  const int64_t ctx = p.ctx[i];
-  const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const int64_t* table = p.tables + i * p.table_stride;
+  const int64_t num_blocks = (p.ctx[i] + bs - 1) / bs;
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t nt = std::min(bs, ctx - j * bs);
-    const int64_t base = (table[j] * bs * p.kv_heads + h0) * hd;
+    const int64_t nt = block_tokens(p, i, j);
+    const int64_t base = block_offset(p, i, j, h0, hd);
     const float* kb = p.k + base;
     const float* vb = p.v + base;
     // Blocks are scattered, so the hardware prefetcher restarts at each one and the loads of a
@@ -309,8 +322,8 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
     // are requested while this block is scored and its V rows while this block is
     // accumulated, a few lines per step, so memory traffic overlaps the arithmetic.
     const bool more = j + 1 < num_blocks;
-    const int64_t next_base = more ? (table[j + 1] * bs * p.kv_heads + h0) * hd : 0;
-    const int64_t next_nt = more ? std::min(bs, ctx - (j + 1) * bs) : 0;
+    const int64_t next_base = more ? block_offset(p, i, j + 1, h0, hd) : 0;
+    const int64_t next_nt = more ? block_tokens(p, i, j + 1) : 0;
     const int64_t next_lines = next_nt * lines_per_row;
     Prefetcher pk{p.k + next_base, tok_stride, row, next_nt};
     Prefetcher pv{p.v + next_base, tok_stride, row, next_nt};
@@ -420,7 +433,7 @@ void run(const Params& p, int64_t n) {
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p.ctx[a] > p.ctx[b]; });
   const int64_t items = n * splits;
   const int64_t H = heads_per_item * p.groups;
-  const int64_t scratch_floats = 2 * H * p.head_dim + H * p.block_size + 3 * H;
+  const int64_t scratch_floats = Scratch::floats(H, p.head_dim, p.block_size);
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     std::vector<float> scratch(scratch_floats);
