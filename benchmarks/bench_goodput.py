@@ -220,10 +220,12 @@ def pdserve_session(args, key: str, admission: bool, slo: SLO | None) -> Iterato
 
 def settle_pdserve(cluster, timeout_s: float = 60.0) -> None:
     """Wait until every worker holds no request and every KV block is free (a leak check between rates)."""
+    from deploy.launcher import holds_anything
+
     deadline = time.monotonic() + timeout_s
     while True:
         reports = cluster.run(cluster.cluster.leak_reports())
-        busy = {w: r for w, r in reports.items() if r["requests"] or r["free_blocks"] != r["total_blocks"]}
+        busy = {w: r for w, r in reports.items() if holds_anything(r)}
         if not busy:
             return
         if time.monotonic() > deadline:

@@ -364,10 +364,12 @@ def measure(args, mode: str, prompts: list[list[int]]) -> tuple[dict, dict]:
 
 def _leaks(cluster) -> dict:
     """Aborts and frees run just after the last message: give them a moment to land."""
+    from deploy.launcher import holds_anything
+
     deadline = time.monotonic() + 10
     while True:
         reports = cluster.run(cluster.cluster.leak_reports())
-        leaks = {w: r for w, r in reports.items() if r["requests"] or r["free_blocks"] != r["total_blocks"]}
+        leaks = {w: r for w, r in reports.items() if holds_anything(r)}
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.2)

@@ -173,8 +173,13 @@ class Cluster:
         logger.info("torch.distributed KV group up: %d workers at %s", len(workers), address)
 
     async def leak_reports(self) -> dict[str, dict]:
-        reports = await asyncio.gather(*(w.actor.leak_report.remote() for w in self.registry.all if w.alive))
-        return {w.worker_id: r for w, r in zip([w for w in self.registry.all if w.alive], reports)}
+        """Per worker: what it still holds, and what the router still counts against it (see
+        ``holds_anything``)."""
+        alive = [w for w in self.registry.all if w.alive]
+        reports = await asyncio.gather(*(w.actor.leak_report.remote() for w in alive))
+        return {w.worker_id: r | {"router_requests": w.num_inflight + len(w.decoding),
+                                  "router_prefill_tokens": w.num_prefill_tokens}
+                for w, r in zip(alive, reports)}
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -236,3 +241,10 @@ class ClusterThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+
+
+def holds_anything(report: dict) -> bool:
+    """A ``leak_reports`` entry that is not idle: requests or KV blocks held by the worker, or
+    requests and prompt tokens the router still counts against it."""
+    return bool(report["requests"] or report["free_blocks"] != report["total_blocks"]
+                or report["router_requests"] or report["router_prefill_tokens"])

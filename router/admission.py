@@ -2,18 +2,24 @@
 
 For every candidate (prefill, decode) pair the router predicts, from live worker stats, its own
 in-flight counts and step-time models fitted online (``router.step_model``):
-  TTFT = (prompt tokens waiting for prefill on the prefilling worker + this prompt)
-         x its seconds per prefill token + the recent KV hand-off time,
+  TTFT = time already spent queued + (prompt tokens waiting for prefill on the prefilling
+         worker + this prompt) x its seconds per prefill token + the recent KV hand-off time;
   TPOT = the decode worker's step time with this request added (batch size, KV tokens),
          divided by (1 - u) when that worker also prefills (colocated, or conditional
-         disaggregation): u is the share of its time prefill will take while this request
-         decodes, from the rate of prompt tokens sent to it (decayed over 20 s) plus this
-         prompt spread over the request's lifetime. Prefill steps stall every decode on that
-         worker, so at u = 0.5 it delivers tokens at half its decode speed; near u = 1 nothing
-         meets a TPOT target.
-Both predictions are scaled by an online correction: a log-space EMA of observed / predicted
-per finished request (TTFT at the first token, TPOT at the end), absorbing what the models leave
-out (RPC latency, contention from other processes, load that arrives later).
+         disaggregation): u is the share of its time prefill takes over the long run, from the
+         rate of prompt tokens sent to it (a minute's average). Prompts already queued there
+         are prefilled before this request's first token: they cost its TTFT, not its TPOT;
+  the running requests' TPOT: each request decoding on that worker, projected from where it
+         is (time since its first token, tokens left) through the prefill stall queued there
+         plus this prompt when it prefills there, then steps at the predicted rate. A burst of
+         prompts is paid by the requests already decoding; this is what keeps it within their
+         targets, at once, while the long-run rate is still catching up.
+The TTFT prediction is scaled by an online correction: a log-space EMA of observed / predicted
+at each first token, absorbing what the models leave out (RPC latency, chunking granularity).
+TPOT has none: its step model is refitted to measured steps all the time, and a correction
+learned only from admitted requests is biased upward (a request is admitted when the load
+estimate happens to read low, then meets the average load), which made admission reject
+requests that would have met their target.
 Pair choice: among the pairs predicted to meet both targets, disaggregated pairs first, then
 the lowest TTFT (balances prefill queues), then the most headroom. Conditional disaggregation:
 the decode worker prefilling the prompt itself is a candidate too (no hand-off, but its prefill
@@ -21,9 +27,10 @@ interferes with its decodes); it is taken when no prefill worker can meet the re
 and its own predictions fit: extra prefill capacity exactly when the prefill side is the
 bottleneck.
 Decision (targets scaled down for lower priority classes, so they are shed first):
-  admit  - both predictions within target: the chosen pair runs it;
-  queue  - TTFT fits but the decode side is full (TPOT over target, or no KV room): wait for
-           capacity until the TTFT deadline, re-evaluated whenever a worker reports;
+  admit  - every prediction within target: the chosen pair runs it;
+  queue  - TTFT fits but the decode side is full (its or a running request's TPOT over target,
+           or no KV room): wait for capacity, re-evaluated whenever a worker reports, until the
+           time queued leaves no room for its TTFT;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
 With no targets (best effort) or before any step timing arrived, requests are admitted.
@@ -45,12 +52,10 @@ from router.step_model import StepTimeModel
 logger = logging.getLogger(__name__)
 
 # Predictions must fit a share of their target: the models are fitted, not exact. TTFT is a hard
-# per-request deadline predicted from a queue (errors add up), TPOT an average over a lifetime
-# whose bias the online correction tracks.
+# per-request deadline predicted from a queue (errors add up), TPOT an average over a lifetime.
 TTFT_SAFETY = 0.8
 TPOT_SAFETY = 0.9
 MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as saturated
-DEFAULT_TPOT_S = 0.1      # sizes the prefill-load window when a request has no TPOT target
 PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
 
@@ -59,14 +64,22 @@ MIN_PRIORITY_SCALE = 0.4
 class Prediction:
     prefill: WorkerHandle | None   # None: the decode worker prefills (colocated / conditional)
     decode: WorkerHandle
-    ttft_s: float | None
-    tpot_s: float | None
+    ttft_s: float | None           # including the time already spent queued
+    tpot_s: float | None           # this request's
+    running_tpot_ratio: float | None = None  # worst projected / target TPOT of those decoding there
+    waited_s: float = 0.0
 
     def headroom(self, ttft_target: float | None, tpot_target: float | None) -> float:
         """Smallest relative slack against the targets (higher is better; < 0 misses one)."""
         slacks = [1.0 - p / t for p, t in ((self.ttft_s, ttft_target), (self.tpot_s, tpot_target))
                   if p is not None and t]
+        if self.running_tpot_ratio is not None:
+            slacks.append(1.0 - self.running_tpot_ratio)
         return min(slacks) if slacks else float("inf")
+
+    def fits_tpot(self, target: float | None) -> bool:
+        running_ok = self.running_tpot_ratio is None or self.running_tpot_ratio <= TPOT_SAFETY
+        return running_ok and _within(self.tpot_s, target, TPOT_SAFETY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,26 +100,22 @@ class Admission:
         # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
         # shut admission down.
         self.ttft_correction = 1.0
-        self.tpot_correction = 1.0     # the same for TPOT: contention, future load, batching
         self._changed = asyncio.Condition()
         self.num_queued = 0
 
     # ---- inputs ---------------------------------------------------------------------------
     def observe_stats(self, worker: WorkerHandle) -> None:
         if worker.stats is not None:
-            steps = worker.stats.recent_steps
-            if worker.role == "decode":  # decode TPOT model: pure decode steps only
-                steps = tuple(s for s in steps if s.num_prefill_tokens == 0)
-            self.model(worker.worker_id).observe(steps)
+            self.model(worker.worker_id).observe(worker.stats.recent_steps)
 
     def observe_handoff(self, seconds: float) -> None:
         self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
 
-    def observe_ttft(self, predicted_s: float | None, observed_s: float) -> None:
-        self.ttft_correction = _corrected(self.ttft_correction, predicted_s, observed_s, 0.8, 3.0)
-
-    def observe_tpot(self, predicted_s: float | None, observed_s: float) -> None:
-        self.tpot_correction = _corrected(self.tpot_correction, predicted_s, observed_s, 0.5, 2.0)
+    def observe_ttft(self, pair: Prediction, observed_s: float) -> None:
+        """``observed_s`` from arrival; the time queued is known exactly, only the rest was predicted."""
+        if pair.ttft_s is not None:
+            self.ttft_correction = _corrected(self.ttft_correction, pair.ttft_s - pair.waited_s,
+                                              observed_s - pair.waited_s, 0.8, 3.0)
 
     def model(self, worker_id: str) -> StepTimeModel:
         return self.models.setdefault(worker_id, StepTimeModel())
@@ -117,11 +126,14 @@ class Admission:
 
     # ---- predictions -----------------------------------------------------------------------
     def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle,
-                now: float | None = None) -> Prediction:
+                now: float | None = None, waited_s: float = 0.0) -> Prediction:
         prompt = len(spec.prompt_token_ids)
         now = time.perf_counter() if now is None else now
-        return Prediction(prefill, decode, self._ttft(prompt, prefill, decode),
-                          self._tpot(spec, decode, prefill is None, now))
+        ttft = self._ttft(prompt, prefill, decode)
+        step = self._decode_step(decode, prompt, now)
+        own_prompt = prompt if prefill is None else 0   # prefilled on the decode worker itself
+        running = self._running_tpot_ratio(decode, step, own_prompt, now) if step is not None else None
+        return Prediction(prefill, decode, None if ttft is None else waited_s + ttft, step, running, waited_s)
 
     def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
@@ -134,50 +146,65 @@ class Admission:
         per_token = self._prefill_seconds_per_token(prefill)
         if per_token is None:
             return None
-        prefiller = prefill or decode
-        # The router's count is fresh; the worker's own adds prompts it must recompute.
-        queued = max(prefiller.num_prefill_tokens, _waiting_tokens(prefiller))
+        queued = _queued_prefill_tokens(prefill or decode)
         return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
 
-    def _tpot(self, spec: RequestSpec, decode: WorkerHandle, prefills_here: bool, now: float) -> float | None:
-        prompt = len(spec.prompt_token_ids)
+    def _decode_step(self, decode: WorkerHandle, prompt: int, now: float) -> float | None:
+        """Seconds per token on ``decode`` with this request added: its step time, stretched by
+        the long-run share of that worker's time prefill takes (inf when prefill saturates it)."""
         seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1
-        step = self.model(decode.worker_id).predict(seqs, _kv_tokens(decode) + prompt, seqs)
+        step = self.model(decode.worker_id).predict(seqs, _kv_tokens(decode) + prompt)
         if step is None:
             return None
-        share = self._prefill_share(spec, decode, prompt if prefills_here else 0, now)
-        tpot = step * self.tpot_correction / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
-        logger.debug("%s tpot: seqs %d step %.3f share %.2f correction %.2f -> %.3f s",
-                     decode.worker_id, seqs, step, share, self.tpot_correction, tpot)
+        share = self._stall_per_token(decode) * decode.prefill_token_rate(now)
+        tpot = step / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
+        logger.debug("%s tpot: seqs %d step %.3f share %.2f -> %.3f s", decode.worker_id, seqs, step, share, tpot)
         return tpot
 
-    def _prefill_share(self, spec: RequestSpec, worker: WorkerHandle, prompt: int, now: float) -> float:
-        """Fraction of ``worker``'s time prefill takes while this request decodes: the rate of
-        prompt tokens sent to it (recent traffic stands in for what keeps arriving) plus this
-        prompt spread over the request's lifetime (max_tokens x TPOT target), times its
-        seconds per prefill token."""
-        per_token = self._prefill_seconds_per_token(None) or 0.0
-        lifetime = spec.sampling.max_tokens * (self._targets(spec)[1] or DEFAULT_TPOT_S)
-        return per_token * (worker.prefill_token_rate(now) + prompt / lifetime)
+    def _stall_per_token(self, decode: WorkerHandle) -> float:
+        """Seconds a prompt token prefilled on ``decode`` stalls its decodes: measured there once
+        it has prefilled (colocated, or conditional disaggregation), else the prefill workers'
+        full per-token time (an upper bound)."""
+        stall = self.model(decode.worker_id).prefill_stall_per_token()
+        return stall if stall is not None else (self._prefill_seconds_per_token(None) or 0.0)
 
-    def candidates(self, spec: RequestSpec, now: float | None = None) -> list[Prediction]:
+    def _running_tpot_ratio(self, decode: WorkerHandle, step_s: float, own_prompt: int, now: float) -> float | None:
+        """Worst projected / target TPOT among the requests decoding on ``decode`` if this one
+        joins: each stalls for the prefill queued there plus ``own_prompt``, then steps at
+        ``step_s``. Requests already past the safety line without this prompt are left out: one
+        such request would otherwise block the worker until it finishes (a request's worth of
+        goodput kept, several lost), or it is lost either way."""
+        per_token = self._stall_per_token(decode)
+        queued_stall = _queued_prefill_tokens(decode) * per_token
+        own_stall = own_prompt * per_token
+        worst = None
+        for progress in decode.decoding.values():
+            target = progress.tpot_target_s
+            before = progress.projected_tpot(now, step_s, queued_stall) if target else None
+            if before is None or before > target * TPOT_SAFETY:
+                continue
+            ratio = progress.projected_tpot(now, step_s, queued_stall + own_stall) / target
+            worst = ratio if worst is None else max(worst, ratio)
+        return worst
+
+    def candidates(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0) -> list[Prediction]:
         decodes = self.registry.alive("decode")
         if not decodes:
             raise WorkerFailedError("no decode worker is alive")
         if not self.registry.prefill:  # colocated mode
-            return [self.predict(spec, None, d, now) for d in decodes]
+            return [self.predict(spec, None, d, now, waited_s) for d in decodes]
         prefills = self.registry.alive("prefill")
         if not prefills:
             raise WorkerFailedError("no prefill worker is alive")
-        preds = [self.predict(spec, p, d, now) for p in prefills for d in decodes]
+        preds = [self.predict(spec, p, d, now, waited_s) for p in prefills for d in decodes]
         if self.conditional:
-            preds += [self.predict(spec, None, d, now) for d in decodes]
+            preds += [self.predict(spec, None, d, now, waited_s) for d in decodes]
         return preds
 
     # ---- decisions ---------------------------------------------------------------------------
-    def decide(self, spec: RequestSpec, now: float | None = None) -> Decision:
+    def decide(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0) -> Decision:
         ttft_t, tpot_t = self._targets(spec)
-        preds = self.candidates(spec, now)
+        preds = self.candidates(spec, now, waited_s)
         disagg = [p for p in preds if p.prefill is not None] or preds
         if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
@@ -186,9 +213,12 @@ class Admission:
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision("admit", "idle", best)
         if ttft_t and best.ttft_s > ttft_t * TTFT_SAFETY:
-            return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms > target {ttft_t * 1e3:.0f} ms", best)
+            queued = f" ({best.waited_s * 1e3:.0f} ms of it queued)" if best.waited_s else ""
+            return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{queued} > target {ttft_t * 1e3:.0f} ms", best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
             return Decision("queue", f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
+        if not best.fits_tpot(None):
+            return Decision("queue", f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
         if not _has_kv_room(best.decode, spec):
             return Decision("queue", "decode KV cache full", best)
         return Decision("admit", "within_slo", best)
@@ -201,7 +231,7 @@ class Admission:
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
         fits_ttft = [p for p in preds if _within(p.ttft_s, ttft_t, TTFT_SAFETY)]
-        fits = [p for p in fits_ttft if _within(p.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(p.decode, spec)]
+        fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and _has_kv_room(p.decode, spec)]
         if fits:
             pool = [p for p in fits if p.prefill is not None] or fits
             return min(pool, key=lambda p: (p.ttft_s, -p.headroom(ttft_t, tpot_t)))
@@ -210,11 +240,13 @@ class Admission:
     async def acquire(self, spec: RequestSpec, metrics=None) -> Prediction:
         """Admit (returning the pair), wait in the queue, or raise CapacityError."""
         ttft_t, _ = self._targets(spec)
-        deadline = time.perf_counter() + (ttft_t or 30.0)
+        start = time.perf_counter()
+        deadline = start + (ttft_t or 30.0)   # backstop: the TTFT prediction counts the wait too
         decision = self.decide(spec)
         queued = False
         try:
             while decision.action == "queue":
+                queue_reason = decision.reason
                 if not queued:
                     queued = True
                     self._count_queue(+1, metrics, decision)
@@ -226,12 +258,12 @@ class Admission:
                         await asyncio.wait_for(self._changed.wait(), remaining)
                     except asyncio.TimeoutError:
                         pass
-                decision = self.decide(spec)
+                decision = self.decide(spec, waited_s=time.perf_counter() - start)
         finally:
             if queued:
                 self._count_queue(-1, metrics)
         if decision.action == "reject":
-            raise CapacityError(decision.reason)
+            raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""))
         if metrics is not None:
             metrics.admission("admit", decision.reason)
         return decision.prediction
@@ -274,8 +306,9 @@ def _idle(p: Prediction) -> bool:
     return not busy and not (p.prefill and p.prefill.num_prefill_tokens)
 
 
-def _waiting_tokens(w: WorkerHandle) -> int:
-    return w.stats.num_waiting_tokens if w.stats else 0
+def _queued_prefill_tokens(w: WorkerHandle) -> int:
+    """The router's count is fresh; the worker's own adds prompts it must recompute."""
+    return max(w.num_prefill_tokens, w.stats.num_waiting_tokens if w.stats else 0)
 
 
 def _kv_tokens(w: WorkerHandle) -> int:

@@ -21,6 +21,7 @@ Metrics (every name starts with ``pdserve_``):
     request_prefill_time_seconds                 mode
     kv_transfer_time_seconds                     transport   (requests whose KV moved)
     kv_transfer_bytes                            transport
+    admission_prediction_ratio (observed / predicted by admission)  target: ttft, tpot
   counters
     requests_total                               outcome: finished_stop, finished_length,
                                                  aborted, error, rejected, invalid
@@ -76,6 +77,9 @@ DEFAULT_WINDOW_S = 60.0
 # 1-2.5-5 per decade: milliseconds for GPU inter-token gaps up to minutes for CPU e2e latency.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+# Observed / predicted: dense around 1, where admission is right.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+PREDICTED_TARGETS = ("ttft", "tpot")
 # Powers of 4 from 1 KiB to 4 GiB: one token of SmolLM2's fp32 KV is 45 KiB, a long prompt GiBs.
 BYTES_BUCKETS = tuple(float(1024 * 4**k) for k in range(12))
 
@@ -212,6 +216,9 @@ class RouterMetrics:
                          ["transport"])
         self.kv_bytes = h("pdserve_kv_transfer_bytes", "KV bytes handed off per request.",
                           ["transport"], buckets=BYTES_BUCKETS)
+        self.prediction_ratio = h("pdserve_admission_prediction_ratio",
+                                  "Observed / predicted TTFT and TPOT of admitted requests (1 = exact).",
+                                  ["target"], buckets=RATIO_BUCKETS)
 
     def _define_counters(self) -> None:
         r = self.registry
@@ -334,6 +341,13 @@ class RouterMetrics:
         if decision not in ("admit", "queue"):
             raise ValueError(f"decision must be 'admit' or 'queue', got {decision!r} (rejections: request_rejected)")
         self.admissions.labels(decision, reason).inc()
+
+    def prediction(self, target: str, predicted_s: float | None, observed_s: float) -> None:
+        """How far admission's prediction for an admitted request was from what it saw."""
+        if target not in PREDICTED_TARGETS:
+            raise ValueError(f"target must be one of {PREDICTED_TARGETS}, got {target!r}")
+        if predicted_s and math.isfinite(predicted_s) and observed_s > 0:
+            self.prediction_ratio.labels(target).observe(observed_s / predicted_s)
 
     def set_queued(self, num_queued: int) -> None:
         """Requests the router holds in its admission queue right now."""

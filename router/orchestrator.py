@@ -25,14 +25,14 @@ from ray.exceptions import RayActorError
 
 from engine.errors import WorkerFailedError
 from engine.types import FinishReason, PrefillResult, RequestSpec, TokenDelta
-from router.admission import Admission
+from router.admission import Admission, Prediction
 from router.convert import RequestTimings
-from router.registry import WorkerHandle, WorkerRegistry
+from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKENS_FOR_TPOT = 8   # shorter outputs say little about a worker's decode speed
+MIN_TOKENS_FOR_TPOT = 8   # a shorter output's TPOT says little about the prediction
 
 
 @dataclass(slots=True)
@@ -95,6 +95,7 @@ class Orchestrator:
         prefiller = prefill or decode   # whoever prefills carries the prompt until its first token
         prefiller.begin_prefill(num_prompt)
         prefill_pending = True
+        progress = decode.decoding[spec.req_id] = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s)
         decode.begin()
         if prefill:
             prefill.begin()
@@ -107,7 +108,8 @@ class Orchestrator:
             if first is not None:
                 prefiller.end_prefill(num_prompt)
                 prefill_pending = False
-                self.admission.observe_ttft(pair.ttft_s, time.perf_counter() - trace.start_s)
+                self._observed_ttft(pair, trace)
+                progress.on_tokens(len(first.token_ids))
                 yield first
                 finished = first.finished
             while not finished:
@@ -117,13 +119,15 @@ class Orchestrator:
                 if prefill_pending and item.token_ids:
                     prefiller.end_prefill(num_prompt)
                     prefill_pending = False
-                    self.admission.observe_ttft(pair.ttft_s, time.perf_counter() - trace.start_s)
+                    self._observed_ttft(pair, trace)
+                progress.on_tokens(len(item.token_ids))
                 finished = item.finished
                 yield item
         except RayActorError as exc:
             raise WorkerFailedError(f"a worker died: {exc}") from exc
         finally:
             self.streams.unregister(spec.req_id)
+            decode.decoding.pop(spec.req_id, None)
             decode.end()
             if prefill:
                 prefill.end()
@@ -131,9 +135,15 @@ class Orchestrator:
                 prefiller.end_prefill(num_prompt)
             if not finished:
                 self._abort_later(spec.req_id, prefill, decode)
-            elif len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
-                self.admission.observe_tpot(pair.tpot_s, trace.timings().tpot_s)
+            elif self.metrics is not None and len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
+                self.metrics.prediction("tpot", pair.tpot_s, trace.timings().tpot_s)
             self._capacity_changed()
+
+    def _observed_ttft(self, pair: Prediction, trace: RequestTrace) -> None:
+        observed = time.perf_counter() - trace.start_s
+        self.admission.observe_ttft(pair, observed)
+        if self.metrics is not None:
+            self.metrics.prediction("ttft", pair.ttft_s, observed)
 
     async def _start(self, spec, prefill, decode, trace) -> TokenDelta | None:
         """Get the request running on its decode worker; return the first token if known here."""

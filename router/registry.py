@@ -2,9 +2,11 @@
 
 Life cycle: the launcher ``add``s each started worker; stats arrive with every decode
 stream batch and after each prefill; the router counts what it has in flight per worker
-(stats lag by a step, its own counters do not): requests, prompt tokens still to prefill, and
-the rate of prompt tokens sent here to prefill (the prefill load a colocated worker will carry
-while a new request decodes); a worker whose calls fail is marked dead and never picked again.
+(stats lag by a step, its own counters do not): requests, prompt tokens still to prefill, the
+long-run rate of prompt tokens sent here to prefill (the prefill load a colocated worker will
+carry while a new request decodes), and the progress of every request decoding here (how much
+more stall each can absorb before it misses its TPOT target); a worker whose calls fail is
+marked dead and never picked again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,32 @@ from typing import Any
 from engine.types import WorkerStats
 from kvtransfer.select import choose_transport
 
-PREFILL_RATE_TAU_S = 20.0
+PREFILL_RATE_TAU_S = 60.0   # the prefill load a request decodes under: a minute, not a burst
+MIN_RATE_WINDOW_S = 5.0     # a young estimate divides by at least this much history
+
+
+@dataclass(slots=True, eq=False)
+class DecodeProgress:
+    """A request decoding on a worker, as the router sees its stream: how far it is and the
+    TPOT it must average, so admission can tell how much more stall it can take."""
+
+    max_tokens: int
+    tpot_target_s: float | None
+    first_token_s: float | None = None
+    num_tokens: int = 0
+
+    def on_tokens(self, n: int, now: float | None = None) -> None:
+        if n and self.first_token_s is None:
+            self.first_token_s = time.perf_counter() if now is None else now
+        self.num_tokens += n
+
+    def projected_tpot(self, now: float, step_s: float, stall_s: float) -> float | None:
+        """Its TPOT if it stalls ``stall_s`` now and every remaining token then takes ``step_s``
+        (None before its first token: stalls then cost TTFT, not TPOT)."""
+        if self.first_token_s is None or self.max_tokens < 2:
+            return None
+        remaining = max(0, self.max_tokens - self.num_tokens)
+        return (now - self.first_token_s + stall_s + remaining * step_s) / (self.max_tokens - 1)
 
 
 @dataclass(slots=True, eq=False)
@@ -32,8 +59,10 @@ class WorkerHandle:
     num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
     alive: bool = True
     shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
+    decoding: dict[str, DecodeProgress] = field(default_factory=dict)  # by request id
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
+    _first_prefill_at: float | None = None
 
     def begin(self) -> None:
         self.num_inflight += 1
@@ -44,16 +73,25 @@ class WorkerHandle:
     def begin_prefill(self, num_tokens: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.num_prefill_tokens += num_tokens
-        self._prefill_rate = self.prefill_token_rate(now) + num_tokens / PREFILL_RATE_TAU_S
+        if self._first_prefill_at is None:
+            self._first_prefill_at = now
+        self._prefill_rate = self._decayed_rate(now) + num_tokens / PREFILL_RATE_TAU_S
         self._prefill_rate_at = now
 
     def end_prefill(self, num_tokens: int) -> None:
         self.num_prefill_tokens -= num_tokens
 
     def prefill_token_rate(self, now: float) -> float:
-        """Prompt tokens per second assigned here to prefill, exponentially decayed (time
-        constant ``PREFILL_RATE_TAU_S``): smooth enough that a Poisson burst does not read as a
-        new load level, quick enough to follow a change of traffic within a minute."""
+        """Prompt tokens per second assigned here to prefill: an exponentially weighted average
+        (time constant ``PREFILL_RATE_TAU_S``, long enough that a Poisson burst does not read as
+        a new load level), divided by the share of the window traffic has been seen for, so a
+        young estimate is not biased toward zero (the start of an overload reads as one)."""
+        if self._first_prefill_at is None:
+            return 0.0
+        seen_s = max(MIN_RATE_WINDOW_S, now - self._first_prefill_at)
+        return self._decayed_rate(now) / -math.expm1(-seen_s / PREFILL_RATE_TAU_S)
+
+    def _decayed_rate(self, now: float) -> float:
         return self._prefill_rate * math.exp(-max(0.0, now - self._prefill_rate_at) / PREFILL_RATE_TAU_S)
 
 

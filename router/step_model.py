@@ -1,10 +1,13 @@
 """Online models of a worker's speed, fitted to the step timings it reports.
 
-``StepTimeModel`` fits ``duration = a + b * num_seqs + c * num_kv_tokens + d * num_tokens`` with
-non-negative coefficients (more work never makes a step faster) over the worker's recent steps,
-then refits without outliers (a cold first step, a burst of foreign load). It predicts the TPOT
-a decode worker would have with one more request. ``seconds_per_prefill_token`` is the
-throughput view of prefill-dominated steps: what a prefill worker needs per queued prompt token.
+``StepTimeModel`` fits ``duration = a + b * num_seqs + c * num_kv_tokens`` with non-negative
+coefficients (more work never makes a step faster) over the worker's recent decode-only steps,
+then refits without outliers (a cold first step, a burst of foreign load). It predicts the step
+time a worker's decodes would see with one more request; steps carrying prefill are left out of
+it (a colocated worker's mixed steps would inflate it, and admission counts prefill separately,
+as a share of the worker's time). ``seconds_per_prefill_token`` is the throughput view of
+prefill-dominated steps: what a worker needs per queued prompt token (TTFT);
+``prefill_stall_per_token`` what each prompt token adds to the steps decodes wait on (TPOT).
 Until enough distinct steps have been seen the answers are None (admission is then optimistic).
 Torch-free (numpy only).
 """
@@ -30,6 +33,8 @@ class StepTimeModel:
         self._dirty = False
         self._spt: float | None = None
         self._spt_dirty = False
+        self._stall: float | None = None
+        self._stall_dirty = False
 
     def observe(self, steps: tuple[StepTiming, ...]) -> None:
         """Add steps not seen before (a worker's recent steps arrive many times)."""
@@ -38,19 +43,16 @@ class StepTimeModel:
             if key not in self._seen:
                 self._seen.add(key)
                 self._steps.append(s)
-                self._dirty = self._spt_dirty = True
+                self._dirty = self._spt_dirty = self._stall_dirty = True
         if len(self._seen) > 4 * self._steps.maxlen:
             self._seen = {(s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s) for s in self._steps}
 
-    @property
-    def ready(self) -> bool:
-        return len(self._steps) >= MIN_STEPS
-
-    def predict(self, num_seqs: int, num_kv_tokens: int, num_tokens: int) -> float | None:
+    def predict(self, num_seqs: int, num_kv_tokens: int) -> float | None:
+        """Duration of a decode step over ``num_seqs`` sequences holding ``num_kv_tokens``."""
         coef = self._fit()
         if coef is None:
             return None
-        return float(np.array([1.0, num_seqs, num_kv_tokens, num_tokens]) @ coef)
+        return float(np.array([1.0, num_seqs, num_kv_tokens]) @ coef)
 
     def seconds_per_prefill_token(self) -> float | None:
         """Step time per token over steps that are mostly prefill (decode-only steps excluded).
@@ -63,23 +65,40 @@ class StepTimeModel:
             self._spt_dirty = False
         return self._spt
 
+    def prefill_stall_per_token(self) -> float | None:
+        """What a prefill token adds to the step it rides in, beyond the decode step it shares
+        (the step minus the fitted decode step of its decode sequences): the stall decodes on
+        this worker see per prompt token. None until both kinds of step have been seen."""
+        if self._stall_dirty:
+            steps = [s for s in self._steps if s.num_prefill_tokens > 0]
+            decode = [self.predict(s.num_tokens - s.num_prefill_tokens, s.num_kv_tokens)
+                      if s.num_tokens > s.num_prefill_tokens else 0.0 for s in steps]
+            total = sum(s.num_prefill_tokens for s in steps)
+            self._stall = (sum(max(0.0, s.duration_s - d) for s, d in zip(steps, decode)) / total
+                           if total and None not in decode else None)
+            self._stall_dirty = False
+        return self._stall
+
     def _fit(self) -> np.ndarray | None:
-        if not self.ready:
-            return None
-        if self._dirty or self._coef is None:
-            x = np.array([[1.0, s.num_seqs, s.num_kv_tokens, s.num_tokens] for s in self._steps])
-            y = np.array([s.duration_s for s in self._steps])
-            coef = _nnls(x, y)
-            residual = np.abs(x @ coef - y)
-            keep = residual <= max(OUTLIER_FACTOR * float(np.median(residual)), 1e-3)
-            if keep.sum() >= MIN_STEPS and not keep.all():
-                coef = _nnls(x[keep], y[keep])
-            self._coef, self._dirty = coef, False
+        if self._dirty:
+            steps = [s for s in self._steps if s.num_prefill_tokens == 0]
+            self._coef, self._dirty = (self._fit_steps(steps) if len(steps) >= MIN_STEPS else None), False
         return self._coef
+
+    @staticmethod
+    def _fit_steps(steps: list[StepTiming]) -> np.ndarray:
+        x = np.array([[1.0, s.num_seqs, s.num_kv_tokens] for s in steps])
+        y = np.array([s.duration_s for s in steps])
+        coef = _nnls(x, y)
+        residual = np.abs(x @ coef - y)
+        keep = residual <= max(OUTLIER_FACTOR * float(np.median(residual)), 1e-3)
+        if keep.sum() >= MIN_STEPS and not keep.all():
+            coef = _nnls(x[keep], y[keep])
+        return coef
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0: with 4 features, trying every subset is exact and cheap."""
+    """Least squares with coefficients >= 0: with 3 features, trying every subset is exact and cheap."""
     best, best_err = np.zeros(x.shape[1]), float(np.sum(y * y))
     for k in range(1, x.shape[1] + 1):
         for cols in itertools.combinations(range(x.shape[1]), k):

@@ -71,10 +71,12 @@ def cluster_leaks(cluster_thread) -> dict:
     """Leak check across the cluster: per worker, requests left and blocks not free."""
     import time
 
+    from deploy.launcher import holds_anything
+
     deadline = time.monotonic() + 10
     while True:  # aborts run right after the client sees its status: give them a moment
         reports = cluster_thread.run(cluster_thread.cluster.leak_reports())
-        leaks = {w: r for w, r in reports.items() if r["requests"] or r["free_blocks"] != r["total_blocks"]}
+        leaks = {w: r for w, r in reports.items() if holds_anything(r)}
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.1)

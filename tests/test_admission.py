@@ -5,6 +5,7 @@ headroom. No Ray: worker handles carry stats only."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from engine.errors import CapacityError
 from engine.types import RequestSpec, SamplingParams, SLOTarget, StepTiming, WorkerStats
 from router.admission import Admission
-from router.registry import PREFILL_RATE_TAU_S, WorkerHandle, WorkerRegistry
+from router.registry import MIN_RATE_WINDOW_S, PREFILL_RATE_TAU_S, DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 
 PREFILL_S_PER_TOKEN = 1e-4   # 10k prompt tokens/s
@@ -84,8 +85,8 @@ def test_step_model_ignores_a_cold_outlier_and_never_fits_negative_slopes():
     cold = StepTiming(1, 1, 0, 50, 0.094)            # first step: caches cold, allocator warming up
     warm = tuple(StepTiming(8, 8, 0, 400 + 10 * i, 0.005 + 1e-6 * i) for i in range(15))
     model.observe((cold,) + warm)
-    assert model.predict(8, 500, 8) == pytest.approx(0.005, abs=0.002)
-    assert model.predict(1, 50, 1) < 0.01, "the cold step must not become the intercept"
+    assert model.predict(8, 500) == pytest.approx(0.005, abs=0.002)
+    assert model.predict(1, 50) < 0.01, "the cold step must not become the intercept"
 
 
 def test_lower_priority_is_shed_first():
@@ -139,8 +140,8 @@ def test_queue_waits_for_capacity_then_admits_or_times_out():
         await admission.notify()
         pair = await asyncio.wait_for(waiter, 1.0)
         assert pair.decode is decode and admission.num_queued == 0
-        decode.num_inflight = 60
-        with pytest.raises(CapacityError, match="deadline"):
+        decode.num_inflight = 60         # queued again: the time it waits counts toward its TTFT
+        with pytest.raises(CapacityError, match=r"TTFT \d+ ms \(\d+ ms of it queued\)"):
             await admission.acquire(spec(ttft=0.2, tpot=0.05))
         assert admission.num_queued == 0
 
@@ -162,15 +163,66 @@ def colocated_worker(prior_prompts=(), now=100.0) -> tuple[Admission, WorkerHand
 
 
 @pytest.mark.parametrize("prior", [(), ((0.5, 1000), (1.0, 1000), (1.5, 1000)), ((1.0, 1000), (300.0, 5000))],
-                         ids=["own prompt only", "recent traffic", "old traffic has decayed"])
-def test_colocated_tpot_is_stretched_by_the_prefill_share(prior):
+                         ids=["no traffic", "young traffic", "old traffic has decayed"])
+def test_colocated_tpot_is_stretched_by_the_long_run_prefill_share(prior):
     admission, w = colocated_worker(sorted(prior, reverse=True))
     p = admission.predict(spec(prompt=200, ttft=5.0, tpot=0.05), None, w, now=100.0)
-    step = admission.model("c0").predict(2, 200, 2)
+    step = admission.model("c0").predict(2, 200)
     per_token = admission.model("c0").seconds_per_prefill_token()
-    rate = sum(n / PREFILL_RATE_TAU_S * math.exp(-ago / PREFILL_RATE_TAU_S) for ago, n in prior)
-    u = per_token * (rate + 200 / (32 * 0.05))   # + its own prompt over its lifetime (32 tokens x 50 ms)
-    assert p.tpot_s == pytest.approx(step / (1 - u), rel=1e-6)
+    # A minute's exponentially weighted average, over the history seen (at least 20 s). Its own
+    # prompt is prefilled before its first token: it costs TTFT, not TPOT.
+    weighted = sum(n / PREFILL_RATE_TAU_S * math.exp(-ago / PREFILL_RATE_TAU_S) for ago, n in prior)
+    seen = max([MIN_RATE_WINDOW_S] + [ago for ago, _ in prior])
+    rate = weighted / (1 - math.exp(-seen / PREFILL_RATE_TAU_S))
+    assert p.tpot_s == pytest.approx(step / (1 - per_token * rate), rel=1e-6)
+
+
+def running(worker: WorkerHandle, req_id: str, started_ago: float, tokens: int, max_tokens: int, tpot: float,
+            now: float = 100.0) -> DecodeProgress:
+    progress = worker.decoding[req_id] = DecodeProgress(max_tokens, tpot)
+    progress.on_tokens(tokens, now=now - started_ago)
+    worker.num_inflight += 1
+    return progress
+
+
+def test_a_prompt_that_would_push_a_running_request_past_its_tpot_waits():
+    admission, w = colocated_worker()
+    # 30 tokens in 2.7 s (90 ms each against a 60 ms target): with 34 fast steps to go it still
+    # makes 50 ms, within 0.9 x its target. A 200-token prompt stalls it 20 ms (50 ms); a
+    # 4000-token prompt stalls it 0.4 s (58 ms): past the safety line.
+    running(w, "late", started_ago=2.7, tokens=30, max_tokens=64, tpot=0.06)
+    assert admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
+    decision = admission.decide(spec(prompt=4000, ttft=5.0, tpot=0.05), now=100.0)
+    assert decision.action == "queue" and "running request's TPOT" in decision.reason
+    step = decision.prediction.tpot_s
+    projected = (2.7 + 4000 * admission.model("c0").seconds_per_prefill_token() + 34 * step) / 63
+    assert decision.prediction.running_tpot_ratio == pytest.approx(projected / 0.06, rel=1e-6)
+
+
+def test_prompts_already_queued_count_against_running_requests_but_a_lost_one_blocks_nothing():
+    admission, w = colocated_worker()
+    running(w, "r0", started_ago=2.5, tokens=30, max_tokens=64, tpot=0.06)
+    w.begin_prefill(3000, now=100.0)   # 0.3 s of prefill sent there, not yet run: 52 ms projected
+    assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action == "queue"  # 55 ms
+    w.decoding["r0"].first_token_s = 100.0 - 6.0   # now far behind its target: lost either way
+    assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
+
+
+def test_requests_not_yet_decoding_are_not_stalled_by_a_new_prompt():
+    progress = DecodeProgress(max_tokens=64, tpot_target_s=0.05)
+    assert progress.projected_tpot(100.0, 0.05, stall_s=10.0) is None, "before its first token a stall is TTFT"
+    progress.on_tokens(1, now=99.0)
+    assert progress.projected_tpot(100.0, 0.05, stall_s=0.5) == pytest.approx((1.0 + 0.5 + 63 * 0.05) / 63)
+
+
+def test_a_young_prefill_rate_is_not_biased_toward_zero():
+    w = WorkerHandle("c0", "colocated", None, "n", "cpu")
+    for t in range(0, 30, 1):                     # 100 tokens/s for 30 s
+        w.begin_prefill(100, now=1000.0 + t)
+    assert w.prefill_token_rate(1030.0) == pytest.approx(100.0, rel=0.05)
+    for t in range(30, 600, 1):
+        w.begin_prefill(100, now=1000.0 + t)
+    assert w.prefill_token_rate(1600.0) == pytest.approx(100.0, rel=0.02)
 
 
 def test_colocated_worker_saturated_by_prefill_queues_new_requests():
@@ -207,24 +259,39 @@ def test_step_time_model_fits_linear_steps():
     model = StepTimeModel()
     model.observe(decode_steps())
     model.observe(decode_steps())  # repeats are ignored
-    assert model.predict(10, 2000, 10) == pytest.approx(0.010 + 0.010 + 0.002, rel=0.05)
+    assert model.predict(10, 2000) == pytest.approx(0.010 + 0.010 + 0.002, rel=0.05)
     assert model.seconds_per_prefill_token() is None, "decode-only steps say nothing about prefill speed"
 
 
-def test_corrections_converge_on_the_observed_bias_and_stay_clamped():
+def test_ttft_correction_converges_on_the_observed_bias_and_stays_clamped():
     admission, w = colocated_worker()
     s = spec(prompt=200, ttft=5.0, tpot=0.05)
-    for _ in range(60):  # the worker runs 1.5x slower than its model says
+    for _ in range(60):  # prefill runs 1.5x slower than its model says
         p = admission.predict(s, None, w, now=100.0)
-        admission.observe_tpot(p.tpot_s, 1.5 * p.tpot_s / admission.tpot_correction)
-        admission.observe_ttft(p.ttft_s, 1.5 * p.ttft_s / admission.ttft_correction)
-    assert admission.tpot_correction == pytest.approx(1.5, rel=0.01)
+        admission.observe_ttft(p, 1.5 * p.ttft_s / admission.ttft_correction)
     assert admission.ttft_correction == pytest.approx(1.5, rel=0.01)
+    queued = admission.predict(s, None, w, now=100.0, waited_s=2.0)
+    admission.observe_ttft(queued, 2.0 + 1.5 * (queued.ttft_s - 2.0) / admission.ttft_correction)
+    assert admission.ttft_correction == pytest.approx(1.5, rel=0.01), "time queued is known, not predicted"
     for _ in range(60):
-        admission.observe_tpot(0.01, 100.0)
-    assert admission.tpot_correction == 2.0
-    admission.observe_tpot(float("inf"), 0.01)   # a saturated prediction teaches nothing
-    assert admission.tpot_correction == 2.0
+        admission.observe_ttft(dataclasses.replace(p, ttft_s=0.01), 100.0)
+    assert admission.ttft_correction == 3.0
+    admission.observe_ttft(dataclasses.replace(p, ttft_s=float("inf")), 0.01)   # a saturated prediction teaches nothing
+    assert admission.ttft_correction == 3.0
+
+
+def test_decode_step_model_ignores_steps_that_carry_prefill():
+    """A colocated worker's mixed steps are long because of their prefill chunk; admission
+    counts that as the worker's prefill share, so the decode step must not count it again."""
+    model = StepTimeModel()
+    mixed = tuple(StepTiming(n + 1, n + 256, 256, kv, 0.010 + 0.001 * n + 1e-6 * kv + 256 * PREFILL_S_PER_TOKEN * 5)
+                  for n, kv in [(1, 400), (3, 900), (6, 2000), (9, 2600)])
+    model.observe(decode_steps() + mixed)
+    assert model.predict(6, 2000) == pytest.approx(0.010 + 0.006 + 0.002, rel=1e-3)
+    # The stall decodes see per prompt token is the prefill part of those steps alone; the
+    # throughput view (for TTFT) keeps the whole step.
+    assert model.prefill_stall_per_token() == pytest.approx(5 * PREFILL_S_PER_TOKEN, rel=1e-3)
+    assert model.seconds_per_prefill_token() > 5 * PREFILL_S_PER_TOKEN * 256 / 265
 
 
 def test_prefill_rate_follows_new_steps():

@@ -71,6 +71,9 @@ def feed(m: RouterMetrics, num_ok: int) -> None:
     m.request_rejected("kv_full")
     m.request_invalid()
     m.admission("admit", "slo_ok")
+    m.prediction("ttft", 0.25, 0.2)
+    m.prediction("tpot", 0.04, 0.05)
+    m.prediction("tpot", float("inf"), 0.05)   # a saturated prediction has no ratio
     m.update_worker(worker_stats("p0", "prefill", preemptions=0))
     m.update_worker(worker_stats("d0", "decode", preemptions=2))
 
@@ -102,6 +105,10 @@ def test_scrape_counts_what_was_fed(metrics):
     assert s['pdserve_admission_decisions_total{decision="admit",reason="slo_ok"}'] == 1
     assert s["pdserve_prompt_tokens_total"] == 80 and s["pdserve_generation_tokens_total"] == 35
     assert s["pdserve_slo_met_requests_total"] == 6
+    assert s['pdserve_admission_prediction_ratio_sum{target="ttft"}'] == pytest.approx(0.8)
+    assert s['pdserve_admission_prediction_ratio_count{target="tpot"}'] == 1
+    assert s['pdserve_admission_prediction_ratio_bucket{le="1.25",target="tpot"}'] == 1
+    assert s['pdserve_admission_prediction_ratio_bucket{le="1.1",target="tpot"}'] == 0
     assert s["pdserve_slo_attainment_ratio"] == pytest.approx(6 / 8)
     assert s["pdserve_goodput_requests_per_second"] == pytest.approx(6 / 60)
 
@@ -150,6 +157,8 @@ def test_bad_labels_are_refused():
         m.request_finished("stop", timings(), 1, 1, [], None, None, mode="hybrid")
     with pytest.raises(ValueError):
         m.admission("reject", "kv_full")   # request_rejected counts decision and outcome together
+    with pytest.raises(ValueError):
+        m.prediction("e2e", 1.0, 1.0)
     assert outcome_name(FinishReason.ERROR) == "error" and outcome_name("length") == "finished_length"
 
 
