@@ -9,15 +9,16 @@ in-flight counts and step-time models fitted online (``router.step_model``):
          disaggregation): u is the share of its time prefill takes over the long run, from the
          rate of prompt tokens sent to it (a minute's average). Prompts already queued there
          are prefilled before this request's first token: they cost its TTFT, not its TPOT;
-  the running requests' TPOT: each request decoding on that worker, projected from where it
-         is (time since its first token, tokens left) through the prefill stall queued there
+  the admitted requests' TPOT: each request admitted to that worker, projected from where it
+         is (time since its first token, tokens left) through the prefill queued behind it there
          plus this prompt when it prefills there, then steps at the predicted rate. A burst of
-         prompts is paid by the requests already decoding; this is what keeps it within their
-         targets, at once, while the long-run rate is still catching up.
-The TTFT prediction is scaled by an online correction: a log-space EMA of observed / predicted
-at each first token, absorbing what the models leave out (RPC latency, chunking granularity).
-TPOT has none: its step model is refitted to measured steps all the time, and a correction
-learned only from admitted requests is biased upward (a request is admitted when the load
+         prompts is paid by the requests decoding while it is prefilled; this is what keeps it
+         within their targets, at once, while the long-run rate is still catching up.
+Both carry an online correction, a log-space EMA of observed / predicted that absorbs what the
+models leave out (RPC latency, chunking granularity, batch growth). TTFT: the admission-time
+prediction against the first token. TPOT: a prediction made afresh at each request's first
+token (its projection from the state then) against its TPOT at the end; learning it from the
+admission-time prediction instead is biased upward (a request is admitted when the load
 estimate happens to read low, then meets the average load), which made admission reject
 requests that would have met their target.
 Pair choice: among the pairs predicted to meet both targets, disaggregated pairs first, then
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 
 from engine.errors import CapacityError, WorkerFailedError
 from engine.types import RequestSpec
-from router.registry import WorkerHandle, WorkerRegistry
+from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,13 @@ class Prediction:
             slacks.append(1.0 - self.running_tpot_ratio)
         return min(slacks) if slacks else float("inf")
 
+    @property
+    def spares_running(self) -> bool:
+        """No request decoding there would be pushed past the safety share of its TPOT target."""
+        return self.running_tpot_ratio is None or self.running_tpot_ratio <= TPOT_SAFETY
+
     def fits_tpot(self, target: float | None) -> bool:
-        running_ok = self.running_tpot_ratio is None or self.running_tpot_ratio <= TPOT_SAFETY
-        return running_ok and _within(self.tpot_s, target, TPOT_SAFETY)
+        return self.spares_running and _within(self.tpot_s, target, TPOT_SAFETY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +105,7 @@ class Admission:
         # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
         # shut admission down.
         self.ttft_correction = 1.0
+        self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._changed = asyncio.Condition()
         self.num_queued = 0
 
@@ -116,6 +122,18 @@ class Admission:
         if pair.ttft_s is not None:
             self.ttft_correction = _corrected(self.ttft_correction, pair.ttft_s - pair.waited_s,
                                               observed_s - pair.waited_s, 0.8, 3.0)
+
+    def expect_tpot(self, decode: WorkerHandle, progress: DecodeProgress, now: float | None = None) -> None:
+        """At a request's first token: its projected TPOT from the state now, kept on
+        ``progress`` for ``observe_tpot`` (a prediction admission did not select on)."""
+        now = time.perf_counter() if now is None else now
+        step = self._decode_step(decode, 0, now, joining=False)
+        if step is not None:
+            behind = min(_queued_prefill_tokens(decode), decode.prefill_tokens_sent - progress.prefill_mark)
+            progress.predicted_tpot_s = progress.projected_tpot(now, step, behind * self._stall_per_token(decode))
+
+    def observe_tpot(self, progress: DecodeProgress, observed_s: float) -> None:
+        self.tpot_correction = _corrected(self.tpot_correction, progress.predicted_tpot_s, observed_s, 0.5, 1.5)
 
     def model(self, worker_id: str) -> StepTimeModel:
         return self.models.setdefault(worker_id, StepTimeModel())
@@ -149,15 +167,16 @@ class Admission:
         queued = _queued_prefill_tokens(prefill or decode)
         return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
 
-    def _decode_step(self, decode: WorkerHandle, prompt: int, now: float) -> float | None:
-        """Seconds per token on ``decode`` with this request added: its step time, stretched by
-        the long-run share of that worker's time prefill takes (inf when prefill saturates it)."""
-        seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + 1
-        step = self.model(decode.worker_id).predict(seqs, _kv_tokens(decode) + prompt)
+    def _decode_step(self, decode: WorkerHandle, prompt: int, now: float, joining: bool = True) -> float | None:
+        """Seconds per token on ``decode`` (with this request added when ``joining``): its step
+        time, stretched by the long-run share of that worker's time prefill takes (inf when
+        prefill saturates it), times the TPOT correction."""
+        seqs = max(decode.num_inflight, decode.stats.num_running if decode.stats else 0) + int(joining)
+        step = self.model(decode.worker_id).predict(max(1, seqs), _kv_tokens(decode) + prompt)
         if step is None:
             return None
         share = self._stall_per_token(decode) * decode.prefill_token_rate(now)
-        tpot = step / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
+        tpot = step * self.tpot_correction / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
         logger.debug("%s tpot: seqs %d step %.3f share %.2f -> %.3f s", decode.worker_id, seqs, step, share, tpot)
         return tpot
 
@@ -169,21 +188,24 @@ class Admission:
         return stall if stall is not None else (self._prefill_seconds_per_token(None) or 0.0)
 
     def _running_tpot_ratio(self, decode: WorkerHandle, step_s: float, own_prompt: int, now: float) -> float | None:
-        """Worst projected / target TPOT among the requests decoding on ``decode`` if this one
-        joins: each stalls for the prefill queued there plus ``own_prompt``, then steps at
-        ``step_s``. Requests already past the safety line without this prompt are left out: one
-        such request would otherwise block the worker until it finishes (a request's worth of
-        goodput kept, several lost), or it is lost either way."""
+        """Worst projected / target TPOT among the requests admitted to ``decode`` if this one
+        joins: each stalls, after its first token, for the prefill queued behind it there plus
+        ``own_prompt``, then steps at ``step_s`` (a request still awaiting its first token counts
+        too: the prompts queued behind it are prefilled after it starts decoding). Requests
+        already past the safety line without this prompt are left out: one such request would
+        otherwise block the worker until it finishes (a request's worth of goodput kept, several
+        lost), or it is lost either way."""
         per_token = self._stall_per_token(decode)
-        queued_stall = _queued_prefill_tokens(decode) * per_token
+        queued = _queued_prefill_tokens(decode)
         own_stall = own_prompt * per_token
         worst = None
         for progress in decode.decoding.values():
             target = progress.tpot_target_s
-            before = progress.projected_tpot(now, step_s, queued_stall) if target else None
+            behind = min(queued, decode.prefill_tokens_sent - progress.prefill_mark) * per_token
+            before = progress.projected_tpot(now, step_s, behind) if target else None
             if before is None or before > target * TPOT_SAFETY:
                 continue
-            ratio = progress.projected_tpot(now, step_s, queued_stall + own_stall) / target
+            ratio = progress.projected_tpot(now, step_s, behind + own_stall) / target
             worst = ratio if worst is None else max(worst, ratio)
         return worst
 
@@ -217,7 +239,7 @@ class Admission:
             return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{queued} > target {ttft_t * 1e3:.0f} ms", best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
             return Decision("queue", f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
-        if not best.fits_tpot(None):
+        if not best.spares_running:
             return Decision("queue", f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
         if not _has_kv_room(best.decode, spec):
             return Decision("queue", "decode KV cache full", best)

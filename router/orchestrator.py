@@ -95,7 +95,8 @@ class Orchestrator:
         prefiller = prefill or decode   # whoever prefills carries the prompt until its first token
         prefiller.begin_prefill(num_prompt)
         prefill_pending = True
-        progress = decode.decoding[spec.req_id] = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s)
+        progress = decode.decoding[spec.req_id] = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s,
+                                                                 prefill_mark=decode.prefill_tokens_sent)
         decode.begin()
         if prefill:
             prefill.begin()
@@ -109,7 +110,7 @@ class Orchestrator:
                 prefiller.end_prefill(num_prompt)
                 prefill_pending = False
                 self._observed_ttft(pair, trace)
-                progress.on_tokens(len(first.token_ids))
+                self._decoding(decode, progress, len(first.token_ids))
                 yield first
                 finished = first.finished
             while not finished:
@@ -120,7 +121,7 @@ class Orchestrator:
                     prefiller.end_prefill(num_prompt)
                     prefill_pending = False
                     self._observed_ttft(pair, trace)
-                progress.on_tokens(len(item.token_ids))
+                self._decoding(decode, progress, len(item.token_ids))
                 finished = item.finished
                 yield item
         except RayActorError as exc:
@@ -135,9 +136,20 @@ class Orchestrator:
                 prefiller.end_prefill(num_prompt)
             if not finished:
                 self._abort_later(spec.req_id, prefill, decode)
-            elif self.metrics is not None and len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
-                self.metrics.prediction("tpot", pair.tpot_s, trace.timings().tpot_s)
+            elif len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
+                self._observed_tpot(pair, progress, trace.timings().tpot_s)
             self._capacity_changed()
+
+    def _decoding(self, decode: WorkerHandle, progress: DecodeProgress, num_tokens: int) -> None:
+        first = progress.first_token_s is None and num_tokens > 0
+        progress.on_tokens(num_tokens)
+        if first:
+            self.admission.expect_tpot(decode, progress)
+
+    def _observed_tpot(self, pair: Prediction, progress: DecodeProgress, observed_s: float) -> None:
+        self.admission.observe_tpot(progress, observed_s)
+        if self.metrics is not None:
+            self.metrics.prediction("tpot", pair.tpot_s, observed_s)
 
     def _observed_ttft(self, pair: Prediction, trace: RequestTrace) -> None:
         observed = time.perf_counter() - trace.start_s

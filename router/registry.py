@@ -32,6 +32,8 @@ class DecodeProgress:
     tpot_target_s: float | None
     first_token_s: float | None = None
     num_tokens: int = 0
+    predicted_tpot_s: float | None = None   # admission's projection at its first token
+    prefill_mark: int = 0   # the worker's prompt tokens sent for prefill, up to and with its own
 
     def on_tokens(self, n: int, now: float | None = None) -> None:
         if n and self.first_token_s is None:
@@ -39,10 +41,12 @@ class DecodeProgress:
         self.num_tokens += n
 
     def projected_tpot(self, now: float, step_s: float, stall_s: float) -> float | None:
-        """Its TPOT if it stalls ``stall_s`` now and every remaining token then takes ``step_s``
-        (None before its first token: stalls then cost TTFT, not TPOT)."""
-        if self.first_token_s is None or self.max_tokens < 2:
+        """Its TPOT if it stalls ``stall_s`` (after its first token) and every remaining token
+        then takes ``step_s``; before its first token, all of it is still ahead."""
+        if self.max_tokens < 2:
             return None
+        if self.first_token_s is None:
+            return (stall_s + (self.max_tokens - 1) * step_s) / (self.max_tokens - 1)
         remaining = max(0, self.max_tokens - self.num_tokens)
         return (now - self.first_token_s + stall_s + remaining * step_s) / (self.max_tokens - 1)
 
@@ -57,6 +61,7 @@ class WorkerHandle:
     stats: WorkerStats | None = None
     num_inflight: int = 0         # requests the router has sent here and not seen finish
     num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
+    prefill_tokens_sent: int = 0  # every prompt token ever sent here to prefill (orders the queue)
     alive: bool = True
     shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
     decoding: dict[str, DecodeProgress] = field(default_factory=dict)  # by request id
@@ -73,6 +78,7 @@ class WorkerHandle:
     def begin_prefill(self, num_tokens: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         self.num_prefill_tokens += num_tokens
+        self.prefill_tokens_sent += num_tokens
         if self._first_prefill_at is None:
             self._first_prefill_at = now
         self._prefill_rate = self._decayed_rate(now) + num_tokens / PREFILL_RATE_TAU_S

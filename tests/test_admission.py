@@ -208,11 +208,21 @@ def test_prompts_already_queued_count_against_running_requests_but_a_lost_one_bl
     assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
 
 
-def test_requests_not_yet_decoding_are_not_stalled_by_a_new_prompt():
+def test_a_request_awaiting_its_first_token_is_protected_from_prompts_queued_behind_it():
+    """Prompts sent after it are prefilled after its first token: each stalls its decoding.
+    (A burst after a lull: the long-run rate reads low, so this is what holds the burst back.)"""
     progress = DecodeProgress(max_tokens=64, tpot_target_s=0.05)
-    assert progress.projected_tpot(100.0, 0.05, stall_s=10.0) is None, "before its first token a stall is TTFT"
-    progress.on_tokens(1, now=99.0)
-    assert progress.projected_tpot(100.0, 0.05, stall_s=0.5) == pytest.approx((1.0 + 0.5 + 63 * 0.05) / 63)
+    assert progress.projected_tpot(100.0, 0.05, stall_s=0.5) == pytest.approx((0.5 + 63 * 0.05) / 63)
+    admission, w = colocated_worker()
+    w.begin_prefill(200, now=100.0)    # request "a": admitted, still in the prefill queue
+    w.decoding["a"] = DecodeProgress(64, 0.02, prefill_mark=w.prefill_tokens_sent)
+    w.num_inflight += 1
+    assert admission.decide(spec(prompt=100, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
+    decision = admission.decide(spec(prompt=4000, ttft=5.0, tpot=0.05), now=100.0)   # stalls "a" 0.4 s
+    assert decision.action == "queue" and "running request's TPOT" in decision.reason
+    w.begin_prefill(4000, now=100.0)   # sent anyway (say, admission off): "a" now has it behind it
+    behind = admission.predict(spec(prompt=100, ttft=5.0, tpot=0.05), None, w, now=100.0)
+    assert behind.running_tpot_ratio is None, "past the safety line already: it no longer blocks"
 
 
 def test_a_young_prefill_rate_is_not_biased_toward_zero():
@@ -261,6 +271,26 @@ def test_step_time_model_fits_linear_steps():
     model.observe(decode_steps())  # repeats are ignored
     assert model.predict(10, 2000) == pytest.approx(0.010 + 0.010 + 0.002, rel=0.05)
     assert model.seconds_per_prefill_token() is None, "decode-only steps say nothing about prefill speed"
+
+
+def test_tpot_correction_learns_from_the_projection_at_the_first_token():
+    """Not from the admission-time prediction: admission selected on that one (admits when the
+    load reads low), so observed / predicted there is biased upward."""
+    admission, w = colocated_worker()
+    for _ in range(40):   # decodes run 1.3x slower than the step model says
+        progress = running(w, "r", started_ago=0.0, tokens=1, max_tokens=32, tpot=0.05)
+        admission.expect_tpot(w, progress, now=100.0)
+        step = admission.model("c0").predict(1, 0) * admission.tpot_correction
+        assert progress.predicted_tpot_s == pytest.approx(step * 31 / 31, rel=1e-6)
+        admission.observe_tpot(progress, 1.3 * progress.predicted_tpot_s / admission.tpot_correction)
+        del w.decoding["r"]
+        w.num_inflight -= 1
+    assert admission.tpot_correction == pytest.approx(1.3, rel=0.01)
+    p = admission.predict(spec(prompt=200, ttft=5.0, tpot=0.05), None, w, now=100.0)
+    assert p.tpot_s == pytest.approx(1.3 * admission.model("c0").predict(2, 200), rel=0.01)
+    for _ in range(40):
+        admission.observe_tpot(progress, 100.0)
+    assert admission.tpot_correction == 1.5, "clamped: one slow phase must not shut admission down"
 
 
 def test_ttft_correction_converges_on_the_observed_bias_and_stays_clamped():
