@@ -177,8 +177,7 @@ class Cluster:
         ``holds_anything``)."""
         alive = [w for w in self.registry.all if w.alive]
         reports = await asyncio.gather(*(w.actor.leak_report.remote() for w in alive))
-        return {w.worker_id: r | {"router_requests": w.num_inflight + len(w.decoding),
-                                  "router_prefill_tokens": w.num_prefill_tokens}
+        return {w.worker_id: r | {"router_requests": w.num_inflight, "router_prefill_tokens": w.num_prefill_tokens}
                 for w, r in zip(alive, reports)}
 
     async def stop(self) -> None:

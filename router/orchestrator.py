@@ -97,15 +97,10 @@ class Orchestrator:
         prefill_pending = True
         progress = decode.decoding[spec.req_id] = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s,
                                                                  prefill_mark=decode.prefill_tokens_sent)
-        decode.begin()
-        if prefill:
-            prefill.begin()
         finished = False
         try:
             first = await self._start(spec, prefill, decode, trace)
-            if prefill:
-                prefill.end()
-                prefill = None
+            prefill = None   # its part is done: nothing left there to abort
             if first is not None:
                 prefiller.end_prefill(num_prompt)
                 prefill_pending = False
@@ -129,9 +124,6 @@ class Orchestrator:
         finally:
             self.streams.unregister(spec.req_id)
             decode.decoding.pop(spec.req_id, None)
-            decode.end()
-            if prefill:
-                prefill.end()
             if prefill_pending:
                 prefiller.end_prefill(num_prompt)
             if not finished:

@@ -2,11 +2,11 @@
 
 Life cycle: the launcher ``add``s each started worker; stats arrive with every decode
 stream batch and after each prefill; the router counts what it has in flight per worker
-(stats lag by a step, its own counters do not): requests, prompt tokens still to prefill, the
+(stats lag by a step, its own counters do not): prompt tokens still to prefill, the
 long-run rate of prompt tokens sent here to prefill (the prefill load a colocated worker will
-carry while a new request decodes), and the progress of every request decoding here (how much
-more stall each can absorb before it misses its TPOT target); a worker whose calls fail is
-marked dead and never picked again.
+carry while a new request decodes), and the progress of every request sent here to decode (its
+count is the worker's in-flight load; how much more stall each can absorb before it misses its
+TPOT target); a worker whose calls fail is marked dead and never picked again.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class WorkerHandle:
     node_id: str
     device: str
     stats: WorkerStats | None = None
-    num_inflight: int = 0         # requests the router has sent here and not seen finish
     num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
     prefill_tokens_sent: int = 0  # every prompt token ever sent here to prefill (orders the queue)
     alive: bool = True
@@ -69,11 +68,10 @@ class WorkerHandle:
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
 
-    def begin(self) -> None:
-        self.num_inflight += 1
-
-    def end(self) -> None:
-        self.num_inflight -= 1
+    @property
+    def num_inflight(self) -> int:
+        """Requests the router has sent here to decode and not seen finish."""
+        return len(self.decoding)
 
     def begin_prefill(self, num_tokens: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,12 +31,9 @@ class StepTimeModel:
     def __init__(self, max_steps: int = 256) -> None:
         self._steps: deque[StepTiming] = deque(maxlen=max_steps)
         self._seen: set[tuple] = set()
-        self._coef: np.ndarray | None = None
-        self._dirty = False
-        self._spt: float | None = None
-        self._spt_dirty = False
-        self._stall: float | None = None
-        self._stall_dirty = False
+        # Derived figures (fit, per-token times), dropped whenever new steps arrive: admission
+        # asks for them per candidate pair, again for every queued request at each worker report.
+        self._cache: dict[str, Any] = {}
 
     def observe(self, steps: tuple[StepTiming, ...]) -> None:
         """Add steps not seen before (a worker's recent steps arrive many times)."""
@@ -43,7 +42,7 @@ class StepTimeModel:
             if key not in self._seen:
                 self._seen.add(key)
                 self._steps.append(s)
-                self._dirty = self._spt_dirty = self._stall_dirty = True
+                self._cache.clear()
         if len(self._seen) > 4 * self._steps.maxlen:
             self._seen = {(s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s) for s in self._steps}
 
@@ -55,35 +54,40 @@ class StepTimeModel:
         return float(np.array([1.0, num_seqs, num_kv_tokens]) @ coef)
 
     def seconds_per_prefill_token(self) -> float | None:
-        """Step time per token over steps that are mostly prefill (decode-only steps excluded).
-        Cached until new steps arrive: admission asks for it per candidate pair, again for
-        every queued request each time a worker reports."""
-        if self._spt_dirty:
-            steps = [s for s in self._steps if 2 * s.num_prefill_tokens >= s.num_tokens > 0]
-            total = sum(s.num_tokens for s in steps)
-            self._spt = sum(s.duration_s for s in steps) / total if total else None
-            self._spt_dirty = False
-        return self._spt
+        """Step time per token over steps that are mostly prefill (decode-only steps excluded)."""
+        return self._cached("spt", self._seconds_per_prefill_token)
 
     def prefill_stall_per_token(self) -> float | None:
         """What a prefill token adds to the step it rides in, beyond the decode step it shares
         (the step minus the fitted decode step of its decode sequences): the stall decodes on
         this worker see per prompt token. None until both kinds of step have been seen."""
-        if self._stall_dirty:
-            steps = [s for s in self._steps if s.num_prefill_tokens > 0]
-            decode = [self.predict(s.num_tokens - s.num_prefill_tokens, s.num_kv_tokens)
-                      if s.num_tokens > s.num_prefill_tokens else 0.0 for s in steps]
-            total = sum(s.num_prefill_tokens for s in steps)
-            self._stall = (sum(max(0.0, s.duration_s - d) for s, d in zip(steps, decode)) / total
-                           if total and None not in decode else None)
-            self._stall_dirty = False
-        return self._stall
+        return self._cached("stall", self._prefill_stall_per_token)
+
+    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def _seconds_per_prefill_token(self) -> float | None:
+        steps = [s for s in self._steps if 2 * s.num_prefill_tokens >= s.num_tokens > 0]
+        total = sum(s.num_tokens for s in steps)
+        return sum(s.duration_s for s in steps) / total if total else None
+
+    def _prefill_stall_per_token(self) -> float | None:
+        steps = [s for s in self._steps if s.num_prefill_tokens > 0]
+        decode = [self.predict(s.num_tokens - s.num_prefill_tokens, s.num_kv_tokens)
+                  if s.num_tokens > s.num_prefill_tokens else 0.0 for s in steps]
+        total = sum(s.num_prefill_tokens for s in steps)
+        if not total or None in decode:
+            return None
+        return sum(max(0.0, s.duration_s - d) for s, d in zip(steps, decode)) / total
 
     def _fit(self) -> np.ndarray | None:
-        if self._dirty:
-            steps = [s for s in self._steps if s.num_prefill_tokens == 0]
-            self._coef, self._dirty = (self._fit_steps(steps) if len(steps) >= MIN_STEPS else None), False
-        return self._coef
+        return self._cached("coef", self._fit_decode_steps)
+
+    def _fit_decode_steps(self) -> np.ndarray | None:
+        steps = [s for s in self._steps if s.num_prefill_tokens == 0]
+        return self._fit_steps(steps) if len(steps) >= MIN_STEPS else None
 
     @staticmethod
     def _fit_steps(steps: list[StepTiming]) -> np.ndarray:
