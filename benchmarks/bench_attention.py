@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from engine import attention, paged_kernel  # noqa: E402
+from engine import attention, cpu_kernels, paged_kernel  # noqa: E402
 from engine.attention import AttentionMetadata, DecodeGroup  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -267,8 +267,8 @@ def main() -> None:
         f"bench_attention  {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load avg at start "
         f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads",
-        f"kernel: {paged_kernel.SOURCE.relative_to(ROOT)} {' '.join(paged_kernel.CFLAGS)}, SIMD width "
-        f"{paged_kernel.simd_width()} floats, loaded in {build_s:.1f} s (build cache {paged_kernel.build_directory()})",
+        f"kernel: {paged_kernel.SOURCE.relative_to(ROOT)} {' '.join(cpu_kernels.CFLAGS)}, SIMD width "
+        f"{paged_kernel.simd_width()} floats, loaded in {build_s:.1f} s (build cache {cpu_kernels.build_directory()})",
         f"shapes: SmolLM2-135M ({LAYERS} layers, {HEADS} heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}), "
         f"block {BLOCK}, fp32; glibc keeps freed memory mapped: {kept} (see _keep_freed_memory)",
         "",

@@ -2,8 +2,9 @@
 
 Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, position ids,
 slot mapping and attention metadata; ``execute`` runs the transformers model through the
-paged attention registered in ``engine.attention`` and returns logits only at the positions
-that sample (each request's last scheduled token when it reaches its last known token).
+paged attention registered in ``engine.attention`` (few-row linears on ``engine.skinny_linear``)
+and returns logits only at the positions that sample (each request's last scheduled token when it
+reaches its last known token).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import attention, paged_kernel
+from engine import attention, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.kv_manager import KVCacheManager
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -39,17 +40,22 @@ class ModelRunner:
         self.decode_group = decode_group
         self.device = kv_cache.device
         if self.device.type == "cpu":
-            paged_kernel.available()  # build or load the kernel now, not during the first decode step
+            paged_kernel.available()  # build or load the kernels now, not during the first decode step
+        # Decode steps' few-row linears on the skinny kernel (float32 CPU with AVX-512 only).
+        self.skinny = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and skinny_linear.enabled()
+        if self.skinny:
+            skinny_linear.install(model)
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
-        logits = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.position_ids,
-            logits_to_keep=inputs.logits_indices,
-            use_cache=False,
-            pdserve_attn=inputs.metadata,
-        ).logits
+        with skinny_linear.active(self.skinny):
+            logits = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.position_ids,
+                logits_to_keep=inputs.logits_indices,
+                use_cache=False,
+                pdserve_attn=inputs.metadata,
+            ).logits
         return logits[0]
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:

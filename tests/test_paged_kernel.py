@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine import attention, paged_kernel
+from engine import attention, cpu_kernels, paged_kernel
 from engine.attention import DecodeGroup
 
 
@@ -181,11 +181,11 @@ def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
     def broken_load(*args, **kwargs):
         raise RuntimeError("Error building extension: no compiler")
 
-    monkeypatch.setattr(paged_kernel, "_module", None)
-    monkeypatch.setattr(paged_kernel, "_error", None)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
     monkeypatch.delenv(paged_kernel.ENV_VAR, raising=False)
-    with caplog.at_level("WARNING", logger=paged_kernel.__name__):
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
         assert not paged_kernel.available()
         assert not paged_kernel.enabled()
         packed, kc, vc, grp, groups = _decode_inputs([5, 40])

@@ -15,9 +15,9 @@
 // hand one thread all the long ones.
 
 // Light headers on purpose (not torch/extension.h): the first build takes ~15 s instead of ~60 s.
+// Bound to Python in module.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
@@ -515,13 +515,4 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
   run<attend_generic<0>>(p, n);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention (float32, CPU): out[n, heads, d] from q[n, heads, d] and paged K/V; "
-        "portable=True skips the SIMD path (tests)",
-        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("portable") = false,
-        // Like torch's own ops: other Python threads (gRPC, Ray, asyncio) run meanwhile.
-        py::call_guard<py::gil_scoped_release>());
-  m.attr("simd_width") = PDSERVE_SIMD_WIDTH;
-}
+int paged_attention_simd_width() { return PDSERVE_SIMD_WIDTH; }

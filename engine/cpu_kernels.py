@@ -1,0 +1,128 @@
+"""Builds and loads pdserve's C++ CPU kernels: one extension from ``engine/csrc/`` holding the
+paged decode attention (``engine/paged_kernel.py``) and the few-rows linear layer
+(``engine/skinny_linear.py``).
+
+Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja`` binary: the
+system's, or the ``ninja`` pip package's even when the venv is not activated) with
+``-O3 -march=native -fopenmp``, compiled on first use (~30 s) into
+``~/.cache/pdserve/torch_extensions/<tag>`` and loaded from there afterwards (~0.2 s); the tag
+hashes the torch version and install path, the Python version and the CPU model/flags, so a home
+directory shared across machines never loads a binary built for another CPU, and two torch
+installs do not rebuild over each other. Any build or load failure logs one warning and leaves
+the torch paths in use. Parallelism runs on torch's own OpenMP pool (at::parallel_for), so the
+kernels never use more threads than ``torch.get_num_threads()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "module.cpp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+STALE_LOCK_S = 600
+
+_lock = threading.Lock()
+_module = None
+_error: str | None = None       # why the kernel is unavailable, once a build was tried
+
+
+def build_directory() -> Path:
+    return Path.home() / ".cache" / "pdserve" / "torch_extensions" / _machine_tag()
+
+
+def _machine_tag() -> str:
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags"))]
+        cpu += "".join(sorted(set(lines)))
+    except OSError:
+        cpu += platform.processor()
+    # The torch install path too: ninja rebuilds whenever the include paths in its command change.
+    key = f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version_info[:2]}|{cpu}"
+    return f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}-" + \
+        hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _load():
+    global _module, _error
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        try:
+            from torch.utils.cpp_extension import load
+
+            build_dir = build_directory()
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock(build_dir)
+            _find_ninja()
+            _module = load(
+                name="pdserve_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 — any build/load failure means: use the torch path
+            _error = f"{type(e).__name__}: {e}".strip()
+            logger.warning("CPU kernels unavailable, using the torch paths (%s)", _error[-500:])
+        return _module
+
+
+def _find_ninja() -> None:
+    """torch runs ``ninja`` from PATH; a venv used without activation has the pip package's
+    binary off PATH, so put it there."""
+    if shutil.which("ninja"):
+        return
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    os.environ["PATH"] = os.pathsep.join([*dirs, os.environ.get("PATH", "")])
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's build lock is a file another process removes when done; a process killed mid-build
+    leaves it behind and every later load would wait on it forever. A build takes well under
+    STALE_LOCK_S, so an older lock is abandoned."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+def module():
+    """The loaded extension (built on the first call), or None when it cannot be built."""
+    return _load()
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (builds them on the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error

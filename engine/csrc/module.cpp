@@ -1,0 +1,26 @@
+// Python bindings of pdserve's CPU kernels (one extension, built by engine/cpu_kernels.py).
+// Every entry releases the GIL, like torch's own ops: other Python threads (gRPC, Ray,
+// asyncio) run while a kernel computes.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor context_lens, double scale, bool portable);
+int paged_attention_simd_width();
+void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight);
+int skinny_linear_simd_width();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention (float32, CPU): out[n, heads, d] from q[n, heads, d] and paged K/V; "
+        "portable=True skips the SIMD path (tests)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("portable") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("skinny_linear", &skinny_linear,
+        "out[M, N] = x[M, K] . weight[N, K]^T (float32, CPU, contiguous), for small M",
+        py::arg("out"), py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
+  m.attr("simd_width") = paged_attention_simd_width();
+  m.attr("skinny_linear_simd_width") = skinny_linear_simd_width();
+}

@@ -1,0 +1,85 @@
+"""Linear layers of an engine forward with few rows (decode steps) on the C++ skinny kernel.
+
+A decode step multiplies one row per running request by every weight matrix. At 2-32 rows MKL's
+sgemm repacks the weight on each call and the step, memory-bound on the weights (536 MB of
+float32 for SmolLM2-135M), costs ~2x a single row's; the kernel (``engine/csrc/skinny_linear.cpp``)
+streams each weight row once for all rows. Larger inputs (prefill chunks) stay on torch's linear.
+
+Life cycle: ``install(model)`` (ModelRunner, once) turns the model's ``nn.Linear`` modules into
+``SkinnyLinear`` in place (same parameters, tied weights stay tied). They take the kernel only
+inside ``active()``, which the ModelRunner enters around its own forward; everywhere else (a Hugging
+Face ``generate`` reference on a deep copy, training code) they are plain ``nn.Linear``.
+Off with ``PDSERVE_LINEAR=torch``, on machines without AVX-512, or when the kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+
+ENV_VAR = "PDSERVE_LINEAR"   # "torch": every linear on torch (comparison, tests)
+MAX_ROWS = 32                # beyond this MKL's blocked GEMM is as fast (measured: 1.0-1.3x at 32-64 rows)
+
+_state = threading.local()
+
+
+def enabled() -> bool:
+    """The kernel is built with AVX-512 and not switched off with ``PDSERVE_LINEAR=torch``."""
+    if os.environ.get(ENV_VAR, "").lower() == "torch":
+        return False
+    module = cpu_kernels.module()
+    return module is not None and int(module.skinny_linear_simd_width) > 0
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for contiguous float32 CPU x [M, K], weight [N, K] (no bias)."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    cpu_kernels.module().skinny_linear(out, x, weight)
+    return out
+
+
+class SkinnyLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that, inside ``active()``, sends inputs of at most MAX_ROWS rows to the kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Cheap checks first: this runs ~200 times per step. The weight's own checks (float32,
+        # contiguous, CPU, no bias) were made once by install(). The kernel records no autograd.
+        if x.numel() <= MAX_ROWS * self.in_features and getattr(_state, "on", False) \
+                and x.dtype == torch.float32 and x.is_contiguous() and not torch.is_grad_enabled():
+            rows = x.view(-1, self.in_features)
+            return skinny_linear(rows, self.weight).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _eligible(module: torch.nn.Module) -> bool:
+    if type(module) is not torch.nn.Linear:
+        return False
+    w = module.weight
+    return module.bias is None and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+
+
+def install(model: torch.nn.Module) -> int:
+    """Turn the model's plain float32 CPU ``nn.Linear`` modules without bias into SkinnyLinear
+    (in place); returns how many."""
+    linears = [m for m in model.modules() if _eligible(m)]
+    for m in linears:
+        m.__class__ = SkinnyLinear   # keeps parameters, buffers and hooks: only forward changes
+    return len(linears)
+
+
+@contextlib.contextmanager
+def active(on: bool = True) -> Iterator[None]:
+    """SkinnyLinear modules use the kernel within this block (on this thread), if ``on``."""
+    previous = getattr(_state, "on", False)
+    _state.on = on
+    try:
+        yield
+    finally:
+        _state.on = previous

@@ -1,0 +1,123 @@
+"""The C++ few-rows linear kernel against float64 matmul, and its dispatch: only inside the
+engine's forward, only for few rows, never for a Hugging Face reference sharing the model.
+Skipped only where the kernel cannot run (no AVX-512 or no compiler; never under CI)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import skinny_linear
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not skinny_linear.enabled():
+        reason = "skinny linear kernel unavailable here (needs AVX-512 and a compiler)"
+        if os.environ.get("CI") and os.environ.get(skinny_linear.ENV_VAR, "") != "torch":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return skinny_linear
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 32])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (3, 17), (5, 576), (193, 64), (1536, 577)])
+def test_matches_float64_matmul(kernel, rows, out_features, in_features):
+    """Every tile shape: partial weight tiles (N % 4), partial row tiles (M % 6), a masked K tail."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    got = kernel.skinny_linear(x, w)
+    assert got.shape == (rows, out_features)
+    assert rel_err(got, x.double() @ w.double().T) < 1e-5
+
+
+def test_threads_split_the_weight_rows(kernel):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 576, generator=g), torch.randn(4099, 576, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernel.skinny_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert rel_err(got, x.double() @ w.double().T) < 1e-5
+
+
+def test_rejects_bad_inputs(kernel):
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        kernel.skinny_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.skinny_linear(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+
+
+def _counting(monkeypatch) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+    real = skinny_linear.skinny_linear
+
+    def spy(x, w):
+        calls.append((x.shape[0], w.shape[0]))
+        return real(x, w)
+
+    monkeypatch.setattr(skinny_linear, "skinny_linear", spy)
+    return calls
+
+
+def test_dispatch_only_inside_active_and_for_few_rows(kernel, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 8, bias=True))
+    assert skinny_linear.install(model) == 1            # the biased layer stays a plain nn.Linear
+    assert type(model[0]) is skinny_linear.SkinnyLinear and type(model[1]) is torch.nn.Linear
+    calls = _counting(monkeypatch)
+    few, many = torch.randn(1, 3, 64), torch.randn(1, skinny_linear.MAX_ROWS + 1, 64)
+
+    with skinny_linear.active():
+        model[0](few).sum().backward()                 # autograd on: torch's linear, gradients flow
+    assert not calls and model[0].weight.grad is not None
+    with torch.no_grad():
+        outside = model[0](few)
+        with skinny_linear.active():
+            inside = model[0](few)
+            big = model[0](many)
+            with skinny_linear.active(False):
+                nested_off = model[0](few)
+        want = F.linear(few.double(), model[0].weight.double())
+        assert calls == [(3, 96)], "only the few-row call inside active() takes the kernel"
+        assert torch.equal(outside, F.linear(few, model[0].weight))
+        assert inside.shape == (1, 3, 96) and rel_err(inside, want) < 1e-5
+        assert torch.equal(big, F.linear(many, model[0].weight))
+        assert torch.equal(nested_off, outside)
+    assert not getattr(skinny_linear._state, "on", False), "active() restores the previous state"
+
+
+def test_install_keeps_tied_weights_and_copies_stay_plain(kernel, tiny_model, monkeypatch):
+    model = copy.deepcopy(tiny_model.model)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    skinny_linear.install(model)            # (an earlier engine may have installed it on tiny_model already)
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
+    assert isinstance(model.lm_head, skinny_linear.SkinnyLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    calls = _counting(monkeypatch)
+    reference = copy.deepcopy(model)        # as the test references are made: a deep copy, outside active()
+    reference.config._attn_implementation = "sdpa"
+    with torch.inference_mode():
+        reference(input_ids=torch.tensor([[5, 6, 7]]))
+    assert not calls
+
+
+def test_engine_uses_the_kernel_unless_switched_off(kernel, tiny_model, monkeypatch):
+    model = copy.deepcopy(tiny_model)
+    assert LLMEngine(model, EngineConfig(num_kv_blocks=8)).runner.skinny
+    monkeypatch.setenv(skinny_linear.ENV_VAR, "torch")
+    assert not skinny_linear.enabled()
+    assert not LLMEngine(copy.deepcopy(tiny_model), EngineConfig(num_kv_blocks=8)).runner.skinny
