@@ -95,15 +95,21 @@ class ModelRunner:
     def _prefill_segment(self, req_id: str, q_start: int, start: int, n: int) -> PrefillSegment:
         ctx_len = start + n
         num_blocks = -(-ctx_len // self.block_size)
-        q_pos = torch.arange(start, ctx_len, device=self.device)
-        mask = torch.arange(ctx_len, device=self.device)[None, :] <= q_pos[:, None]   # causal, offset by `start`
         return PrefillSegment(
             q_start=q_start,
             q_len=n,
             ctx_len=ctx_len,
             block_ids=self._tensor(self.kv.block_tables[req_id][:num_blocks]),
-            mask=mask.repeat(self.num_q_groups, 1),
+            mask=self._causal_mask(start, n) if start else None,
         )
+
+    def _causal_mask(self, start: int, n: int) -> torch.Tensor:
+        """Additive [n, start + n] mask of a chunk after ``start`` computed tokens: query i sees keys
+        <= start + i. Additive float, not bool: SDPA's CPU path with a bool mask runs ~1.2x slower."""
+        q_pos = torch.arange(start, start + n, device=self.device)
+        visible = torch.arange(start + n, device=self.device)[None, :] <= q_pos[:, None]
+        zeros = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=self.device)
+        return zeros.masked_fill_(~visible, float("-inf"))
 
     def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]]) -> list[DecodeGroup]:
         # Similar context lengths share a group so the padded gather wastes little. The paged
