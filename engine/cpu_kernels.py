@@ -60,6 +60,8 @@ def _machine_tag() -> str:
 
 def _load():
     global _module, _error
+    if _module is not None:   # the hot path (every linear of every step): no lock once loaded
+        return _module
     with _lock:
         if _module is not None or _error is not None:
             return _module
