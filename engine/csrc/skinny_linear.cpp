@@ -23,30 +23,50 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int NR = 4;   // weight rows per tile
+constexpr int NR = 4;   // weight rows per tile (tile() names them w0..w3)
 constexpr int MR = 6;   // input rows per tile: 4 x 6 accumulators + 4 weight vectors <= 32 registers
 constexpr int64_t GRAIN = 16;  // tiles per parallel chunk
 
 // rows x MT outputs of one tile: y[m * ldy + r] = dot(x[m], w[r]); `prefetch` is the next tile.
+template <int MT>
+inline void fma_step(const float* x, int64_t K, const float* const* w, int64_t k, __mmask16 mask,
+                     __m512 (&acc)[NR][MT]) {
+  __m512 wv[NR];
+  for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w[r] + k);
+  for (int m = 0; m < MT; ++m) {
+    const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+  }
+}
+
+// rows x MT outputs of one tile: y[m * ldy + r] = dot(x[m], w[r]); `prefetch` is the next tile.
+// The full-vector loop uses plain loads (the masked form kept GCC from holding the accumulators
+// in registers: measured 2x slower at 12 rows).
 template <int MT>
 void tile(const float* x, int64_t K, const float* const* w, int rows, float* y, int64_t ldy,
           const float* prefetch) {
   __m512 acc[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, __mmask16 mask) {
-    __m512 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w[r] + k);
+  const float* w0 = w[0];
+  const float* w1 = w[1];
+  const float* w2 = w[2];
+  const float* w3 = w[3];
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 a0 = _mm512_loadu_ps(w0 + k), a1 = _mm512_loadu_ps(w1 + k);
+    const __m512 a2 = _mm512_loadu_ps(w2 + k), a3 = _mm512_loadu_ps(w3 + k);
     if (prefetch != nullptr)
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * K + k), _MM_HINT_T0);
     for (int m = 0; m < MT; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-      for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      acc[0][m] = _mm512_fmadd_ps(a0, xv, acc[0][m]);
+      acc[1][m] = _mm512_fmadd_ps(a1, xv, acc[1][m]);
+      acc[2][m] = _mm512_fmadd_ps(a2, xv, acc[2][m]);
+      acc[3][m] = _mm512_fmadd_ps(a3, xv, acc[3][m]);
     }
-  };
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) step(k, 0xFFFF);
-  if (k < K) step(k, static_cast<__mmask16>((1u << (K - k)) - 1));
+  }
+  if (k < K) fma_step<MT>(x, K, w, k, static_cast<__mmask16>((1u << (K - k)) - 1), acc);
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < rows; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
 }

@@ -1,0 +1,162 @@
+"""Few-row linears: the C++ skinny kernel against torch's ``F.linear`` (MKL), one run.
+
+1. Every linear of one SmolLM2-135M forward (30 layers x q/k/v/o/gate/up/down + the tied LM
+   head: 536 MB of float32 weights, far more than the caches, so each pass reads them from
+   memory as a decode step does) at M input rows, M = 1..64. Passes alternate kernel / torch /
+   read roofline (``sum()`` over the same weights) so every ratio compares numbers taken in the
+   same seconds of a shared machine; medians are reported. GB/s = weight bytes / time.
+2. Unless --skip-model: one full decode step of the real model in a decode-role ``LLMEngine``
+   (requests arrive with their KV "computed"; context ~256) at several batch sizes, alternating
+   the engine's linear path step by step (``ModelRunner.skinny``).
+
+    python -m benchmarks.bench_linear [--passes 7] [--steps 6] [--threads 1] [--skip-model]
+
+Threads default to 1: a colocated or decode worker's setup in the goodput runs.
+Writes benchmarks/results/linear.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine import cpu_kernels, skinny_linear  # noqa: E402
+
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+BATCHES = (1, 6, 12, 24)
+CONTEXT = 256
+RESULTS = ROOT / "benchmarks" / "results" / "linear.txt"
+
+
+def forward_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights a forward multiplies, in order (the tied LM head once, last)."""
+    weights = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    return [*weights, model.lm_head.weight]
+
+
+def bench_rows(weights: list[torch.Tensor], passes: int) -> list[str]:
+    total = sum(w.numel() * w.element_size() for w in weights)
+    lines = [
+        f"every linear of one forward ({len(weights)} weights, {total / 1e6:.0f} MB fp32), median of {passes} "
+        "alternating passes",
+        f"  {'rows':>5}{'torch ms':>10}{'kernel ms':>11}{'speed-up':>10}{'kernel GB/s':>13}{'max rel err':>13}",
+    ]
+    roof = []
+    for rows in ROWS:
+        xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        times: dict[str, list[float]] = {"torch": [], "kernel": []}
+        for p in range(passes + 1):                 # pass 0 warms up
+            for path in ("kernel", "torch"):
+                t = time.perf_counter()
+                for w in weights:
+                    if path == "kernel":
+                        skinny_linear.skinny_linear(xs[w.shape[1]], w)
+                    else:
+                        F.linear(xs[w.shape[1]], w)
+                if p:
+                    times[path].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for w in weights:
+                w.sum()
+            roof.append(time.perf_counter() - t)
+        err = max(_rel_err(skinny_linear.skinny_linear(xs[w.shape[1]], w), xs[w.shape[1]], w) for w in weights[:7])
+        med = {k: statistics.median(v) for k, v in times.items()}
+        lines.append(f"  {rows:>5}{med['torch'] * 1e3:>10.1f}{med['kernel'] * 1e3:>11.1f}"
+                     f"{med['torch'] / med['kernel']:>9.2f}x{total / med['kernel'] / 1e9:>13.1f}{err:>13.1e}")
+    r = statistics.median(roof)
+    lines.append(f"  read roofline (sum over the same weights): {r * 1e3:.1f} ms = {total / r / 1e9:.1f} GB/s")
+    return lines
+
+
+def _rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    want = x.double() @ w.double().T
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def bench_model(loaded, steps: int) -> list[str]:
+    from engine.config import EngineConfig, EngineRole
+    from engine.engine import LLMEngine
+    from engine.types import RequestSpec, SamplingParams
+
+    lines = [
+        f"full decode step, {loaded.name} fp32, context ~{CONTEXT} (median of {steps} steps per path, alternating)",
+        f"  {'batch':>5}{'torch ms':>10}{'kernel ms':>11}{'speed-up':>10}",
+    ]
+    rng = random.Random(1)
+    for batch in BATCHES:
+        blocks = batch * (-(-(CONTEXT + 2 * steps + 8) // 16)) + 8
+        engine = LLMEngine(loaded, EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=batch))
+        if not engine.runner.skinny:
+            sys.exit("the engine did not enable the skinny kernel (PDSERVE_LINEAR=torch set?)")
+        for i in range(batch):
+            prompt = tuple(rng.randrange(3, 10000) for _ in range(CONTEXT))
+            spec = RequestSpec(f"r{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True))
+            engine.reserve(spec)
+            engine.commit_kv(spec.req_id, 42)
+        engine.cache.normal_()   # real pages, not the shared zero page
+        times: dict[str, list[float]] = {"kernel": [], "torch": []}
+        for s in range(2 * steps + 2):           # two warm-up steps, then alternate
+            path = ("kernel", "torch")[s % 2]
+            engine.runner.skinny = path == "kernel"
+            t = time.perf_counter()
+            engine.step()
+            if s >= 2:
+                times[path].append(time.perf_counter() - t)
+        for spec_id in list(engine.scheduler.requests):
+            engine.abort(spec_id)
+        engine.step()
+        med = {k: statistics.median(v) for k, v in times.items()}
+        lines.append(f"  {batch:>5}{med['torch'] * 1e3:>10.1f}{med['kernel'] * 1e3:>11.1f}"
+                     f"{med['torch'] / med['kernel']:>9.2f}x")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not skinny_linear.enabled():
+        sys.exit(f"skinny kernel unavailable: {cpu_kernels.unavailable_reason() or 'no AVX-512 or PDSERVE_LINEAR=torch'}")
+    from engine.model_loader import load_model
+
+    loaded = load_model()
+    load = os.getloadavg()
+    lines = [
+        f"bench_linear  {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load avg at start "
+        f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"kernel: engine/csrc/skinny_linear.cpp {' '.join(cpu_kernels.CFLAGS)}; engine uses it up to "
+        f"{skinny_linear.MAX_ROWS} rows",
+        "",
+        *bench_rows(forward_weights(loaded.model), args.passes),
+    ]
+    print("\n".join(lines), flush=True)
+    if not args.skip_model:
+        model_lines = ["", *bench_model(loaded, args.steps)]
+        print("\n".join(model_lines), flush=True)
+        lines += model_lines
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
