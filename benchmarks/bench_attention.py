@@ -27,10 +27,7 @@ Writes benchmarks/results/attention.txt.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
 import random
 import statistics
 import sys
@@ -43,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks import kernel_bench  # noqa: E402
 from engine import attention, cpu_kernels, paged_kernel  # noqa: E402
 from engine.attention import AttentionMetadata, DecodeGroup  # noqa: E402
 
@@ -248,25 +246,15 @@ def _keep_freed_memory() -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip-model", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = kernel_bench.parse_args(__doc__, threads=2, results=RESULTS)
     kept = _keep_freed_memory()
     t0 = time.perf_counter()
     built = paged_kernel.available()
     build_s = time.perf_counter() - t0
     if not built:
         sys.exit(f"kernel unavailable: {paged_kernel.unavailable_reason()}")
-    load = os.getloadavg()
     lines = [
-        f"bench_attention  {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load avg at start "
-        f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        *kernel_bench.header("bench_attention"),
         f"kernel: {paged_kernel.SOURCE.relative_to(ROOT)} {' '.join(cpu_kernels.CFLAGS)}, SIMD width "
         f"{paged_kernel.simd_width()} floats, loaded in {build_s:.1f} s (build cache {cpu_kernels.build_directory()})",
         f"shapes: SmolLM2-135M ({LAYERS} layers, {HEADS} heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}), "

@@ -17,10 +17,6 @@ Writes benchmarks/results/linear.txt.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import platform
 import random
 import statistics
 import sys
@@ -33,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import kernel_bench  # noqa: E402
 from engine import cpu_kernels, skinny_linear  # noqa: E402
 
 ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -125,24 +122,14 @@ def bench_model(loaded, steps: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--passes", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--skip-model", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = kernel_bench.parse_args(__doc__, threads=1, results=RESULTS)
     if not skinny_linear.enabled():
         sys.exit(f"skinny kernel unavailable: {cpu_kernels.unavailable_reason() or 'no AVX-512 or PDSERVE_LINEAR=torch'}")
     from engine.model_loader import load_model
 
     loaded = load_model()
-    load = os.getloadavg()
     lines = [
-        f"bench_linear  {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load avg at start "
-        f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads",
+        *kernel_bench.header("bench_linear"),
         f"kernel: engine/csrc/skinny_linear.cpp {' '.join(cpu_kernels.CFLAGS)}; engine uses it up to "
         f"{skinny_linear.MAX_ROWS} rows",
         "",

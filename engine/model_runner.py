@@ -36,7 +36,6 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.kv = kv
         self.block_size = kv.block_size
-        self.num_q_groups = model.config.num_attention_heads // model.config.num_key_value_heads
         self.decode_group = decode_group
         self.device = kv_cache.device
         if self.device.type == "cpu":

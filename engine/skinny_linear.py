@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from engine import cpu_kernels
 
 ENV_VAR = "PDSERVE_LINEAR"   # "torch": every linear on torch (comparison, tests)
-MAX_ROWS = 32                # beyond this MKL's blocked GEMM is as fast (measured: 1.0-1.3x at 32-64 rows)
+MAX_ROWS = 32                # beyond, MKL catches up (benchmarks/results/linear.txt: 1.14x at 32, 1.00x at 64)
 
 _state = threading.local()
 

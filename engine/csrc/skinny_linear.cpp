@@ -27,7 +27,7 @@ constexpr int NR = 4;   // weight rows per tile (tile() names them w0..w3)
 constexpr int MR = 6;   // input rows per tile: 4 x 6 accumulators + 4 weight vectors <= 32 registers
 constexpr int64_t GRAIN = 16;  // tiles per parallel chunk
 
-// rows x MT outputs of one tile: y[m * ldy + r] = dot(x[m], w[r]); `prefetch` is the next tile.
+// One masked K step of a tile (the tail of K when it is not a multiple of 16).
 template <int MT>
 inline void fma_step(const float* x, int64_t K, const float* const* w, int64_t k, __mmask16 mask,
                      __m512 (&acc)[NR][MT]) {
