@@ -271,9 +271,7 @@ def main() -> None:
         model_lines = ["", *bench_model(loaded, args.steps, shuffled=True), *bench_model(loaded, args.steps, shuffled=False)]
         print("\n".join(model_lines), flush=True)
         lines += model_lines
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    kernel_bench.write(args.out, lines)
 
 
 if __name__ == "__main__":

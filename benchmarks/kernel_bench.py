@@ -32,3 +32,9 @@ def header(name: str) -> list[str]:
         f"machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load avg at start "
         f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads",
     ]
+
+
+def write(out: Path, lines: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
