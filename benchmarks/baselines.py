@@ -66,7 +66,7 @@ def _static_batches(model: PreTrainedModel, workload: list[WorkloadRequest], bat
     generated, start = 0, time.perf_counter()
     for first in range(0, len(workload), batch_size):
         batch = workload[first:first + batch_size]
-        input_ids, attention_mask = _left_pad([r.prompt_token_ids for r in batch], pad_id)
+        input_ids, attention_mask = _left_pad([r.prompt_token_ids for r in batch], pad_id, model.device)
         max_new = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             # min_new_tokens = max_new_tokens: EOS can never end a row early, i.e. EOS ignored.
@@ -133,19 +133,19 @@ def _pad_token_id(model: PreTrainedModel) -> int:
     return 0 if pad is None else int(pad)
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt):] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt):] = 1
-    return input_ids, attention_mask
+    return input_ids.to(device), attention_mask.to(device)
 
 
 def _warm_up(model: PreTrainedModel) -> None:
     with torch.inference_mode():
-        model.generate(input_ids=torch.tensor([[1000, 1001]]), max_new_tokens=2, do_sample=False,
+        model.generate(input_ids=torch.tensor([[1000, 1001]], device=model.device), max_new_tokens=2, do_sample=False,
                        pad_token_id=_pad_token_id(model))
 
 

@@ -39,6 +39,8 @@ the overhead. Idle round trips of one Ray actor call and one unary gRPC call giv
 Run: ``python benchmarks/bench_disagg_overhead.py`` (SmolLM2-135M fp32, ~3.5 min on 2 cores);
 ``--quick`` uses the tiny random model and short requests to check the script (printed only,
 unless ``--out`` is given). The full run writes benchmarks/results/disagg_overhead.txt.
+``--device cuda [--model DIR] [--dtype bfloat16]`` runs all three on one GPU (the clusters'
+workers take a third of it each; the disaggregated pair hands KV over by CUDA IPC).
 """
 
 from __future__ import annotations
@@ -199,11 +201,13 @@ def grpc_round_trip_s(client: PdserveClient, num_calls: int = 10) -> float:
     return statistics.median(times)
 
 
-def start_cluster(mode: str, random_model: dict | None) -> ClusterThread:
-    kv = dict(num_kv_blocks=NUM_KV_BLOCKS)
+def start_cluster(mode: str, random_model: dict | None, args) -> ClusterThread:
+    kv = dict(num_kv_blocks=NUM_KV_BLOCKS, device=args.device, dtype=args.dtype)
     config = ClusterConfig(
-        mode=mode, num_prefill=1, num_decode=1, random_model=random_model, port=0,
+        mode=mode, num_prefill=1, num_decode=1, random_model=random_model, model=args.model, port=0,
         cpus_per_worker=1.0, threads_per_worker=1,
+        # On one GPU: both clusters' three workers share it; the disaggregated pair moves KV by CUDA IPC.
+        gpus_per_worker=0.33 if args.device.startswith("cuda") else None,
         prefill_engine=EngineConfig(max_num_batched_tokens=PREFILL_BUDGET, **kv),
         # colocated: the worker prefills too, with the same budget as a prefill worker
         decode_engine=EngineConfig(max_num_batched_tokens=PREFILL_BUDGET, **kv),
@@ -327,9 +331,10 @@ def machine_header(args, model_name: str, transport: str, id_range: tuple[int, i
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return [
         f"bench_disagg_overhead  {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"machine: {platform.node()}, {os.cpu_count()} cores ({cpu}), load avg at start {load}",
+        f"machine: {platform.node()}, {os.cpu_count()} cores ({cpu}), load avg at start {load}"
+        + (f"; {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         f"python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}, grpc {grpc.__version__}",
-        f"model: {model_name} fp32; prompt {args.prompt_len} random ids in [{id_range[0]}, {id_range[1]}), "
+        f"model: {model_name} {args.dtype} on {args.device}; prompt {args.prompt_len} random ids in [{id_range[0]}, {id_range[1]}), "
         f"{args.max_tokens} output tokens, greedy, ignore_eos; 1 request at a time; 1 warm-up + {args.repeats} repeats",
         f"in-process: 1 torch thread, token budget {PREFILL_BUDGET}; clusters: 1 CPU and 1 torch thread per worker, "
         f"prefill budget {PREFILL_BUDGET}, KV transport {transport}, sync gRPC client in this process",
@@ -348,6 +353,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-colocated", action="store_true", help="skip (c), the colocated cluster")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (every system on it)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: benchmarks/results/disagg_overhead.txt (not written with --quick)")
     args = parser.parse_args()
@@ -361,9 +369,13 @@ def main() -> None:
     from engine.model_loader import load_model
     from engine.model_loader import random_model as make_random_model
 
-    loaded = make_random_model(**RANDOM_MODEL) if args.random_model else load_model()
+    if args.random_model:
+        loaded = make_random_model(**RANDOM_MODEL)
+        loaded.model.to(args.device)
+    else:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     engine = LLMEngine(loaded, EngineConfig(max_num_batched_tokens=PREFILL_BUDGET, num_kv_blocks=NUM_KV_BLOCKS,
-                                            num_threads=1))
+                                            num_threads=1, device=args.device, dtype=args.dtype))
     # Logical CPUs: both clusters' placement groups fit (3 workers x 1 CPU); only one runs at a time.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     clusters: list[tuple[System, ClusterThread]] = []
@@ -371,7 +383,7 @@ def main() -> None:
         modes = ["disaggregated"] + ([] if args.no_colocated else ["colocated"])
         for mode in modes:
             logger.info("starting the %s cluster", mode)
-            clusters.append((System(mode), start_cluster(mode, random_model)))
+            clusters.append((System(mode), start_cluster(mode, random_model, args)))
         disagg = clusters[0][1].cluster
         transport = disagg.registry.transport(disagg.registry.prefill[0], disagg.registry.decode[0])
         inproc = System("in-process")

@@ -62,7 +62,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9400)
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one ('auto' on a ray up head)")
     p.add_argument("--kv-transport", choices=("shm", "torch_dist", "object_store", "cuda_ipc"), default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, or auto: cuda when the Ray cluster has GPUs (one per worker, or a share)")
+    p.add_argument("--gpus-per-worker", type=float, default=None,
+                   help="GPU share of each worker (default: one each if enough, else an even split)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -97,6 +100,7 @@ def cluster_config(args: argparse.Namespace):
     return ClusterConfig(
         mode=args.mode, num_prefill=args.num_prefill, num_decode=args.num_decode, model=args.model,
         prefill_engine=engine(), decode_engine=engine(), cpus_per_worker=args.cpus_per_worker,
+        gpus_per_worker=args.gpus_per_worker,
         threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,

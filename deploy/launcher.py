@@ -3,9 +3,11 @@
 Life cycle: ``Cluster.start()`` joins Ray (an embedded local instance by default, or
 ``address``), resolves the model once, places N prefill and M decode actors in a placement
 group (PACK: KV moves within a node where possible) with the cores divided among them
-(``torch.set_num_threads`` per worker), joins them into a torch.distributed group when a
-pair needs it, then starts the router's gRPC server. ``stop()`` stops the server, shuts
-every worker down (each unlinks its /dev/shm pool) and leaves Ray.
+(``torch.set_num_threads`` per worker) and, when the engines run on "cuda", the GPUs too
+(fractions when workers outnumber GPUs: a pair on one GPU moves KV by CUDA IPC), joins
+them into a torch.distributed group when a pair needs it (across nodes or GPUs), then starts
+the router's gRPC server. ``stop()`` stops the server, shuts every worker down (each unlinks
+its /dev/shm pool) and leaves Ray.
 ``ClusterThread`` runs a cluster on its own event loop in a background thread (tests, CLI).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -26,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
+from kvtransfer.select import choose_transport
 from router.convert import ServerDefaults
 from router.admission import Admission
 from router.metrics import RouterMetrics
@@ -44,9 +48,11 @@ class ClusterConfig:
     num_decode: int = 1
     model: str | None = None             # None: the embedded SmolLM2-135M-Instruct
     random_model: dict | None = None     # tests: tiny random Llama
+    # Engine device "auto": "cuda" when the Ray cluster has GPUs, else "cpu".
     prefill_engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_batched_tokens=512))
     decode_engine: EngineConfig = field(default_factory=EngineConfig)
     cpus_per_worker: float = 1.0
+    gpus_per_worker: float | None = None  # GPU workers' share; None: see gpu_share()
     threads_per_worker: int | None = None  # None: the node's cores divided among the workers
     address: str | None = None           # a Ray cluster to join; None starts one here
     host: str = "127.0.0.1"
@@ -119,14 +125,16 @@ class Cluster:
         num_prefill = 0 if colocated else cfg.num_prefill
         total = num_prefill + cfg.num_decode
         threads = cfg.threads_per_worker or max(1, int(ray.available_resources().get("CPU", 1)) // total)
-        strategy = self._placement(total)
+        engines, gpus_of = self._devices(num_prefill)
+        strategy = self._placement([gpus_of["prefill"]] * num_prefill + [gpus_of["decode"]] * cfg.num_decode)
         actors = []
         for i in range(num_prefill):
-            spec = self._spec(f"prefill-{i}", model_dir, cfg.prefill_engine, threads)
-            actors.append(("prefill", self._actor("prefill", strategy, cfg.prefill_resources).remote(spec)))
+            spec = self._spec(f"prefill-{i}", model_dir, engines["prefill"], threads)
+            opts = self._actor("prefill", strategy, cfg.prefill_resources, gpus_of["prefill"])
+            actors.append(("prefill", opts.remote(spec)))
         for i in range(cfg.num_decode):
-            spec = self._spec(f"decode-{i}", model_dir, cfg.decode_engine, threads)
-            opts = self._actor("decode", strategy, cfg.decode_resources)
+            spec = self._spec(f"decode-{i}", model_dir, engines["decode"], threads)
+            opts = self._actor("decode", strategy, cfg.decode_resources, gpus_of["decode"])
             actors.append(("colocated" if colocated else "decode", opts.remote(spec, colocated)))
         infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
         for (role, actor), info in zip(actors, infos):
@@ -134,24 +142,36 @@ class Cluster:
                                            shm_path=info.get("shm_path")))
         return list(infos)
 
+    def _devices(self, num_prefill: int) -> tuple[dict[str, EngineConfig], dict[str, float]]:
+        """Per role: the engine config with its device decided, and each worker's GPU share."""
+        cfg = self.config
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        engines = {"prefill": resolve_device(cfg.prefill_engine, gpus, self._started_ray),
+                   "decode": resolve_device(cfg.decode_engine, gpus, self._started_ray)}
+        counts = {"prefill": num_prefill, "decode": cfg.num_decode}
+        share = cfg.gpus_per_worker or gpu_share(gpus, sum(counts[r] for r, e in engines.items() if _on_gpu(e)))
+        return engines, {r: share if _on_gpu(e) else 0.0 for r, e in engines.items()}
+
     def _spec(self, worker_id: str, model_dir: str | None, engine: EngineConfig, threads: int) -> WorkerSpec:
         return WorkerSpec(worker_id=worker_id, model=model_dir, random_model=self.config.random_model,
                           engine=dataclasses.replace(engine), num_threads=threads,
                           allow_fault_injection=self.config.allow_fault_injection)
 
-    def _placement(self, total: int):
+    def _placement(self, gpus_per_bundle: list[float]):
+        """One bundle per worker, PACKed so that KV moves within a node (and a GPU) where it can."""
         cfg = self.config
         if not cfg.use_placement_group or cfg.prefill_resources or cfg.decode_resources:
             return None
-        self._pg = placement_group([{"CPU": cfg.cpus_per_worker}] * total, strategy="PACK")
+        bundles = [{"CPU": cfg.cpus_per_worker, **({"GPU": g} if g else {})} for g in gpus_per_bundle]
+        self._pg = placement_group(bundles, strategy="PACK")
         return self._pg
 
-    def _actor(self, role: str, pg, resources: dict | None):
+    def _actor(self, role: str, pg, resources: dict | None, num_gpus: float):
         from decode_worker.actor import DecodeActor
         from prefill_worker.actor import PrefillActor
 
         cls = PrefillActor if role == "prefill" else DecodeActor
-        opts: dict[str, Any] = {"num_cpus": self.config.cpus_per_worker, "max_concurrency": 1000}
+        opts: dict[str, Any] = {"num_cpus": self.config.cpus_per_worker, "num_gpus": num_gpus, "max_concurrency": 1000}
         if resources:
             opts["resources"] = resources
         if pg is not None:
@@ -162,8 +182,9 @@ class Cluster:
         reg = self.registry
         if not reg.prefill:
             return
-        needs = reg.forced_transport == "torch_dist" or (
-            reg.forced_transport is None and len({w.node_id for w in reg.all}) > 1)
+        needs = reg.forced_transport == "torch_dist" or (reg.forced_transport is None and any(
+            choose_transport(p.node_id, d.node_id, p.device, decode_device=d.device) == "torch_dist"
+            for p in reg.prefill for d in reg.decode))
         if not needs:
             return
         address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
@@ -211,6 +232,35 @@ def _unlink(path: str | None) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def resolve_device(engine: EngineConfig, cluster_gpus: float, embedded: bool) -> EngineConfig:
+    """``engine`` with its device decided: "auto" runs on a GPU when the cluster has one now.
+    An explicit "cuda" on a joined cluster without GPUs waits for the autoscaler to add GPU
+    nodes; on the embedded Ray it would wait forever, so it is an error."""
+    device = engine.device
+    if device == "auto":
+        device = "cuda" if cluster_gpus > 0 else "cpu"
+    if device.startswith("cuda") and cluster_gpus <= 0:
+        if embedded:
+            raise ValueError(f"engine device {engine.device!r} needs a GPU, but this machine has none")
+        logger.warning("no GPU in the Ray cluster yet: the GPU workers wait for the autoscaler")
+    return dataclasses.replace(engine, device=device)
+
+
+def gpu_share(cluster_gpus: float, num_gpu_workers: int) -> float:
+    """GPU per worker: a whole one each when there are enough (or none yet: the autoscaler adds
+    whole GPUs), else an even split (Ray takes fractions down to 1e-4; two workers on one GPU
+    get 0.5 each and move KV by CUDA IPC)."""
+    if num_gpu_workers == 0:
+        return 0.0
+    if cluster_gpus <= 0:
+        return 1.0
+    return min(1.0, math.floor(cluster_gpus / num_gpu_workers * 1e4) / 1e4)
+
+
+def _on_gpu(engine: EngineConfig) -> bool:
+    return engine.device.startswith("cuda")
 
 
 def _free_port() -> int:

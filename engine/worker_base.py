@@ -40,8 +40,19 @@ def load_for(spec: WorkerSpec):
     from engine.model_loader import load_model, random_model
 
     if spec.random_model is not None:
-        return random_model(**spec.random_model)
+        loaded = random_model(**spec.random_model)
+        loaded.model.to(spec.engine.device)
+        return loaded
     return load_model(spec.model, dtype=spec.engine.dtype, device=spec.engine.device)
+
+
+def device_identity(device: str) -> str:
+    """The physical device behind ``device``, comparable across processes: Ray gives each GPU
+    actor its own CUDA_VISIBLE_DEVICES, so every one of them calls its GPU cuda:0; the UUID
+    tells whether two workers share a GPU (CUDA IPC) or not (NCCL)."""
+    if not device.startswith("cuda"):
+        return device
+    return f"cuda:{torch.cuda.get_device_properties(torch.device(device)).uuid}"
 
 
 class WorkerBase:
@@ -56,6 +67,14 @@ class WorkerBase:
         self.engine = LLMEngine(self.loaded, config, cache)
         self.loop = EngineLoop(self.engine, self._on_step_thread, name=spec.worker_id)
         self.aio: asyncio.AbstractEventLoop | None = None
+
+    def info(self, node_id: str) -> dict:
+        """What the launcher registers: who, where, on which physical device, the model's limits."""
+        engine = self.engine
+        return {"worker_id": self.worker_id, "node_id": node_id, "device": device_identity(self.spec.engine.device),
+                "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                "block_size": engine.config.block_size, "model": self.loaded.name,
+                "shm_path": getattr(self, "shm_path", None)}
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor | None:
         """Override to place the KV pool somewhere special; None lets the engine allocate it."""

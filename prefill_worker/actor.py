@@ -20,10 +20,7 @@ class PrefillActor:
 
     async def start(self) -> dict:
         self.worker.start()
-        return {"worker_id": self.worker.worker_id, "node_id": ray.get_runtime_context().get_node_id(), "device": self.worker.spec.engine.device,
-                "max_model_len": self.worker.engine.max_model_len, "vocab_size": self.worker.engine.vocab_size,
-                "block_size": self.worker.engine.config.block_size, "model": self.worker.loaded.name,
-                "shm_path": None}
+        return self.worker.info(ray.get_runtime_context().get_node_id())
 
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
         await group.join(address, world_size, rank, self.worker.spec.engine.device)

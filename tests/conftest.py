@@ -28,8 +28,8 @@ def tiny_model():
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """Hugging Face ``generate`` greedy reference (EOS ignored unless given)."""
     out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         eos_token_id=eos_token_id,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The CUDA path on one GPU, checked then measured: the GPU tests (engine on cuda vs HF generate,
+# a one-GPU cluster handing KV over by CUDA IPC, the IPC round trip), then bench_engine (W64
+# throughput vs HF, fp32 and bf16) and bench_disagg_overhead (in-process vs disaggregated vs
+# colocated, one request at a time) on the GPU. Results land in OUT_DIR.
+#
+#   bash benchmarks/cuda_checks.sh [OUT_DIR] [MODEL]
+#
+# OUT_DIR defaults to benchmarks/results/cuda; MODEL (an HF directory) to the embedded SmolLM2.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/results/cuda}
+model=${2:-}
+mkdir -p "$out"
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # Ray workers import the project too
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_gpu_placement.py \
+  "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes" 2>&1 | tee "$out/tests.txt"
+for dtype in float32 bfloat16; do
+  python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
+    --out "$out/engine_w64_$dtype.txt"
+done
+python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"

@@ -1,0 +1,98 @@
+"""The CUDA path, on a GPU (CI has none: these skip there; the lent GPU machine runs them and
+benchmarks/README.md records the run).
+
+- The engine on cuda equals HF ``generate`` on cuda token for token (float32; default,
+  chunked prefill, preemption), then leaks nothing.
+- A real cluster on one GPU: the launcher gives the prefill and the decode Ray actor half of it
+  each, they report the same physical GPU, the pair hands KV over by CUDA IPC, and clients get
+  HF's tokens over gRPC; a colocated cluster on the GPU too. Each ends with a leak check.
+
+The cross-process CUDA IPC round trip of the transport itself is in test_kvtransfer.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import pytest
+import torch
+
+from deploy.launcher import ClusterConfig, ClusterThread
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.model_loader import random_model
+from router.client import PdserveClient
+from tests.conftest import assert_no_leaks, cluster_leaks, hf_greedy
+from tests.test_cluster_e2e import _concurrent, address
+from tests.test_engine_exact import CONFIGS, run_staggered
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+MODEL = {"seed": 0}
+
+
+@pytest.fixture(scope="module")
+def cuda_loaded():
+    loaded = random_model(**MODEL)
+    loaded.model.to("cuda")
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def cuda_workload(cuda_loaded):
+    """Prompts, output lengths and HF greedy references computed on the GPU (a deep copy keeps
+    transformers' own SDPA attention: the engine swaps the original's)."""
+    reference = copy.deepcopy(cuda_loaded.model)
+    reference.config._attn_implementation = "sdpa"
+    rng = random.Random(13)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 120))] for _ in range(10)]
+    outputs = [rng.randint(1, 24) for _ in prompts]
+    return prompts, outputs, [hf_greedy(reference, p, n) for p, n in zip(prompts, outputs)]
+
+
+@pytest.mark.parametrize("name", ["default", "chunked", "preempt"])
+def test_engine_on_cuda_matches_hf(cuda_loaded, cuda_workload, name):
+    prompts, outputs, refs = cuda_workload
+    config = copy.copy(CONFIGS[name])
+    config.device = "cuda"
+    engine = LLMEngine(cuda_loaded, config)
+    assert engine.runner.kv_cache.is_cuda
+    got = run_staggered(engine, prompts, outputs)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == refs
+    if name == "preempt":
+        assert engine.scheduler.num_preemptions > 0, "the tiny pool must force preemption"
+    assert_no_leaks(engine)
+
+
+def _gpu_cluster(mode: str) -> ClusterThread:
+    """Device "auto" (the launcher's default for `pdserve serve`): Ray sees the GPU."""
+    config = ClusterConfig(
+        mode=mode, random_model=MODEL, port=0, cpus_per_worker=0.5, threads_per_worker=1,
+        prefill_engine=EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64, device="auto"),
+        decode_engine=EngineConfig(num_kv_blocks=160, device="auto"),
+    )
+    cluster = ClusterThread(config)
+    cluster.start()
+    return cluster
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_one_gpu_cluster_matches_hf(ray_session, cuda_workload, mode):
+    prompts, outputs, refs = cuda_workload
+    cluster = _gpu_cluster(mode)
+    try:
+        registry = cluster.cluster.registry
+        assert all(w.device.startswith("cuda:GPU-") for w in registry.all), [w.device for w in registry.all]
+        assert asyncio.run(_concurrent(address(cluster), prompts, outputs)) == refs
+        if mode == "disaggregated":
+            prefill, decode = registry.prefill[0], registry.decode[0]
+            assert prefill.device == decode.device, "two workers given half a GPU each share it"
+            assert registry.transport(prefill, decode) == "cuda_ipc"
+            with PdserveClient(address(cluster)) as client:
+                timings = client.generate_text(token_ids=prompts[0], max_tokens=2, ignore_eos=True).timings
+            assert timings.kv_transfer_bytes > 0
+        assert cluster_leaks(cluster) == {}
+    finally:
+        cluster.stop()
