@@ -7,6 +7,7 @@
 #   bash benchmarks/cuda_checks.sh [OUT_DIR] [MODEL]
 #
 # OUT_DIR defaults to benchmarks/results/cuda; MODEL (an HF directory) to the embedded SmolLM2.
+# STAGE_TIMEOUT_S bounds each stage (default 1800 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/cuda}
@@ -16,10 +17,11 @@ export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # Ray workers import the project too
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_gpu_placement.py \
+t="timeout ${STAGE_TIMEOUT_S:-1800}"
+$t python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda.py tests/test_gpu_placement.py \
   "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes" 2>&1 | tee "$out/tests.txt"
 for dtype in float32 bfloat16; do
-  python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
+  $t python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
     --out "$out/engine_w64_$dtype.txt"
 done
-python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"
+$t python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"

@@ -99,7 +99,9 @@ class Cluster:
         self.streams.start()
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics)
         info = infos[0]
-        defaults = ServerDefaults(max_model_len=info["max_model_len"], vocab_size=info["vocab_size"], **cfg.defaults)
+        # The longest request every worker can hold (each caps it to its KV pool).
+        max_model_len = min(i["max_model_len"] for i in infos)
+        defaults = ServerDefaults(max_model_len=max_model_len, vocab_size=info["vocab_size"], **cfg.defaults)
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
                                    ServerInfo(info["model"], cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer

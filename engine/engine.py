@@ -68,13 +68,19 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
-        self.max_model_len = loaded.max_model_len
         self.vocab_size = loaded.model.config.vocab_size
         self.layout: KVLayout = kv_cache.layout_for(loaded.model.config, config)
         if cache is None:
             cache = kv_cache.allocate(self.layout, kv_cache.num_blocks_for(self.layout, config), config.device)
         self.cache = cache
         self.kv = KVCacheManager(cache.shape[2], config.block_size)
+        self.pool_tokens = cache.shape[2] * config.block_size
+        # A request must fit the pool on its own: preempting the others could never make room
+        # for a larger one, which would be preempted and rescheduled forever. So, as vLLM caps
+        # max_model_len to what its KV cache holds, a worker serves at most the pool's tokens;
+        # a prefill worker holds prompts only and checks those (in _validate).
+        self.max_model_len = loaded.max_model_len if config.role is EngineRole.PREFILL else min(
+            loaded.max_model_len, self.pool_tokens)
         stop = StopChecker(loaded.eos_token_ids, loaded.max_model_len, loaded.tokenizer)
         self.scheduler = Scheduler(config, self.kv, stop)
         self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group)
@@ -199,6 +205,9 @@ class LLMEngine:
     # ---- helpers -------------------------------------------------------------------------------
     def _validate(self, spec: RequestSpec) -> None:
         validate_spec(spec, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        if len(spec.prompt_token_ids) > self.pool_tokens:
+            raise InvalidRequestError("prompt", f"has {len(spec.prompt_token_ids)} tokens; this worker's KV pool "
+                                                f"holds {self.pool_tokens}")
         if spec.req_id in self.scheduler.requests or spec.req_id in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{spec.req_id!r} is already in flight")
 

@@ -36,7 +36,7 @@ def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int) -> 
         raise InvalidRequestError("prompt", "must not be empty")
     if len(ids) >= max_model_len:
         raise InvalidRequestError(
-            "prompt", f"has {len(ids)} tokens; the model's maximum length is {max_model_len}"
+            "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}"
         )
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -45,8 +45,8 @@ def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int) -> 
     if len(ids) + spec.sampling.max_tokens > max_model_len:
         raise InvalidRequestError(
             "max_tokens",
-            f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds the model's "
-            f"maximum length {max_model_len}",
+            f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds max_model_len "
+            f"{max_model_len} (the model's, or what the worker's KV pool holds)",
         )
     bad_stop = next((t for t in spec.sampling.stop_token_ids if not 0 <= t < vocab_size), None)
     if bad_stop is not None:

@@ -47,7 +47,8 @@ def cuda_workload(cuda_loaded):
     reference = copy.deepcopy(cuda_loaded.model)
     reference.config._attn_implementation = "sdpa"
     rng = random.Random(13)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 120))] for _ in range(10)]
+    # Each fits the "preempt" pool (112 tokens) alone: prompt <= 80, output <= 24.
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 80))] for _ in range(10)]
     outputs = [rng.randint(1, 24) for _ in prompts]
     return prompts, outputs, [hf_greedy(reference, p, n) for p, n in zip(prompts, outputs)]
 

@@ -49,6 +49,24 @@ def test_bad_input_raises_typed_error_and_engine_keeps_serving(engine, hf_refere
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("role", [EngineRole.COLOCATED, EngineRole.DECODE, EngineRole.PREFILL])
+def test_request_larger_than_the_kv_pool_is_refused_not_preempted_forever(tiny_model, role):
+    """14 blocks of 8 hold 112 tokens: a 120-token request could never run, and preempting the
+    others would not make room (it used to be preempted and rescheduled forever). Colocated and
+    decode workers cap max_model_len to their pool; a prefill worker holds prompts only."""
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=14, block_size=8, role=role))
+    assert engine.max_model_len == (512 if role is EngineRole.PREFILL else 112)
+    too_long = RequestSpec("long", tuple(range(3, 103)), SamplingParams(max_tokens=20))
+    if role is EngineRole.PREFILL:
+        engine.add_request(too_long)   # 100 prompt tokens fit: the output lives on the decode worker
+        engine.abort("long")
+        too_long = RequestSpec("long2", tuple(range(3, 123)), SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="112"):
+        engine.add_request(too_long)
+    engine.generate([])
+    assert_no_leaks(engine)
+
+
 def test_duplicate_request_id_rejected(engine):
     engine.add_request(RequestSpec("x", (1, 2), SamplingParams(max_tokens=2)))
     with pytest.raises(InvalidRequestError, match="request_id"):
