@@ -9,9 +9,11 @@ reaches its last known token).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import attention, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
@@ -47,7 +49,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
-        with skinny_linear.active(self.skinny):
+        with skinny_linear.active(self.skinny), self._sdpa_backends():
             logits = self.model(
                 input_ids=inputs.input_ids,
                 position_ids=inputs.position_ids,
@@ -56,6 +58,14 @@ class ModelRunner:
                 pdserve_attn=inputs.metadata,
             ).logits
         return logits[0]
+
+    def _sdpa_backends(self):
+        """On CUDA, SDPA without cuDNN attention: its first choice on Hopper builds an execution
+        plan for every new shape, and every ragged prompt length is one (bf16 prefill steps ran
+        5-7x slower on an H100). Flash and memory-efficient attention take any shape as is."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         ids: list[int] = []
@@ -112,9 +122,11 @@ class ModelRunner:
 
     def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]]) -> list[DecodeGroup]:
         # Similar context lengths share a group so the padded gather wastes little. The paged
-        # kernel gathers nothing: one call for all decodes balances its threads best.
+        # kernel gathers nothing: one call for all decodes balances its threads best. A GPU is
+        # bound on launching kernels, not on the padding: one group, 4 SDPAs fewer per layer at 64.
         decodes.sort(key=lambda d: d[1].request.num_computed_tokens)
-        size = max(1, len(decodes)) if self._paged_kernel() else self.decode_group
+        one_group = self._paged_kernel() or self.device.type == "cuda"
+        size = max(1, len(decodes)) if one_group else self.decode_group
         return [self._decode_group(decodes[i : i + size]) for i in range(0, len(decodes), size)]
 
     def _paged_kernel(self) -> bool:

@@ -85,7 +85,9 @@ def test_one_gpu_cluster_matches_hf(ray_session, cuda_workload, mode):
     cluster = _gpu_cluster(mode)
     try:
         registry = cluster.cluster.registry
-        assert all(w.device.startswith("cuda:GPU-") for w in registry.all), [w.device for w in registry.all]
+        # Each worker names its GPU by UUID, not by Ray's per-actor index (every actor's cuda:0).
+        assert all(w.device.startswith("cuda:") and w.device != "cuda:0" for w in registry.all), \
+            [w.device for w in registry.all]
         assert asyncio.run(_concurrent(address(cluster), prompts, outputs)) == refs
         if mode == "disaggregated":
             prefill, decode = registry.prefill[0], registry.decode[0]
