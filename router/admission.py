@@ -86,6 +86,14 @@ class Prediction:
     def fits_tpot(self, target: float | None) -> bool:
         return self.spares_running and _within(self.tpot_s, target, TPOT_SAFETY)
 
+    def fits_ttft(self, target: float | None) -> bool:
+        """The predicted part, not the time already queued (known exactly), must fit the
+        safety share of what is left: a request that waited for decode capacity is not
+        rejected for a margin on time that is no longer uncertain."""
+        if not target or self.ttft_s is None:
+            return True
+        return self.ttft_s - self.waited_s <= (target - self.waited_s) * TTFT_SAFETY
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -234,7 +242,7 @@ class Admission:
         best = self._choose(spec, preds, ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision("admit", "idle", best)
-        if ttft_t and best.ttft_s > ttft_t * TTFT_SAFETY:
+        if not best.fits_ttft(ttft_t):
             queued = f" ({best.waited_s * 1e3:.0f} ms of it queued)" if best.waited_s else ""
             return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{queued} > target {ttft_t * 1e3:.0f} ms", best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
@@ -252,7 +260,7 @@ class Admission:
         then the lowest TTFT (it balances prefill queues; TPOT already fits), then the most
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
-        fits_ttft = [p for p in preds if _within(p.ttft_s, ttft_t, TTFT_SAFETY)]
+        fits_ttft = [p for p in preds if p.fits_ttft(ttft_t)]
         fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and _has_kv_room(p.decode, spec)]
         if fits:
             pool = [p for p in fits if p.prefill is not None] or fits

@@ -247,6 +247,18 @@ def test_colocated_worker_saturated_by_prefill_queues_new_requests():
     assert decision.action == "queue" and "TPOT" in decision.reason
 
 
+def test_time_already_queued_is_not_held_to_the_ttft_margin():
+    """The margin covers what is predicted, not the time a request already waited (known)."""
+    admission, w = colocated_worker()
+    w.begin_prefill(3000, now=100.0)
+    s = spec(prompt=200, ttft=5.0, tpot=0.05)
+    predicted = admission.predict(s, None, w, now=100.0).ttft_s
+    waited = 5.0 - predicted / 0.8 - 0.1      # the prediction fits 80% of what is left
+    assert waited + predicted > 0.8 * 5.0, "the old rule (80% of the whole target) would reject"
+    assert admission.decide(s, now=100.0, waited_s=waited).action == "admit"
+    assert admission.decide(s, now=100.0, waited_s=waited + 0.2).action == "reject"
+
+
 def test_colocated_pair_choice_balances_prefill_queues():
     registry = WorkerRegistry()
     for i in range(2):
