@@ -19,7 +19,8 @@ Life cycle:
    consumer released it.
 
 Both processes must see the same physical GPU (mind Ray's CUDA_VISIBLE_DEVICES remapping;
-the locator's ``device`` is the exporter's index). Not exercised in the CPU test tier.
+the locator's ``device`` is the exporter's index; workers name their GPU by UUID so the router
+pairs only workers that share one). Tested on a GPU only (tests/test_cuda.py, test_kvtransfer.py).
 """
 
 from __future__ import annotations
