@@ -78,7 +78,7 @@ class LLMEngine:
         # A request must fit the pool on its own: preempting the others could never make room
         # for a larger one, which would be preempted and rescheduled forever. So, as vLLM caps
         # max_model_len to what its KV cache holds, a worker serves at most the pool's tokens;
-        # a prefill worker holds prompts only and checks those (in _validate).
+        # a prefill worker holds prompts only: it checks those (in _validate).
         self.max_model_len = loaded.max_model_len if config.role is EngineRole.PREFILL else min(
             loaded.max_model_len, self.pool_tokens)
         stop = StopChecker(loaded.eos_token_ids, loaded.max_model_len, loaded.tokenizer)
@@ -205,7 +205,7 @@ class LLMEngine:
     # ---- helpers -------------------------------------------------------------------------------
     def _validate(self, spec: RequestSpec) -> None:
         validate_spec(spec, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
-        if len(spec.prompt_token_ids) > self.pool_tokens:
+        if self.config.role is EngineRole.PREFILL and len(spec.prompt_token_ids) > self.pool_tokens:
             raise InvalidRequestError("prompt", f"has {len(spec.prompt_token_ids)} tokens; this worker's KV pool "
                                                 f"holds {self.pool_tokens}")
         if spec.req_id in self.scheduler.requests or spec.req_id in self.scheduler.held:

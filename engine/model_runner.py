@@ -21,6 +21,9 @@ from engine.kv_manager import KVCacheManager
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @dataclass(slots=True)
 class ModelInputs:
     input_ids: torch.Tensor       # [1, num_tokens]
@@ -65,7 +68,7 @@ class ModelRunner:
         5-7x slower on an H100). Flash and memory-efficient attention take any shape as is."""
         if self.device.type != "cuda":
             return contextlib.nullcontext()
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        return sdpa_kernel(_CUDA_SDPA_BACKENDS)
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         ids: list[int] = []

@@ -56,6 +56,8 @@ def device_identity(device: str) -> str:
 
 
 class WorkerBase:
+    shm_path: str | None = None   # the KV pool's /dev/shm file (decode workers on CPU set it)
+
     def __init__(self, spec: WorkerSpec, role) -> None:
         torch.set_num_threads(spec.num_threads)  # deliberate: oversubscribed threads cost 3-5x
         self.spec = spec
@@ -74,7 +76,7 @@ class WorkerBase:
         return {"worker_id": self.worker_id, "node_id": node_id, "device": device_identity(self.spec.engine.device),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                 "block_size": engine.config.block_size, "model": self.loaded.name,
-                "shm_path": getattr(self, "shm_path", None)}
+                "shm_path": self.shm_path}
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor | None:
         """Override to place the KV pool somewhere special; None lets the engine allocate it."""

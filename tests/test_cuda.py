@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -56,9 +57,7 @@ def cuda_workload(cuda_loaded):
 @pytest.mark.parametrize("name", ["default", "chunked", "preempt"])
 def test_engine_on_cuda_matches_hf(cuda_loaded, cuda_workload, name):
     prompts, outputs, refs = cuda_workload
-    config = copy.copy(CONFIGS[name])
-    config.device = "cuda"
-    engine = LLMEngine(cuda_loaded, config)
+    engine = LLMEngine(cuda_loaded, dataclasses.replace(CONFIGS[name], device="cuda"))
     assert engine.runner.kv_cache.is_cuda
     got = run_staggered(engine, prompts, outputs)
     assert [got[f"r{i}"] for i in range(len(prompts))] == refs
