@@ -36,12 +36,15 @@ class DecodeActor:
     async def add_request(self, spec: RequestSpec) -> None:
         await self.worker.add_request(spec)
 
-    async def abort(self, req_id: str) -> None:
-        await self.worker.abort(req_id)
+    async def abort(self, req_id: str, writer_gone: bool = True) -> None:
+        await self.worker.abort(req_id, writer_gone)
 
     async def stream(self) -> AsyncIterator[StreamBatch]:
         async for batch in self.worker.stream():
             yield batch
+
+    async def lifeline(self) -> None:
+        await self.worker.lifeline()
 
     async def stats(self) -> WorkerStats:
         return self.worker.stats()

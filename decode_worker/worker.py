@@ -9,6 +9,12 @@ Life cycle of one request here:
   KVTransferError: the request is never decoded from those blocks.
   ``add_request`` runs a whole request here (colocated mode, conditional disaggregation,
   and recompute after preemption all use the same engine).
+Fencing: each reservation carries a lease (``RESERVATION_LEASE_S``). ``abort`` frees it at once
+when the router knows no writer can still touch it (the prefill worker confirmed its abort, or
+died); otherwise the blocks stay fenced until the lease ends (a prefill worker never starts a
+write that late, and a fenced reservation refuses its commit), so a late writer can never land
+in blocks another request already owns. ``reserve``, ``add_request``, ``abort`` are idempotent
+per request id (the router retries them after a transient failure).
 Output: one batched stream per worker. ``stream()`` yields a StreamBatch per step holding
 the token deltas of every request that advanced, plus the worker's stats, for the router to
 split per request.
@@ -35,6 +41,7 @@ from kvtransfer.select import make_receiver
 logger = logging.getLogger(__name__)
 
 RECEIVE_TIMEOUT_S = 30.0
+RESERVATION_LEASE_S = 120.0   # a prefill must hand its KV over within this (else: recomputed here)
 
 
 def shm_path_for(worker_id: str) -> str:
@@ -47,6 +54,8 @@ class DecodeWorker(WorkerBase):
         super().__init__(spec, role)
         self._receivers: dict[str, Any] = {}
         self._stream: asyncio.Queue[StreamBatch] | None = None
+        self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
+        self._fenced: set[str] = set()
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int):
         # The pool lives in /dev/shm so a prefill worker on this node can write straight into it.
@@ -58,9 +67,11 @@ class DecodeWorker(WorkerBase):
 
     # ---- requests ---------------------------------------------------------------------------
     async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
+        if spec.req_id in self._handles:   # a retried call: the reservation it made stands
+            return self._handles[spec.req_id]
         block_ids = await self.call(lambda e: e.reserve(spec))
         locator = self._receiver(transport).locator(self.engine.cache)
-        return KVBlocksHandle(
+        handle = self._handles[spec.req_id] = KVBlocksHandle(
             req_id=spec.req_id,
             src_block_ids=(),
             dst_block_ids=tuple(block_ids),
@@ -68,11 +79,15 @@ class DecodeWorker(WorkerBase):
             layout=self.engine.layout,
             transport=transport,
             locator=locator,
+            lease_deadline_s=time.time() + RESERVATION_LEASE_S,
         )
+        return handle
 
     async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
         """Receive the KV (per transport) and admit the request; returns the receive seconds."""
         start = time.perf_counter()
+        if self._handles.pop(req_id, None) is None or req_id in self._fenced:
+            raise KVTransferError(f"{req_id}: no live reservation here (aborted, or its lease ran out)")
         receiver = self._receiver(handle.transport)
         try:
             if handle.transport == "shm":  # the bytes are already here: receive only checks
@@ -98,10 +113,23 @@ class DecodeWorker(WorkerBase):
             self.aio.call_soon_threadsafe(self._publish, (future.result(),))
 
     async def add_request(self, spec: RequestSpec) -> None:
-        await self.call(lambda e: e.add_request(spec))
+        await self.call(lambda e: None if spec.req_id in e.scheduler.requests else e.add_request(spec))
 
-    async def abort(self, req_id: str) -> None:
+    async def abort(self, req_id: str, writer_gone: bool = True) -> None:
+        """Free the request. ``writer_gone=False``: a prefill worker may still write into its
+        reservation, so the blocks stay fenced until the lease ends."""
+        handle = self._handles.pop(req_id, None)
+        remaining = handle.lease_deadline_s - time.time() if handle is not None else 0.0
+        if writer_gone or remaining <= 0:
+            await self.call(lambda e: e.abort(req_id))
+            return
+        logger.warning("%s: aborted while a writer may be alive; blocks fenced for %.0f s", req_id, remaining)
+        self._fenced.add(req_id)
+        self.aio.call_later(remaining, lambda: asyncio.ensure_future(self._unfence(req_id)))
+
+    async def _unfence(self, req_id: str) -> None:
         await self.call(lambda e: e.abort(req_id))
+        self._fenced.discard(req_id)
 
     # ---- the batched output stream ----------------------------------------------------------
     def on_step(self, result: StepResult) -> None:

@@ -6,8 +6,11 @@ group (PACK: KV moves within a node where possible) with the cores divided among
 (``torch.set_num_threads`` per worker) and, when the engines run on "cuda", the GPUs too
 (fractions when workers outnumber GPUs: a pair on one GPU moves KV by CUDA IPC), joins
 them into a torch.distributed group when a pair needs it (across nodes or GPUs), then starts
-the router's gRPC server. ``stop()`` stops the server, shuts every worker down (each unlinks
-its /dev/shm pool) and leaves Ray.
+the router's gRPC server. While it serves, the router's ``Supervisor`` replaces a worker whose
+actor dies: ``_spawn`` starts a fresh actor from the worker's own recipe (same spec, same
+placement group), and the health service follows whether a serving path exists. ``stop()``
+stops the supervisor and the server, shuts every worker down (each unlinks its /dev/shm pool)
+and leaves Ray.
 ``ClusterThread`` runs a cluster on its own event loop in a background thread (tests, CLI).
 """
 
@@ -32,11 +35,13 @@ from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
 from router.convert import ServerDefaults
 from router.admission import Admission
+from router.health import ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.registry import WorkerHandle, WorkerRegistry
 from router.server import PdserveServicer, ServerInfo, start_server
 from router.streams import DecodeStreams
+from router.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +72,9 @@ class ClusterConfig:
     metrics_port: int | None = None      # Prometheus exposition on the router; None: off, 0: any free port
     admission: bool = True               # SLO-aware admission (off: admit everything, least loaded)
     conditional_disagg: bool = True      # let admission prefill on a decode worker when the prefill side misses TTFT
+    migration_limit: int = 3             # times one request may move to another worker after one died
+    max_worker_restarts: int | None = None  # per worker slot; None: keep replacing (with backoff)
+    worker_start_timeout_s: float = 300.0   # a replacement that takes longer counts as a failed start
 
 
 class Cluster:
@@ -79,6 +87,9 @@ class Cluster:
         self._pg = None
         self._started_ray = False
         self.metrics_port: int | None = None
+        self._recipes: dict[str, tuple[Any, tuple]] = {}   # worker id -> (actor class options, args)
+        self.health = ServingHealth()
+        self.supervisor: Supervisor | None = None
 
     async def start(self) -> int:
         cfg = self.config
@@ -95,9 +106,15 @@ class Cluster:
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
         self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg)
-        self.streams = DecodeStreams(self.registry, on_stats=self._on_worker_stats)
+        self.supervisor = Supervisor(self.registry, self._spawn, on_down=self._on_worker_down,
+                                     on_ready=self._on_worker_ready, max_restarts=cfg.max_worker_restarts)
+        self.streams = DecodeStreams(self.registry, on_stats=self._on_worker_stats, on_lost=self.supervisor.worker_lost)
         self.streams.start()
-        self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics)
+        self.supervisor.start()
+        for w in self.registry.all:
+            self.metrics.worker_state(w.worker_id, w.role, up=True)
+        self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
+                                         on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit)
         info = infos[0]
         # The longest request every worker can hold (each caps it to its KV pool).
         max_model_len = min(i["max_model_len"] for i in infos)
@@ -105,7 +122,8 @@ class Cluster:
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
                                    ServerInfo(info["model"], cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer
-        self.server, self.port = await start_server(servicer, cfg.host, cfg.port)
+        self.server, self.port = await start_server(servicer, cfg.host, cfg.port, self.health,
+                                                    serving=self.registry.can_serve)
         return self.port
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
@@ -113,6 +131,30 @@ class Cluster:
         self.admission.observe_stats(worker)
         if self.admission.num_queued:
             asyncio.get_running_loop().create_task(self.admission.notify())
+
+    def _on_worker_down(self, worker: WorkerHandle) -> None:
+        self.metrics.worker_state(worker.worker_id, worker.role, up=False)
+        asyncio.get_running_loop().create_task(self.health.update(self.registry.can_serve))
+
+    def _on_worker_ready(self, worker: WorkerHandle) -> None:
+        if worker.role != "prefill":
+            self.streams.watch(worker)
+        self.metrics.worker_state(worker.worker_id, worker.role, up=True, restarted=True)
+        loop = asyncio.get_running_loop()
+        loop.create_task(self.health.update(self.registry.can_serve))
+        loop.create_task(self.admission.notify())   # requests queued for a worker to come back
+
+    async def _spawn(self, worker: WorkerHandle) -> tuple[Any, dict]:
+        """A fresh actor for ``worker``'s slot: same spec and placement, a new process, engine and
+        KV pool (a new /dev/shm file)."""
+        opts, args = self._recipes[worker.worker_id]
+        actor = opts.remote(*args)
+        try:
+            info = await asyncio.wait_for(actor.start.remote(), self.config.worker_start_timeout_s)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        return actor, info
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
@@ -133,10 +175,12 @@ class Cluster:
         for i in range(num_prefill):
             spec = self._spec(f"prefill-{i}", model_dir, engines["prefill"], threads)
             opts = self._actor("prefill", strategy, cfg.prefill_resources, gpus_of["prefill"])
+            self._recipes[spec.worker_id] = (opts, (spec,))
             actors.append(("prefill", opts.remote(spec)))
         for i in range(cfg.num_decode):
             spec = self._spec(f"decode-{i}", model_dir, engines["decode"], threads)
             opts = self._actor("decode", strategy, cfg.decode_resources, gpus_of["decode"])
+            self._recipes[spec.worker_id] = (opts, (spec, colocated))
             actors.append(("colocated" if colocated else "decode", opts.remote(spec, colocated)))
         infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
         for (role, actor), info in zip(actors, infos):
@@ -204,6 +248,8 @@ class Cluster:
                 for w, r in zip(alive, reports)}
 
     async def stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.server is not None:
             await self.server.stop(grace=2.0)
         if getattr(self, "orchestrator", None):

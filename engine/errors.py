@@ -29,3 +29,7 @@ class KVTransferError(PdserveError):
 
 class WorkerFailedError(PdserveError):
     """A worker died or raised mid-request (maps to UNAVAILABLE)."""
+
+
+class PeerLostError(PdserveError):
+    """The worker on the other side of a hand-off died: the request must move elsewhere."""

@@ -65,6 +65,16 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def num_generated(self) -> int:
+        """Output tokens so far, counting those a migrated request streamed before it moved."""
+        return self.spec.num_generated + len(self.output_token_ids)
+
+    def generated_tail(self, n: int) -> list[int]:
+        """The last ``n`` output tokens, reaching back into the prompt of a migrated request."""
+        start = max(len(self.all_token_ids) - n, self.num_prompt_tokens - self.spec.num_generated)
+        return self.all_token_ids[start:]
+
     def append_output(self, token_id: int, logprob: float | None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -19,7 +19,7 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
     tokens = logits.argmax(dim=-1)
     for row, request in enumerate(requests):
         if not request.sampling.greedy:
-            seed = seeds[request.req_id] * _SEED_STRIDE + len(request.output_token_ids)
+            seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
             tokens[row] = _sample_row(logits[row], request, seed % (2**63))
     want_logprobs = any(r.sampling.logprobs for r in requests)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0] if want_logprobs else None

@@ -34,7 +34,7 @@ class StopChecker:
         # A stop string ends within the text of the last few tokens; decoding only that tail keeps
         # the check O(1) per token. A token is at least one character, so len(stop)+1 tokens suffice.
         window = max(len(s) for s in request.sampling.stop) + 1
-        tail_ids = request.output_token_ids[-window:]
+        tail_ids = request.generated_tail(window)
         prev_text = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=True)
         text = self.tokenizer.decode(tail_ids, skip_special_tokens=True)
         # Only a match that the newest token completes counts, so a stop string is found once.

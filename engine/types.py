@@ -53,6 +53,10 @@ class RequestSpec:
     slo: SLOTarget = field(default_factory=SLOTarget)
     priority: int = 0           # lower value runs first (vLLM's convention)
     arrival_s: float = field(default_factory=time.monotonic)
+    # A migrated request resumes elsewhere with the tokens it already streamed appended to its
+    # prompt: the last ``num_generated`` prompt tokens are output, so sampling positions (seeded
+    # sampling) and stop strings continue where they were.
+    num_generated: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,18 @@ class KVLayout:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
+class HandoffOutcome(str, enum.Enum):
+    """How a request's prefill reached (or did not reach) its decode worker."""
+
+    OK = "ok"                              # KV moved into the reserved blocks, decode committed
+    ENDED_AT_PREFILL = "ended_at_prefill"  # finished with its first token (EOS, max_tokens=1) or failed there
+    ABORTED = "aborted"                    # cancelled before the hand-off
+    RESERVE_FAILED = "reserve_failed"      # the decode worker refused the reservation
+    TRANSFER_FAILED = "transfer_failed"    # the bytes did not land (or the lease ran out): recompute
+    PEER_DEAD = "peer_dead"                # the decode worker died during the hand-off
+    LOCAL = "prefilled_locally"            # no prefill worker: the decode worker prefilled it
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """What a prefill worker returns once a request's KV has landed in its decode worker.
@@ -152,6 +168,7 @@ class PrefillResult:
     transfer_bytes: int = 0
     transport: str = ""
     stats: WorkerStats | None = None   # the prefill worker's stats when it answered
+    outcome: HandoffOutcome = HandoffOutcome.OK
 
 
 @dataclass(frozen=True, slots=True)

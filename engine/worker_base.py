@@ -69,6 +69,7 @@ class WorkerBase:
         self.engine = LLMEngine(self.loaded, config, cache)
         self.loop = EngineLoop(self.engine, self._on_step_thread, name=spec.worker_id)
         self.aio: asyncio.AbstractEventLoop | None = None
+        self.closed: asyncio.Event | None = None
 
     def info(self, node_id: str) -> dict:
         """What the launcher registers: who, where, on which physical device, the model's limits."""
@@ -85,6 +86,7 @@ class WorkerBase:
     def start(self) -> None:
         """Call from the event loop the worker's coroutines will run on."""
         self.aio = asyncio.get_running_loop()
+        self.closed = asyncio.Event()
         self.loop.start()
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -116,5 +118,12 @@ class WorkerBase:
 
         await self.call(lambda e: faults.inject(e, kind))
 
+    async def lifeline(self) -> None:
+        """Returns only at shutdown: the router awaits it to learn at once that this process
+        died (the call fails then), without polling."""
+        await self.closed.wait()
+
     def shutdown(self) -> None:
         self.loop.stop()
+        if self.closed is not None:
+            self.closed.set()

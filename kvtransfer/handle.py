@@ -97,6 +97,9 @@ class KVBlocksHandle:
     layout: KVLayout                # the decode worker's layout; both sides must match it
     transport: str                  # a name in kvtransfer.select.TRANSPORTS
     locator: Any = None             # transport-specific, torch-free, picklable
+    # Wall clock (time.time()) after which no writer may start: the decode side may free the
+    # blocks once it passes even if it never heard from the writer. 0: no lease.
+    lease_deadline_s: float = 0.0
 
     @property
     def num_blocks(self) -> int:

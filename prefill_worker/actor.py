@@ -1,16 +1,45 @@
-"""Ray actor around PrefillWorker: one process, its own engine loop, thin async methods."""
+"""Ray actor around PrefillWorker: one process, its own engine loop, thin async methods; and
+``DecodePeer``, the worker's view of a decode actor, where Ray's failure modes become ours."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
+from engine.errors import PeerLostError
 from engine.types import PrefillResult, RequestSpec, WorkerStats
 from engine.worker_base import WorkerSpec
 from kvtransfer import group
 from kvtransfer.handle import KVBlocksHandle
 from prefill_worker.worker import PrefillWorker
+
+
+class DecodePeer:
+    """A decode actor as the prefill worker's hand-off sees it: its death (or a peer that stays
+    unreachable) is ``PeerLostError``; errors it raised on purpose pass through."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.peer_id = actor._actor_id.hex()
+
+    async def reservation(self, handle: Any) -> KVBlocksHandle:
+        """The handle ``reserve`` returned (passed as ``[ObjectRef]`` so Ray does not resolve
+        it before the prefill starts)."""
+        return await self._peer_call(handle[0] if isinstance(handle, list) else handle)
+
+    async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
+        return await self._peer_call(self.actor.commit.remote(req_id, first_token_id, handle))
+
+    @staticmethod
+    async def _peer_call(ref: Any) -> Any:
+        if not isinstance(ref, ray.ObjectRef):
+            return ref
+        try:
+            return await ref
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise PeerLostError(f"decode worker lost during the hand-off: {type(exc).__name__}") from exc
 
 
 @ray.remote
@@ -26,10 +55,13 @@ class PrefillActor:
         await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
     async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
-        return await self.worker.prefill(spec, handle, decode)
+        return await self.worker.prefill(spec, handle, DecodePeer(decode) if decode is not None else None)
 
     async def abort(self, req_id: str) -> None:
         await self.worker.abort(req_id)
+
+    async def lifeline(self) -> None:
+        await self.worker.lifeline()
 
     async def stats(self) -> WorkerStats:
         return self.worker.stats()

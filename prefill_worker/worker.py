@@ -7,8 +7,16 @@ Life cycle of one request here:
   handle's transport -> decode worker's ``commit`` (it admits the request) -> blocks released
   -> PrefillResult (first token + timings) back to the router.
 A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
-PrefillResult with its finish reason and no hand-off. ``abort`` returns only once this worker
-will no longer write into the decode worker's reserved blocks, so the decode side may free them.
+PrefillResult with its finish reason and no hand-off. Every result carries a ``HandoffOutcome``
+(ok, ended at prefill, aborted, reserve failed, transfer failed, peer dead): the router acts on
+that value, never on error text. ``abort`` returns only once this worker will no longer write
+into the decode worker's reserved blocks, so the decode side may free them; and no write
+starts after the reservation's lease has run out (the decode side may have freed the blocks
+by then: a late writer is refused, never corrupts another request's KV).
+``prefill`` is idempotent per request id: a call retried by the router after a transient
+failure joins the one already running.
+The decode worker is reached through a ``DecodePeer`` (the actor module wraps the Ray handle)
+whose calls raise ``PeerLostError`` when that worker died.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from typing import Any
 
 from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
-from engine.errors import KVTransferError
-from engine.types import FinishReason, PrefillResult, RequestSpec, TokenDelta
+from engine.errors import KVTransferError, PeerLostError
+from engine.types import FinishReason, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 from kvtransfer.select import make_sender
@@ -30,6 +38,7 @@ from kvtransfer.select import make_sender
 logger = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 30.0
+LEASE_MARGIN_S = 5.0   # a write must start this long before the reservation's lease ends
 
 
 class PrefillWorker(WorkerBase):
@@ -37,17 +46,27 @@ class PrefillWorker(WorkerBase):
         super().__init__(spec, EngineRole.PREFILL)
         self._waiters: dict[str, asyncio.Future] = {}
         self._done: dict[str, asyncio.Event] = {}
+        self._running: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
         self._senders: dict[str, Any] = {}
-        self._transfer_lock = asyncio.Lock()  # rendezvous transports (torch_dist) pair FIFO
+        # Rendezvous transports (torch_dist) pair FIFO per peer: a stuck peer stalls only its own.
+        self._transfer_locks: dict[str, asyncio.Lock] = {}
         self._fail_next_send = False          # fault injection (tests): the next hand-off fails
 
     async def prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
-        """Prefill ``spec``; with a handle, move its KV to ``decode`` (an actor with ``commit``).
+        """Prefill ``spec``; with a handle, move its KV to ``decode`` (a ``DecodePeer``).
 
-        ``handle`` may be ``[ObjectRef]`` of the decode worker's ``reserve``: the router starts
-        both at once and the handle is awaited only when the KV is ready to move, so the
-        reservation's round trip overlaps the prefill."""
+        ``handle`` may be awaitable (the decode worker's ``reserve`` in flight): the router
+        starts both at once and the handle is awaited only when the KV is ready to move, so the
+        reservation's round trip overlaps the prefill. A second call for a request already
+        here (a retry) waits for the first one's result."""
+        task = self._running.get(spec.req_id)
+        if task is None:
+            task = self._running[spec.req_id] = asyncio.ensure_future(self._prefill(spec, handle, decode))
+            task.add_done_callback(lambda _: self._running.pop(spec.req_id, None))
+        return await asyncio.shield(task)
+
+    async def _prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
         req_id = spec.req_id
         waiter = self.aio.create_future()
         self._waiters[req_id] = waiter
@@ -95,18 +114,24 @@ class PrefillWorker(WorkerBase):
         start = time.perf_counter()
         try:
             if req_id in self._aborted:
-                return _result(done, FinishReason.ABORT)
+                return _result(done, FinishReason.ABORT, outcome=HandoffOutcome.ABORTED)
             if handle is None:  # no decode side (tests of the prefill path alone)
                 return _result(done, None)
-            if isinstance(handle, list):
-                handle = await handle[0]
+            try:
+                handle = await decode.reservation(handle)
+            except PeerLostError as exc:
+                return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
+            except Exception as exc:  # the router re-raises the reservation's own error
+                return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.RESERVE_FAILED)
             num_bytes = await self._send(done, handle, decode)
             return _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
+        except PeerLostError as exc:
+            logger.warning("KV hand-off of %s: the decode worker died: %s", req_id, exc)
+            return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
         except KVTransferError as exc:
             logger.warning("KV hand-off of %s failed: %s", req_id, exc)
-            return _result(done, FinishReason.ERROR, error=f"KV transfer failed: {exc}")
-        except Exception as exc:  # the reservation failed: the router re-raises its real error
-            return _result(done, FinishReason.ERROR, error=f"decode reservation failed: {exc}")
+            return _result(done, FinishReason.ERROR, error=f"KV transfer failed: {exc}",
+                           outcome=HandoffOutcome.TRANSFER_FAILED)
         finally:
             # Not awaited: the blocks go back at the next step boundary, the answer goes now.
             self.loop.call(lambda e: e.release(req_id))
@@ -115,16 +140,18 @@ class PrefillWorker(WorkerBase):
         if self._fail_next_send:
             self._fail_next_send = False
             raise KVTransferError("injected KV send failure")
+        if handle.lease_deadline_s and time.time() > handle.lease_deadline_s - LEASE_MARGIN_S:
+            raise KVTransferError("the decode reservation's lease ran out before the KV was ready")
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, done.block_ids[: handle.num_blocks])
         if sender.rendezvous:  # the receiver must be inside receive() while we send
-            async with self._transfer_lock:  # per peer pair, transfers are strictly FIFO
-                commit = decode.commit.remote(done.req_id, done.first_token_id, bound)
+            async with self._transfer_locks.setdefault(decode.peer_id, asyncio.Lock()):  # FIFO per pair
+                commit = asyncio.ensure_future(decode.commit(done.req_id, done.first_token_id, bound))
                 sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
             await commit
         else:
             sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
-            await decode.commit.remote(done.req_id, done.first_token_id, sent.handle)
+            await decode.commit(done.req_id, done.first_token_id, sent.handle)
         return sent.num_bytes
 
     def _sender(self, transport: str):
@@ -147,11 +174,13 @@ class PrefillWorker(WorkerBase):
 def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
     first = delta.token_ids[0] if delta.token_ids else None
     logprob = delta.logprobs[0] if delta.logprobs else None
-    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error)
+    outcome = HandoffOutcome.ABORTED if delta.finish_reason is FinishReason.ABORT else HandoffOutcome.ENDED_AT_PREFILL
+    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome)
 
 
 def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,
-            transport: str = "", error: str | None = None) -> PrefillResult:
+            transport: str = "", error: str | None = None,
+            outcome: HandoffOutcome = HandoffOutcome.OK) -> PrefillResult:
     return PrefillResult(
         req_id=done.req_id,
         first_token_id=done.first_token_id,
@@ -163,4 +192,5 @@ def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 
         transfer_s=transfer_s,
         transfer_bytes=num_bytes,
         transport=transport,
+        outcome=outcome,
     )

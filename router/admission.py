@@ -59,6 +59,7 @@ TPOT_SAFETY = 0.9
 MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as saturated
 PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
+RESUME_WAIT_S = 60.0      # a migrating request waits this long for a worker to come back
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,18 +225,23 @@ class Admission:
         if not self.registry.prefill:  # colocated mode
             return [self.predict(spec, None, d, now, waited_s) for d in decodes]
         prefills = self.registry.alive("prefill")
-        if not prefills:
-            raise WorkerFailedError("no prefill worker is alive")
         preds = [self.predict(spec, p, d, now, waited_s) for p in prefills for d in decodes]
-        if self.conditional:
+        if self.conditional or not prefills:   # no prefill worker up: the decode workers prefill
             preds += [self.predict(spec, None, d, now, waited_s) for d in decodes]
         return preds
 
     # ---- decisions ---------------------------------------------------------------------------
-    def decide(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0) -> Decision:
+    def decide(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0,
+               best_effort: bool = False) -> Decision:
+        """``best_effort``: no SLO check, the least loaded pair (a migrating request was
+        admitted once already)."""
+        if not self.registry.can_serve and self.registry.recovering("decode"):
+            return Decision("queue", "waiting for a decode worker to restart")
         ttft_t, tpot_t = self._targets(spec)
         preds = self.candidates(spec, now, waited_s)
         disagg = [p for p in preds if p.prefill is not None] or preds
+        if best_effort:
+            return Decision("admit", "migration", min(disagg, key=_load))
         if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
             return Decision("admit", "best_effort" if self.enabled else "admission_off", best)
@@ -267,12 +273,15 @@ class Admission:
             return min(pool, key=lambda p: (p.ttft_s, -p.headroom(ttft_t, tpot_t)))
         return max(fits_ttft or preds, key=lambda p: p.headroom(ttft_t, tpot_t))
 
-    async def acquire(self, spec: RequestSpec, metrics=None) -> Prediction:
-        """Admit (returning the pair), wait in the queue, or raise CapacityError."""
+    async def acquire(self, spec: RequestSpec, metrics=None, resuming: bool = False) -> Prediction:
+        """Admit (returning the pair), wait in the queue, or raise CapacityError.
+        ``resuming``: a migrating request, placed best effort; it waits up to
+        ``RESUME_WAIT_S`` for a worker to come back."""
         ttft_t, _ = self._targets(spec)
         start = time.perf_counter()
-        deadline = start + (ttft_t or 30.0)   # backstop: the TTFT prediction counts the wait too
-        decision = self.decide(spec)
+        # Backstop: the TTFT prediction counts the wait too.
+        deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or 30.0))
+        decision = self.decide(spec, best_effort=resuming)
         queued = False
         try:
             while decision.action == "queue":
@@ -281,6 +290,8 @@ class Admission:
                     queued = True
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
+                if remaining <= 0 and decision.prediction is None:
+                    raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
                 if remaining <= 0:
                     raise CapacityError(f"queued past its TTFT deadline ({decision.reason})")
                 async with self._changed:
@@ -288,7 +299,7 @@ class Admission:
                         await asyncio.wait_for(self._changed.wait(), remaining)
                     except asyncio.TimeoutError:
                         pass
-                decision = self.decide(spec, waited_s=time.perf_counter() - start)
+                decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming)
         finally:
             if queued:
                 self._count_queue(-1, metrics)

@@ -83,6 +83,9 @@ class RequestTimings:
     kv_transfer_bytes: int = 0
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    kv_handoff: str = ""            # a HandoffOutcome value; "" in colocated mode
+    recomputed_on_decode: bool = False
+    migrations: int = 0
 
 
 # ---------------------------------------------------------------- request -> engine
@@ -282,6 +285,18 @@ def delta_to_proto(
     return msg
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A worker slot as ServerInfo reports it: its state, restarts and last stats (None before
+    its first report, or while it restarts)."""
+
+    worker_id: str
+    role: str
+    state: str          # a router.registry.WorkerState value
+    restarts: int
+    stats: WorkerStats | None = None
+
+
 def worker_info_to_proto(stats: WorkerStats) -> pb.WorkerInfo:
     return pb.WorkerInfo(
         worker_id=stats.worker_id,
@@ -294,17 +309,25 @@ def worker_info_to_proto(stats: WorkerStats) -> pb.WorkerInfo:
     )
 
 
+def worker_status_to_proto(status: WorkerStatus) -> pb.WorkerInfo:
+    msg = worker_info_to_proto(status.stats) if status.stats is not None else pb.WorkerInfo(worker_id=status.worker_id)
+    msg.role = _ROLE_TO_PROTO.get(status.role, pb.WORKER_ROLE_UNSPECIFIED)
+    msg.state, msg.restarts = status.state, status.restarts
+    return msg
+
+
 def server_info_to_proto(
-    defaults: ServerDefaults, *, model: str, block_size: int, mode: str, workers: Sequence[WorkerStats] = ()
+    defaults: ServerDefaults, *, model: str, block_size: int, mode: str, workers: Sequence[WorkerStats] = (),
+    statuses: Sequence[WorkerStatus] = (),
 ) -> pb.ServerInfoResponse:
-    """``mode`` is "disaggregated" or "colocated"."""
+    """``mode`` is "disaggregated" or "colocated"; ``workers`` (stats only) or ``statuses``."""
     msg = pb.ServerInfoResponse(
         model=model,
         max_model_len=defaults.max_model_len,
         vocab_size=defaults.vocab_size,
         block_size=block_size,
         mode=_MODE_TO_PROTO.get(mode, pb.SERVING_MODE_UNSPECIFIED),
-        workers=[worker_info_to_proto(w) for w in workers],
+        workers=[worker_info_to_proto(w) for w in workers] + [worker_status_to_proto(w) for w in statuses],
         limits=pb.Limits(max_prompt_tokens=defaults.max_model_len - 1, max_tokens=defaults.max_model_len - 1,
                          default_max_tokens=defaults.max_tokens),
     )

@@ -233,6 +233,13 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
         self.slo_met_requests = Counter("pdserve_slo_met_requests_total",
                                         "Requests that finished within their SLO (goodput = rate).", registry=r)
+        self.worker_restarts = Counter("pdserve_worker_restarts_total", "Workers replaced after their actor died.",
+                                       ["worker", "role"], registry=r)
+        self.migrations = Counter("pdserve_request_migrations_total",
+                                  "Requests moved to another worker after theirs died mid-request.", registry=r)
+        self.handoffs = Counter("pdserve_kv_handoff_total",
+                                "How each prefill reached its decode worker (ok, recomputed, peer_dead, ...).",
+                                ["outcome"], registry=r)
 
     def _define_gauges(self) -> None:
         r, wl = self.registry, ["worker", "role"]
@@ -248,6 +255,8 @@ class RouterMetrics:
         self.worker_step_time = Gauge("pdserve_worker_step_time_seconds", "Mean recent engine step time.",
                                       wl, registry=r)
         self.router_queued = Gauge("pdserve_router_queued_requests", "Requests queued by admission.", registry=r)
+        self.worker_up = Gauge("pdserve_worker_up", "1 while the worker serves; 0 while it is down or restarting.",
+                               wl, registry=r)
         goodput = Gauge("pdserve_goodput_requests_per_second",
                         "SLO-meeting requests per second over the sliding window.", registry=r)
         goodput.set_function(self.window.goodput)  # computed at scrape time, free on the hot path
@@ -368,7 +377,21 @@ class RouterMetrics:
             pair = self._kv_series[transport] = (self.kv_time.labels(transport), self.kv_bytes.labels(transport))
         return pair
 
+    def migration(self) -> None:
+        """A request lost its worker mid-request and resumed on another."""
+        self.migrations.inc()
+
+    def handoff(self, outcome: str) -> None:
+        """One prefill's hand-off ended with ``outcome`` (a ``HandoffOutcome`` value)."""
+        self.handoffs.labels(outcome).inc()
+
     # ------------------------------------------------------------ workers
+
+    def worker_state(self, worker_id: str, role: str, up: bool, restarted: bool = False) -> None:
+        """A worker went down, or came (back) up; ``restarted``: as a replacement."""
+        self.worker_up.labels(worker_id, role).set(1 if up else 0)
+        if restarted:
+            self.worker_restarts.labels(worker_id, role).inc()
 
     def update_worker(self, stats: WorkerStats) -> None:
         """Fresh stats from one worker: gauges take its values, preemptions count the delta."""

@@ -1,16 +1,22 @@
 """Runs one request through the cluster and yields its token deltas.
 
-Life cycle (disaggregated):
+Life cycle of one attempt (disaggregated):
   admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
   worker's stream -> decode ``reserve``s blocks -> prefill worker prefills, moves the KV,
   decode ``commit``s -> first token yielded -> the rest arrive through the decode worker's
   batched stream -> finish.
-Colocated mode, or conditional disaggregation choosing it: the decode worker runs the whole
-request. If the hand-off fails the request is recomputed on its decode worker (never decoded
-from garbage). On cancel, deadline or error the request is aborted on the prefill worker
-first (its ``abort`` returns once it can no longer write into the reserved blocks) and then on
-the decode worker, so every block on both sides is freed. Worker deaths surface as
-WorkerFailedError.
+Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode
+worker runs the whole request. The prefill worker's ``HandoffOutcome`` decides what follows: a
+failed transfer is recomputed on the decode worker (never decoded from garbage), a refused
+reservation raises its own error, a dead decode worker moves the request. On cancel, deadline
+or error the request is aborted on the prefill worker first (its ``abort`` returns once it can
+no longer write into the reserved blocks) and then on the decode worker, which frees the
+reservation at once only when the writer is known to be gone (fenced until its lease ends
+otherwise), so every block on both sides is freed and none is freed under a live writer.
+A worker lost mid-attempt (``WorkerLost``: from a call, the decode stream, or the prefill
+worker's report that its decode peer died) is reported to the supervisor, and the request
+migrates (``router.migration``): a new attempt, on whatever pair admission finds (a
+replacement included), resumes from the tokens already streamed.
 """
 
 from __future__ import annotations
@@ -19,16 +25,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from ray.exceptions import RayActorError
-
-from engine.errors import WorkerFailedError
-from engine.types import FinishReason, PrefillResult, RequestSpec, TokenDelta
+from engine.types import FinishReason, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from router.admission import Admission, Prediction
 from router.convert import RequestTimings
+from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
+from router.worker_calls import WorkerLost, await_ref, call
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,9 @@ class RequestTrace:
     prefill_worker: str = ""
     decode_worker: str = ""
     transport: str = ""
-    recomputed: bool = False
+    handoff: HandoffOutcome | None = None   # None: colocated (no hand-off to make)
+    recomputed: bool = False                # the KV did not land: recomputed on the decode worker
+    migrations: int = 0
 
     def on_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -73,36 +80,75 @@ class RequestTrace:
             kv_transfer_bytes=p.transfer_bytes if p else 0,
             prefill_worker_id=self.prefill_worker,
             decode_worker_id=self.decode_worker,
+            kv_handoff=self.handoff.value if self.handoff else "",
+            recomputed_on_decode=self.recomputed,
+            migrations=self.migrations,
         )
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One attempt's workers, pinned to the actor generations it started on."""
+
+    spec: RequestSpec
+    pair: Prediction
+    decode: WorkerHandle
+    decode_gen: int
+    prefill: WorkerHandle | None          # None once its part is done (nothing to abort there)
+    prefill_gen: int = 0
 
 
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
-                 metrics: Any | None = None) -> None:
+                 metrics: Any | None = None, on_lost: Callable[[WorkerLost], None] | None = None,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
         self.registry = registry
         self.streams = streams
         self.admission = admission
         self.metrics = metrics
+        self.on_lost = on_lost
+        self.migration_limit = migration_limit
         self._cleanups: set[asyncio.Task] = set()
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
-        pair = await self.admission.acquire(spec, self.metrics)
+        run = RequestMigration(spec, self.migration_limit)
+        while True:
+            attempt_spec = run.attempt_spec()
+            pair = await self.admission.acquire(attempt_spec, self.metrics, resuming=run.num_migrations > 0)
+            try:
+                async for delta in self._attempt(attempt_spec, pair, trace):
+                    yield run.sent(delta)
+                return
+            except WorkerLost as lost:
+                self._report_lost(lost)
+                run.migrate(lost.cause)
+                trace.migrations = run.num_migrations
+                if self.metrics is not None:
+                    self.metrics.migration()
+                logger.warning("%s: %s; migrating (attempt %d) with %d tokens already sent", spec.req_id,
+                               lost.cause, run.num_migrations + 1, len(run.sent_token_ids))
+
+    def _report_lost(self, lost: WorkerLost) -> None:
+        if self.on_lost is not None:
+            self.on_lost(lost)
+
+    async def _attempt(self, spec: RequestSpec, pair: Prediction, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
         prefill, decode = pair.prefill, pair.decode
+        at = _Attempt(spec, pair, decode, decode.generation, prefill, prefill.generation if prefill else 0)
         trace.decode_worker = decode.worker_id
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
         num_prompt = len(spec.prompt_token_ids)
-        prefiller = prefill or decode   # whoever prefills carries the prompt until its first token
-        prefiller.begin_prefill(num_prompt)
+        prefiller, prefiller_gen = (prefill, at.prefill_gen) if prefill else (decode, at.decode_gen)
+        prefiller.begin_prefill(num_prompt)   # carried until its first token
         prefill_pending = True
-        progress = decode.decoding[spec.req_id] = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s,
-                                                                 prefill_mark=decode.prefill_tokens_sent)
+        progress = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s, prefill_mark=decode.prefill_tokens_sent)
+        decode.track(spec.req_id, progress)
         finished = False
         try:
-            first = await self._start(spec, prefill, decode, trace)
-            prefill = None   # its part is done: nothing left there to abort
+            first = await self._start(at, trace)
             if first is not None:
-                prefiller.end_prefill(num_prompt)
+                prefiller.end_prefill(num_prompt, prefiller_gen)
                 prefill_pending = False
                 self._observed_ttft(pair, trace)
                 self._decoding(decode, progress, len(first.token_ids))
@@ -113,21 +159,20 @@ class Orchestrator:
                 if isinstance(item, Exception):
                     raise item
                 if prefill_pending and item.token_ids:
-                    prefiller.end_prefill(num_prompt)
+                    prefiller.end_prefill(num_prompt, prefiller_gen)
                     prefill_pending = False
                     self._observed_ttft(pair, trace)
                 self._decoding(decode, progress, len(item.token_ids))
                 finished = item.finished
                 yield item
-        except RayActorError as exc:
-            raise WorkerFailedError(f"a worker died: {exc}") from exc
         finally:
             self.streams.unregister(spec.req_id)
-            decode.decoding.pop(spec.req_id, None)
+            if decode.generation == at.decode_gen:
+                decode.untrack(spec.req_id)
             if prefill_pending:
-                prefiller.end_prefill(num_prompt)
+                prefiller.end_prefill(num_prompt, prefiller_gen)
             if not finished:
-                self._abort_later(spec.req_id, prefill, decode)
+                self._abort_later(at)
             elif len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
                 self._observed_tpot(pair, progress, trace.timings().tpot_s)
             self._capacity_changed()
@@ -149,30 +194,43 @@ class Orchestrator:
         if self.metrics is not None:
             self.metrics.prediction("ttft", pair.ttft_s, observed)
 
-    async def _start(self, spec, prefill, decode, trace) -> TokenDelta | None:
+    async def _start(self, at: _Attempt, trace: RequestTrace) -> TokenDelta | None:
         """Get the request running on its decode worker; return the first token if known here."""
+        spec, prefill, decode = at.spec, at.prefill, at.decode
         if prefill is None:
-            await _call(decode, decode.actor.add_request.remote(spec))
+            await call(decode, "add_request", spec, generation=at.decode_gen)
+            trace.handoff = HandoffOutcome.LOCAL if self.registry.prefill else None
+            self._count_handoff(trace.handoff)
             return None
         transport = trace.transport = self.registry.transport(prefill, decode)
         # Reserve and prefill start together; the prefill worker awaits the handle only when its
         # KV is ready (wrapped in a list so Ray passes the ref instead of resolving it first).
         handle_ref = decode.actor.reserve.remote(spec, transport)
-        result: PrefillResult = await _call(prefill, prefill.actor.prefill.remote(spec, [handle_ref], decode.actor))
-        trace.prefill = result
+        result: PrefillResult = await call(prefill, "prefill", spec, [handle_ref], decode.actor,
+                                           generation=at.prefill_gen)
+        at.prefill = None   # its part is done: nothing left there to abort or to wait for
+        trace.prefill, trace.handoff = result, result.outcome
         self._observe_prefill(prefill, result)
-        if result.error and result.error.startswith("decode reservation failed"):
-            await _call(decode, handle_ref)  # raises the reservation's own error (e.g. CapacityError)
-        if result.finish_reason is FinishReason.ERROR and result.error and "KV transfer" in result.error:
-            return await self._recompute(spec, decode, trace, result.error)
-        if result.finish_reason is not None:
-            await _call(decode, decode.actor.abort.remote(spec.req_id))  # free the unused reservation
+        self._count_handoff(result.outcome)
+        match result.outcome:
+            case HandoffOutcome.PEER_DEAD:
+                raise WorkerLost(decode, at.decode_gen, result.error or "the decode worker died during the hand-off")
+            case HandoffOutcome.RESERVE_FAILED:
+                await await_ref(decode, at.decode_gen, lambda: handle_ref)  # raises the reservation's own error
+            case HandoffOutcome.TRANSFER_FAILED:
+                return await self._recompute(at, trace, result.error or "")
+            case HandoffOutcome.ENDED_AT_PREFILL | HandoffOutcome.ABORTED:
+                await call(decode, "abort", spec.req_id, generation=at.decode_gen)  # the unused reservation
         return TokenDelta(spec.req_id, _first(result), result.finish_reason,
                           (result.first_logprob,) if result.first_logprob is not None else None, result.error)
 
+    def _count_handoff(self, outcome: HandoffOutcome | None) -> None:
+        if outcome is not None and self.metrics is not None:
+            self.metrics.handoff(outcome.value)
+
     def _observe_prefill(self, prefill: WorkerHandle, result: PrefillResult) -> None:
         if result.stats is not None:
-            prefill.stats = result.stats
+            prefill.observe_stats(result.stats)
             self.admission.observe_stats(prefill)
             if self.metrics is not None:
                 self.metrics.update_worker(result.stats)
@@ -182,40 +240,45 @@ class Orchestrator:
     def _capacity_changed(self) -> None:
         asyncio.get_running_loop().create_task(self.admission.notify())
 
-    async def _recompute(self, spec, decode, trace, error: str) -> None:
-        logger.warning("%s: %s; recomputing on %s", spec.req_id, error, decode.worker_id)
-        await _call(decode, decode.actor.abort.remote(spec.req_id))
+    async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str) -> None:
+        logger.warning("%s: %s; recomputing on %s", at.spec.req_id, error, at.decode.worker_id)
+        await call(at.decode, "abort", at.spec.req_id, generation=at.decode_gen)  # the writer is done with it
         trace.recomputed = True
-        await _call(decode, decode.actor.add_request.remote(spec))
+        await call(at.decode, "add_request", at.spec, generation=at.decode_gen)
         return None
 
-    def _abort_later(self, req_id: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
+    def _abort_later(self, at: _Attempt) -> None:
         """Runs outside the (possibly cancelled) handler so the aborts always complete."""
-        task = asyncio.get_running_loop().create_task(self._abort(req_id, prefill, decode))
+        task = asyncio.get_running_loop().create_task(self._abort(at))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _abort(self, req_id: str, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
-        for worker in (prefill, decode):  # prefill first: then nothing can still write the blocks
-            if worker is None or not worker.alive:
-                continue
-            try:
-                await worker.actor.abort.remote(req_id)
-            except Exception as exc:
-                logger.warning("abort of %s on %s failed: %s", req_id, worker.worker_id, exc)
+    async def _abort(self, at: _Attempt) -> None:
+        """Prefill side first: once its abort returns, nothing can still write the decode
+        worker's reserved blocks, which may then be freed at once; if that cannot be known (the
+        prefill worker is unreachable), the decode worker fences them until their lease ends."""
+        writer_gone = True
+        if at.prefill is not None:
+            writer_gone = await self._abort_on(at.prefill, at.prefill_gen, at.spec.req_id)
+        await self._abort_on(at.decode, at.decode_gen, at.spec.req_id, writer_gone)
+
+    async def _abort_on(self, worker: WorkerHandle, generation: int, req_id: str, *args: Any) -> bool:
+        """True once nothing of the request can run there any more (aborted, or the actor is gone)."""
+        if worker.generation != generation or not worker.alive:
+            return True   # that actor died (the supervisor kills what is left of it)
+        try:
+            await call(worker, "abort", req_id, *args, generation=generation)
+            return True
+        except WorkerLost as lost:
+            self._report_lost(lost)
+            return True
+        except Exception as exc:
+            logger.warning("abort of %s on %s failed: %s", req_id, worker.worker_id, exc)
+            return False
 
     async def drain_cleanups(self) -> None:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
-
-
-async def _call(worker: WorkerHandle, ref):
-    """Await a worker call; a dead actor marks the worker dead and becomes WorkerFailedError."""
-    try:
-        return await ref
-    except RayActorError as exc:
-        worker.alive = False
-        raise WorkerFailedError(f"worker {worker.worker_id} died: {exc}") from exc
 
 
 def _first(result: PrefillResult) -> tuple[int, ...]:

@@ -1,16 +1,22 @@
-"""The router's view of its workers: actor handles, placement, live stats, in-flight load.
+"""The router's view of its workers: actor handles, placement, state, live stats, in-flight load.
 
-Life cycle: the launcher ``add``s each started worker; stats arrive with every decode
-stream batch and after each prefill; the router counts what it has in flight per worker
-(stats lag by a step, its own counters do not): prompt tokens still to prefill, the
-long-run rate of prompt tokens sent here to prefill (the prefill load a colocated worker will
-carry while a new request decodes), and the progress of every request sent here to decode (its
-count is the worker's in-flight load; how much more stall each can absorb before it misses its
-TPOT target); a worker whose calls fail is marked dead and never picked again.
+Life cycle of a worker slot (``WorkerHandle``, one per worker id, owned here and changed only
+through its methods): the launcher ``add``s each started worker (READY, generation 0); stats
+arrive with every decode stream batch and after each prefill; the router counts what it has in
+flight per worker (stats lag by a step, its own counters do not): prompt tokens still to
+prefill, the long-run rate of prompt tokens sent here to prefill (the prefill load a colocated
+worker will carry while a new request decodes), and the progress of every request sent here to
+decode (its count is the worker's in-flight load; how much more stall each can absorb before it
+misses its TPOT target). When a call or stream of generation g finds the actor dead,
+``mark_down(g)`` moves the slot to RESTARTING (only the first report of that generation counts:
+a late failure of an old actor never takes down its replacement) and the supervisor starts a
+replacement; ``replace`` installs it as generation g+1 with fresh stats and no load (whatever
+the old actor held is gone with its process). DEAD: given up (restart limit) or shut down.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,6 +27,13 @@ from kvtransfer.select import choose_transport
 
 PREFILL_RATE_TAU_S = 60.0   # the prefill load a request decodes under: a minute, not a burst
 MIN_RATE_WINDOW_S = 5.0     # a young estimate divides by at least this much history
+
+
+class WorkerState(str, enum.Enum):
+    STARTING = "starting"       # launched, not registered yet
+    READY = "ready"             # serving
+    RESTARTING = "restarting"   # its actor died; a replacement is on its way
+    DEAD = "dead"               # gave up restarting it, or the cluster is stopping
 
 
 @dataclass(slots=True, eq=False)
@@ -61,12 +74,53 @@ class WorkerHandle:
     stats: WorkerStats | None = None
     num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
     prefill_tokens_sent: int = 0  # every prompt token ever sent here to prefill (orders the queue)
-    alive: bool = True
     shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
     decoding: dict[str, DecodeProgress] = field(default_factory=dict)  # by request id
+    state: WorkerState = WorkerState.READY
+    generation: int = 0           # bumped by every replacement: tells an old actor's failures apart
+    restarts: int = 0
+    last_failure: str = ""
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Serving now: the only state requests are sent to."""
+        return self.state is WorkerState.READY
+
+    def mark_down(self, generation: int, cause: str = "") -> bool:
+        """The actor of ``generation`` died. True when this is news (the caller then gets it
+        replaced); False for a stale report or a slot already down."""
+        if generation != self.generation or self.state is not WorkerState.READY:
+            return False
+        self.state = WorkerState.RESTARTING
+        self.last_failure = cause
+        return True
+
+    def mark_dead(self) -> None:
+        self.state = WorkerState.DEAD
+
+    def replace(self, actor: Any, node_id: str, device: str, shm_path: str | None) -> None:
+        """A fresh actor takes this slot: nothing of the old one's load or stats carries over."""
+        self.actor, self.node_id, self.device, self.shm_path = actor, node_id, device, shm_path
+        self.generation += 1
+        self.restarts += 1
+        self.stats = None
+        self.num_prefill_tokens = 0
+        self.decoding.clear()
+        self.state = WorkerState.READY
+
+    def observe_stats(self, stats: WorkerStats | None) -> None:
+        if stats is not None:
+            self.stats = stats
+
+    def track(self, req_id: str, progress: DecodeProgress) -> None:
+        """A request sent here to decode: counted until ``untrack``."""
+        self.decoding[req_id] = progress
+
+    def untrack(self, req_id: str) -> None:
+        self.decoding.pop(req_id, None)
 
     @property
     def num_inflight(self) -> int:
@@ -82,8 +136,10 @@ class WorkerHandle:
         self._prefill_rate = self._decayed_rate(now) + num_tokens / PREFILL_RATE_TAU_S
         self._prefill_rate_at = now
 
-    def end_prefill(self, num_tokens: int) -> None:
-        self.num_prefill_tokens -= num_tokens
+    def end_prefill(self, num_tokens: int, generation: int | None = None) -> None:
+        """``generation``: the actor the prompt was sent to; a replacement never counted it."""
+        if generation is None or generation == self.generation:
+            self.num_prefill_tokens -= num_tokens
 
     def prefill_token_rate(self, now: float) -> float:
         """Prompt tokens per second assigned here to prefill: an exponentially weighted average
@@ -116,6 +172,26 @@ class WorkerRegistry:
 
     def alive(self, role: str) -> list[WorkerHandle]:
         return [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
+
+    def recovering(self, role: str) -> list[WorkerHandle]:
+        """Workers of ``role`` down now but on their way back."""
+        return [w for w in (self.prefill if role == "prefill" else self.decode)
+                if w.state is WorkerState.RESTARTING]
+
+    @property
+    def can_serve(self) -> bool:
+        """A complete serving path exists: a decode (or colocated) worker is up; it can also
+        prefill when no prefill worker is."""
+        return bool(self.alive("decode"))
+
+    def lose_kv_group(self) -> None:
+        """A member of the torch.distributed group died, which breaks the group for everyone:
+        route pairs around it (the object store) from now on."""
+        if self.dist_ready or self.forced_transport == "torch_dist":
+            self.dist_ready = False
+            if self.forced_transport == "torch_dist":
+                self.forced_transport = None
+            self._transports.clear()
 
     def transport(self, p: WorkerHandle, d: WorkerHandle) -> str:
         key = (p.worker_id, d.worker_id)

@@ -16,7 +16,6 @@ from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError, PdserveError
@@ -26,6 +25,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from router import convert
 from router.convert import IncrementalDetokenizer, ServerDefaults, Usage
 from router.errors import status_for
+from router.health import PDSERVE_SERVICE, ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
 
@@ -111,24 +111,26 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         return convert.delta_to_proto(delta, text, usage=usage, timings=trace.timings())
 
     async def ServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
-        workers = [w.stats for w in self.orchestrator.registry.all if w.stats is not None]
+        statuses = [convert.WorkerStatus(w.worker_id, w.role, w.state.value, w.restarts, w.stats if w.alive else None)
+                    for w in self.orchestrator.registry.all]
         return convert.server_info_to_proto(
-            self.defaults, model=self.info.model, block_size=self.info.block_size, mode=self.info.mode, workers=workers
+            self.defaults, model=self.info.model, block_size=self.info.block_size, mode=self.info.mode,
+            statuses=statuses,
         )
 
 
-async def start_server(servicer: PdserveServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Create (inside the running loop, as grpc.aio requires) and start the server."""
+async def start_server(servicer: PdserveServicer, host: str, port: int,
+                       health: ServingHealth | None = None, serving: bool = True) -> tuple[grpc.aio.Server, int]:
+    """Create (inside the running loop, as grpc.aio requires) and start the server; ``health``
+    (made here when not given) starts at ``serving``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_PdserveServicer_to_server(servicer, server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = (pb.DESCRIPTOR.services_by_name["Pdserve"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)
+    health = health or ServingHealth()
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    names = (PDSERVE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health.set(names[0], health_pb2.HealthCheckResponse.SERVING)
+    await health.update(serving)
     logger.info("router listening on %s:%d", host, bound)
     return server, bound

@@ -1,9 +1,11 @@
 """Splits each decode worker's one batched output stream into per-request queues.
 
-Life cycle: ``start`` opens one Ray streaming call per decode worker; each batch's deltas go
-to the queue of the request they belong to (deltas for requests no longer registered, e.g.
-after a cancel, are dropped) and its stats update the registry. When a stream fails the
-worker is marked dead and every request on it receives a WorkerFailedError.
+Life cycle: ``watch(worker)`` opens one Ray streaming call to the worker's current actor
+(again for every replacement); each batch's deltas go to the queue of the request they belong
+to (deltas for requests no longer registered, e.g. after a cancel, are dropped) and its stats
+update the registry. When a stream fails, every request registered on that actor receives a
+``WorkerLost`` (the orchestrator migrates it) and ``on_lost`` reports the worker (the
+supervisor replaces it). A stream of an actor that was already replaced ends quietly.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import asyncio
 import logging
 from typing import Callable
 
-from engine.errors import WorkerFailedError
 from engine.types import StreamBatch, TokenDelta
 from router.registry import WorkerHandle, WorkerRegistry
+from router.worker_calls import WorkerLost
 
 logger = logging.getLogger(__name__)
 
@@ -22,26 +24,36 @@ QueueItem = TokenDelta | Exception
 
 
 class DecodeStreams:
-    def __init__(self, registry: WorkerRegistry, on_stats: Callable[[WorkerHandle], None] | None = None) -> None:
+    def __init__(self, registry: WorkerRegistry, on_stats: Callable[[WorkerHandle], None] | None = None,
+                 on_lost: Callable[[WorkerLost], None] | None = None) -> None:
         self.registry = registry
         self.on_stats = on_stats
+        self.on_lost = on_lost
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
-        self._owner: dict[str, str] = {}     # req_id -> decode worker id
-        self._tasks: list[asyncio.Task] = []
+        self._owner: dict[str, tuple[str, int]] = {}     # req_id -> (decode worker id, generation)
+        self._tasks: dict[str, asyncio.Task] = {}
 
     def start(self) -> None:
         for worker in self.registry.decode:
-            self._tasks.append(asyncio.create_task(self._consume(worker), name=f"stream-{worker.worker_id}"))
+            self.watch(worker)
+
+    def watch(self, worker: WorkerHandle) -> None:
+        """Consume the stream of ``worker``'s current actor (a replacement gets a new one)."""
+        old = self._tasks.get(worker.worker_id)
+        if old is not None:
+            old.cancel()
+        self._tasks[worker.worker_id] = asyncio.create_task(
+            self._consume(worker, worker.generation), name=f"stream-{worker.worker_id}-{worker.generation}")
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     def register(self, req_id: str, worker: WorkerHandle) -> asyncio.Queue[QueueItem]:
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[req_id] = queue
-        self._owner[req_id] = worker.worker_id
+        self._owner[req_id] = (worker.worker_id, worker.generation)
         return queue
 
     def unregister(self, req_id: str) -> None:
@@ -52,20 +64,24 @@ class DecodeStreams:
     def num_registered(self) -> int:
         return len(self._queues)
 
-    async def _consume(self, worker: WorkerHandle) -> None:
+    async def _consume(self, worker: WorkerHandle, generation: int) -> None:
+        actor = worker.actor
         try:
-            async for ref in worker.actor.stream.remote():
-                self._dispatch(worker, await ref)
-            raise WorkerFailedError(f"decode worker {worker.worker_id} closed its stream")
+            async for ref in actor.stream.remote():
+                self._dispatch(worker, generation, await ref)
+            raise RuntimeError("the stream closed")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.error("decode worker %s stream failed: %s", worker.worker_id, exc)
-            self._fail_worker(worker, exc)
+            if generation == worker.generation and worker.alive:
+                logger.error("decode worker %s stream failed: %s", worker.worker_id, exc)
+            self._lose(WorkerLost(worker, generation, f"decode worker {worker.worker_id} stream failed: {exc}"))
 
-    def _dispatch(self, worker: WorkerHandle, batch: StreamBatch) -> None:
+    def _dispatch(self, worker: WorkerHandle, generation: int, batch: StreamBatch) -> None:
+        if generation != worker.generation:
+            return
         if batch.stats is not None:
-            worker.stats = batch.stats
+            worker.observe_stats(batch.stats)
             if self.on_stats:
                 self.on_stats(worker)
         for delta in batch.deltas:
@@ -73,9 +89,10 @@ class DecodeStreams:
             if queue is not None:
                 queue.put_nowait(delta)
 
-    def _fail_worker(self, worker: WorkerHandle, exc: Exception) -> None:
-        worker.alive = False
-        error = WorkerFailedError(f"decode worker {worker.worker_id} failed: {exc}")
-        for req_id, owner in list(self._owner.items()):
-            if owner == worker.worker_id:
-                self._queues[req_id].put_nowait(error)
+    def _lose(self, lost: WorkerLost) -> None:
+        owner = (lost.worker.worker_id, lost.generation)
+        for req_id, where in list(self._owner.items()):
+            if where == owner:
+                self._queues[req_id].put_nowait(lost)
+        if self.on_lost:
+            self.on_lost(lost)

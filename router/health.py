@@ -1,0 +1,36 @@
+"""grpc.health.v1 that tells the truth: SERVING only while a complete serving path exists.
+
+Life cycle: ``start_server`` adds the servicer and reports the current state; the launcher
+calls ``update`` whenever a worker goes down or comes back (``WorkerRegistry.can_serve``: a
+decode or colocated worker is up). Both the overall status ("") and the Pdserve service's
+follow it, so a load balancer stops sending traffic while nothing can serve and resumes once a
+replacement is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+
+from protos import pdserve_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+PDSERVE_SERVICE = pb.DESCRIPTOR.services_by_name["Pdserve"].full_name
+
+
+class ServingHealth:
+    def __init__(self) -> None:
+        self.servicer = health_aio.HealthServicer()
+        self.serving: bool | None = None
+
+    async def update(self, serving: bool) -> None:
+        if serving == self.serving:
+            return
+        self.serving = serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", PDSERVE_SERVICE):
+            await self.servicer.set(service, status)
+        logger.log(logging.INFO if serving else logging.ERROR, "health: %s", "SERVING" if serving else "NOT_SERVING")

@@ -1,0 +1,52 @@
+"""One client request across the attempts it may take when workers die under it.
+
+Life cycle (Dynamo's request migration): the first attempt runs the client's spec. Every token
+the client has been sent is recorded here. When an attempt loses its worker, ``migrate`` counts
+it (past ``limit`` the request fails with UNAVAILABLE naming the cause) and the next attempt
+runs under a fresh internal id (nothing of the lost attempt can answer for it) with the prompt
+plus every token already sent, ``max_tokens`` reduced by as many, and ``num_generated`` set so
+seeded sampling and stop strings continue where they were: the client sees one stream, no token
+repeated and none missing, and greedy output equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine.errors import WorkerFailedError
+from engine.types import RequestSpec, TokenDelta
+
+DEFAULT_MIGRATION_LIMIT = 3
+
+
+@dataclass(slots=True)
+class RequestMigration:
+    spec: RequestSpec
+    limit: int = DEFAULT_MIGRATION_LIMIT
+    sent_token_ids: list[int] = field(default_factory=list)
+    num_migrations: int = 0
+
+    def attempt_spec(self) -> RequestSpec:
+        """What the current attempt runs."""
+        if not self.num_migrations:
+            return self.spec
+        sent = tuple(self.sent_token_ids)
+        return dataclasses.replace(
+            self.spec,
+            req_id=f"{self.spec.req_id}.m{self.num_migrations}",
+            prompt_token_ids=self.spec.prompt_token_ids + sent,
+            sampling=dataclasses.replace(self.spec.sampling, max_tokens=self.spec.sampling.max_tokens - len(sent)),
+            num_generated=self.spec.num_generated + len(sent),
+        )
+
+    def sent(self, delta: TokenDelta) -> TokenDelta:
+        """Record a delta on its way to the client, under the client's request id."""
+        self.sent_token_ids.extend(delta.token_ids)
+        return delta if delta.req_id == self.spec.req_id else dataclasses.replace(delta, req_id=self.spec.req_id)
+
+    def migrate(self, cause: str) -> None:
+        """The current attempt lost its worker: move on, or give up past the limit."""
+        if self.num_migrations >= self.limit:
+            raise WorkerFailedError(f"worker lost and the migration limit ({self.limit}) is reached: {cause}")
+        self.num_migrations += 1

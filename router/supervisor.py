@@ -1,0 +1,137 @@
+"""Keeps every worker slot served: notices a dead actor at once and replaces it.
+
+Life cycle of a slot here: ``watch`` awaits the actor's ``lifeline`` call, which returns only
+at shutdown, so a crash (kill -9, OOM, a node lost) fails it within Ray's death notice, with
+no polling. Any report of a loss (the lifeline, a decode stream, a failed request call) goes
+through ``worker_lost``; the first one for a generation marks the slot RESTARTING (the router
+routes around it at once), reports it (``on_down``: health, metrics), and starts ``_restart``:
+kill what is left of the old actor, unlink its /dev/shm KV pool, wait the backoff, start a
+fresh actor (fresh engine, fresh pool, via ``spawn``), install it as the next generation and
+report it (``on_ready``: its stream, health, queued requests). Repeated crashes back off
+exponentially (a slot that stayed up ``STABLE_S`` starts over at no delay), so a worker that
+crashes on start cannot cause a restart storm; ``max_restarts`` (None: no limit) gives up on a
+slot, which then stays DEAD.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Awaitable, Callable
+
+import ray
+
+from router.registry import WorkerHandle, WorkerRegistry
+from router.worker_calls import WorkerLost, await_ref
+
+logger = logging.getLogger(__name__)
+
+FIRST_RETRY_S = 1.0     # the second crash in a row waits this long, then doubling
+MAX_BACKOFF_S = 30.0
+STABLE_S = 60.0         # up this long since its last restart: the next crash restarts at once
+
+Spawn = Callable[[WorkerHandle], Awaitable[tuple[object, dict]]]
+
+
+class Supervisor:
+    def __init__(self, registry: WorkerRegistry, spawn: Spawn, *, on_down: Callable[[WorkerHandle], None],
+                 on_ready: Callable[[WorkerHandle], None], max_restarts: int | None = None) -> None:
+        self.registry = registry
+        self._spawn = spawn
+        self._on_down = on_down
+        self._on_ready = on_ready
+        self.max_restarts = max_restarts
+        self._tasks: set[asyncio.Task] = set()
+        self._backoff: dict[str, float] = {}        # worker id -> the delay its next restart waits
+        self._up_since: dict[str, float] = {}
+        self._stopping = False
+
+    def start(self) -> None:
+        for worker in self.registry.all:
+            self.watch(worker)
+
+    def watch(self, worker: WorkerHandle) -> None:
+        self._up_since[worker.worker_id] = time.monotonic()
+        self._spawn_task(self._lifeline(worker, worker.generation), f"lifeline-{worker.worker_id}")
+
+    async def _lifeline(self, worker: WorkerHandle, generation: int) -> None:
+        actor = worker.actor
+        try:
+            await await_ref(worker, generation, lambda: actor.lifeline.remote(), give_up_s=float("inf"))
+        except WorkerLost as lost:
+            self.worker_lost(lost)
+
+    def worker_lost(self, lost: WorkerLost) -> None:
+        """Any component that saw ``lost.worker``'s actor fail reports it here."""
+        worker = lost.worker
+        if self._stopping or not worker.mark_down(lost.generation, lost.cause):
+            return
+        logger.error("worker %s (generation %d) lost: %s", worker.worker_id, lost.generation, lost.cause)
+        if worker.role != "colocated" and self.registry.dist_ready:
+            self.registry.lose_kv_group()
+        self._on_down(worker)
+        self._spawn_task(self._restart(worker, worker.actor, worker.shm_path), f"restart-{worker.worker_id}")
+
+    async def _restart(self, worker: WorkerHandle, old_actor, old_shm: str | None) -> None:
+        _kill(old_actor)
+        _unlink(old_shm)
+        if self.max_restarts is not None and worker.restarts >= self.max_restarts:
+            logger.error("worker %s: restart limit (%d) reached; it stays down", worker.worker_id, self.max_restarts)
+            worker.mark_dead()
+            self._on_down(worker)
+            return
+        await asyncio.sleep(self._next_delay(worker.worker_id))
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                actor, info = await self._spawn(worker)
+                break
+            except Exception as exc:
+                logger.error("worker %s failed to start: %s", worker.worker_id, exc)
+                await asyncio.sleep(self._next_delay(worker.worker_id))
+        else:
+            return
+        worker.replace(actor, info["node_id"], info["device"], info.get("shm_path"))
+        logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s", worker.worker_id,
+                       worker.generation, worker.restarts, time.monotonic() - started)
+        self.watch(worker)
+        self._on_ready(worker)
+
+    def _next_delay(self, worker_id: str) -> float:
+        """0 after a stable run; then 1 s, 2 s, 4 s ... up to ``MAX_BACKOFF_S``."""
+        if time.monotonic() - self._up_since.get(worker_id, 0.0) >= STABLE_S:
+            self._backoff.pop(worker_id, None)
+        delay = self._backoff.get(worker_id, 0.0)
+        self._backoff[worker_id] = min(MAX_BACKOFF_S, max(FIRST_RETRY_S, 2 * delay))
+        self._up_since[worker_id] = time.monotonic()   # a failed start is not a stable run either
+        return delay
+
+    def _spawn_task(self, coro, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # already gone
+        logger.debug("kill of a dead actor: %s", exc)
+
+
+def _unlink(path: str | None) -> None:
+    """The dead worker never unlinked its KV pool; a replacement gets a file of its own."""
+    if path:
+        try:
+            os.unlink(path)
+            logger.info("unlinked %s", path)
+        except FileNotFoundError:
+            pass
