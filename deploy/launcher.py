@@ -185,7 +185,7 @@ class Cluster:
         infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
         for (role, actor), info in zip(actors, infos):
             self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
-                                           shm_path=info.get("shm_path")))
+                                           shm_path=info.get("shm_path"), pid=info.get("pid")))
         return list(infos)
 
     def _devices(self, num_prefill: int) -> tuple[dict[str, EngineConfig], dict[str, float]]:

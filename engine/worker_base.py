@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, TypeVar
 
@@ -77,7 +78,7 @@ class WorkerBase:
         return {"worker_id": self.worker_id, "node_id": node_id, "device": device_identity(self.spec.engine.device),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                 "block_size": engine.config.block_size, "model": self.loaded.name,
-                "shm_path": self.shm_path}
+                "shm_path": self.shm_path, "pid": os.getpid()}
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor | None:
         """Override to place the KV pool somewhere special; None lets the engine allocate it."""

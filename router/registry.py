@@ -80,6 +80,7 @@ class WorkerHandle:
     generation: int = 0           # bumped by every replacement: tells an old actor's failures apart
     restarts: int = 0
     last_failure: str = ""
+    pid: int | None = None        # the actor's process (operators and failure tests)
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
@@ -101,9 +102,11 @@ class WorkerHandle:
     def mark_dead(self) -> None:
         self.state = WorkerState.DEAD
 
-    def replace(self, actor: Any, node_id: str, device: str, shm_path: str | None) -> None:
-        """A fresh actor takes this slot: nothing of the old one's load or stats carries over."""
-        self.actor, self.node_id, self.device, self.shm_path = actor, node_id, device, shm_path
+    def replace(self, actor: Any, info: dict) -> None:
+        """A fresh actor (``info``: what its ``start`` returned) takes this slot: nothing of the
+        old one's load or stats carries over."""
+        self.actor, self.node_id, self.device = actor, info["node_id"], info["device"]
+        self.shm_path, self.pid = info.get("shm_path"), info.get("pid")
         self.generation += 1
         self.restarts += 1
         self.stats = None

@@ -93,7 +93,7 @@ class Supervisor:
                 await asyncio.sleep(self._next_delay(worker.worker_id))
         else:
             return
-        worker.replace(actor, info["node_id"], info["device"], info.get("shm_path"))
+        worker.replace(actor, info)
         logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s", worker.worker_id,
                        worker.generation, worker.restarts, time.monotonic() - started)
         self.watch(worker)

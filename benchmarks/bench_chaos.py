@@ -1,0 +1,248 @@
+"""Chaos benchmark: Poisson load on a live cluster while its workers are killed with SIGKILL.
+
+What it does (one run, one cluster, defaults in brackets):
+  - starts pdserve (1 prefill + 1 decode worker, the embedded SmolLM2-135M; ``--quick``: a tiny
+    random model) and sends seeded requests (dataset ``random``: prompt ``--input-len`` [192]
+    and output ``--output-len`` [48] tokens, +-50%, EOS ignored, greedy) as Poisson arrivals at
+    ``--rate`` req/s [0.6, ~70% of this machine's capacity at the goodput benchmark's SLO] for
+    ``--duration`` seconds [330];
+  - every ``--kill-every`` seconds [60] it sends SIGKILL to a worker's process, alternating decode
+    and prefill (decode first);
+  - records, per request: submitted / completed / failed (and the gRPC status), TTFT, TPOT,
+    migrations; per kill: time to the replacement being ready and to the first token the
+    replacement served; TTFT/TPOT p50/p99 inside recovery windows (kill -> ready + 5 s) and
+    outside them; goodput (requests meeting ``--slo`` TTFT,TPOT ms [6400,390]: the goodput
+    benchmark's run-7 SLO) per 30 s bucket;
+  - ends with the leak check (every block free, no request left) and /dev/shm: only the live
+    workers' KV pools, no stale segment.
+Writes the report to ``--out`` [benchmarks/results/chaos.txt] and prints it.
+
+  python benchmarks/bench_chaos.py                # ~7 min on a 2-core machine
+  python benchmarks/bench_chaos.py --quick --duration 90 --kill-every 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import logging
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import grpc  # noqa: E402
+
+from deploy.bench.dataset import arrival_offsets, make_requests  # noqa: E402
+from deploy.launcher import ClusterConfig, ClusterThread, holds_anything  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from router.client import AsyncPdserveClient  # noqa: E402
+
+RECOVERY_TAIL_S = 5.0   # a recovery window lasts from the kill until 5 s after the replacement is ready
+
+
+@dataclass(slots=True)
+class Outcome:
+    sent_s: float
+    ok: bool = False
+    status: str = ""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    end_s: float | None = None
+    migrations: int = 0
+    decode_worker: str = ""
+    prefill_worker: str = ""
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Kill:
+    at_s: float
+    worker_id: str
+    generation: int
+    ready_s: float | None = None
+    first_token_s: float | None = None
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=0.6)
+    p.add_argument("--duration", type=float, default=330.0)
+    p.add_argument("--kill-every", type=float, default=60.0)
+    p.add_argument("--input-len", type=int, default=192)
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--slo", default="6400,390", help="TTFT,TPOT targets in ms for the goodput figures")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny random model (no SmolLM2)")
+    p.add_argument("--out", default="benchmarks/results/chaos.txt")
+    return p.parse_args()
+
+
+def start(args) -> ClusterThread:
+    config = ClusterConfig(mode="disaggregated", num_prefill=1, num_decode=1, cpus_per_worker=1.0, threads_per_worker=1,
+                           random_model={"seed": 0} if args.quick else None, port=0,
+                           prefill_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
+                           decode_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
+                           admission=False)   # every request is served: failures are the figure
+    cluster = ClusterThread(config)
+    cluster.start()
+    return cluster
+
+
+async def one_request(client, req, out: Outcome, t0: float) -> None:
+    try:
+        async for msg in client.generate(token_ids=req.prompt_token_ids, max_tokens=req.output_len, ignore_eos=True):
+            now = time.monotonic() - t0
+            out.token_times.extend([now] * len(msg.token_ids))
+            if msg.HasField("timings"):
+                out.migrations = msg.timings.migrations
+                out.decode_worker, out.prefill_worker = msg.timings.decode_worker_id, msg.timings.prefill_worker_id
+        out.ok = True
+    except grpc.aio.AioRpcError as exc:
+        out.status = f"{exc.code().name}: {exc.details()[:160]}"
+    times = out.token_times
+    out.end_s = times[-1] if times else None
+    if times:
+        out.ttft_s = times[0] - out.sent_s
+        out.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+
+
+async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: list[Kill], t0: float) -> None:
+    num = int(args.rate * args.duration) + 1
+    requests = make_requests("random", num, args.input_len, args.output_len, range_ratio=0.5, seed=args.seed,
+                             vocab=(3, 500) if args.quick else (1000, 40000))
+    offsets = [o for o in arrival_offsets(num, args.rate, seed=args.seed) if o < args.duration]
+    killer = threading.Thread(target=kill_loop, args=(args, cluster, kills, t0), daemon=True)
+    killer.start()
+    async with AsyncPdserveClient(f"127.0.0.1:{cluster.cluster.port}", timeout_s=600) as client:
+        tasks = []
+        for req, offset in zip(requests, offsets):
+            await asyncio.sleep(max(0.0, offset - (time.monotonic() - t0)))
+            out = Outcome(sent_s=time.monotonic() - t0)
+            outcomes.append(out)
+            tasks.append(asyncio.create_task(one_request(client, req, out, t0)))
+        await asyncio.gather(*tasks)
+    killer.join()
+
+
+def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> None:
+    """Kills (SIGKILL) alternately the decode and the prefill worker; waits for each replacement."""
+    registry = cluster.cluster.registry
+    roles = ["decode-0", "prefill-0"]
+    at = args.kill_every
+    while at < args.duration:
+        time.sleep(max(0.0, at - (time.monotonic() - t0)))
+        worker = registry.get(roles[len(kills) % 2])
+        kill = Kill(time.monotonic() - t0, worker.worker_id, worker.generation)
+        os.kill(worker.pid, signal.SIGKILL)
+        kills.append(kill)
+        while not (worker.alive and worker.generation > kill.generation):
+            time.sleep(0.02)
+        kill.ready_s = time.monotonic() - t0
+        logging.warning("killed %s at %.1f s, replacement ready %.1f s later", worker.worker_id, kill.at_s,
+                        kill.ready_s - kill.at_s)
+        at += args.kill_every
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale: list[str], wall_s: float) -> str:
+    ttft_t, tpot_t = (float(x) / 1e3 for x in args.slo.split(","))
+    windows = [(k.at_s, (k.ready_s or k.at_s) + RECOVERY_TAIL_S) for k in kills]
+    for k in kills:   # the first token the replacement served: a request it finished, tokens after ready
+        served = [t for o in outcomes if k.worker_id in (o.decode_worker, o.prefill_worker)
+                  for t in o.token_times if k.ready_s is not None and t >= k.ready_s]
+        k.first_token_s = min(served) if served else None
+    done = [o for o in outcomes if o.ok]
+    failed = [o for o in outcomes if not o.ok]
+    inside = [o for o in done if any(a <= o.sent_s <= b or (o.end_s and a <= o.end_s and o.sent_s <= b))
+                                     for a, b in windows)]
+    outside = [o for o in done if o not in inside]
+    met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
+    lines = [
+        f"# bench_chaos: {'tiny random model' if args.quick else 'SmolLM2-135M-Instruct'}, 1 prefill + 1 decode worker "
+        f"(1 CPU, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
+        f"output {args.output_len} tokens +-50%, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
+        f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
+        f"TPOT <= {tpot_t * 1e3:.0f} ms",
+        "",
+        f"requests: submitted {len(outcomes)}, completed {len(done)}, failed {len(failed)}, "
+        f"migrated {sum(1 for o in done if o.migrations)} (migrations {sum(o.migrations for o in done)})",
+    ]
+    lines += [f"  failed: {o.status}" for o in failed[:10]]
+    lines += ["", "kills:  worker      at (s)  ready after (s)  first token by the replacement after (s)"]
+    for k in kills:
+        ready = f"{k.ready_s - k.at_s:.2f}" if k.ready_s else "never"
+        first = f"{k.first_token_s - k.at_s:.2f}" if k.first_token_s else "-"
+        lines.append(f"        {k.worker_id:<10} {k.at_s:7.1f}  {ready:>15}  {first:>40}")
+    recov = [k.ready_s - k.at_s for k in kills if k.ready_s]
+    lines.append(f"recovery (kill -> replacement ready): max {max(recov):.2f} s, mean {statistics.mean(recov):.2f} s"
+                 if recov else "recovery: no kill")
+    lines += ["", "latency            n    TTFT p50   TTFT p99   TPOT p50   TPOT p99"]
+    for name, group in (("outside recovery", outside), ("inside recovery", inside), ("all", done)):
+        t1, t2 = [o.ttft_s for o in group], [o.tpot_s for o in group]
+        lines.append(f"{name:<17}{len(group):4d} {pct(t1, 50):9.2f}s {pct(t1, 99):9.2f}s "
+                     f"{pct(t2, 50) * 1e3:8.1f}ms {pct(t2, 99) * 1e3:8.1f}ms")
+    lines += ["", f"goodput (met SLO / s) per 30 s bucket of arrival; overall {len(met) / max(1.0, args.duration):.3f} req/s"]
+    bucket = 30.0
+    for b in range(int(args.duration // bucket) + 1):
+        lo, hi = b * bucket, (b + 1) * bucket
+        sent = [o for o in outcomes if lo <= o.sent_s < hi]
+        if not sent:
+            continue
+        good = [o for o in sent if o in met]
+        mark = " <- kill" if any(lo <= k.at_s < hi for k in kills) else ""
+        lines.append(f"  {lo:5.0f}-{hi:<5.0f} s  sent {len(sent):3d}  met {len(good):3d}  goodput "
+                     f"{len(good) / bucket:.3f}{mark}")
+    lines += ["", f"leak check: {'clean' if not leaks else leaks}",
+              f"/dev/shm: {'no stale pdserve segment' if not stale else 'STALE: ' + ', '.join(stale)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _owner_alive(path: str) -> bool:
+    """A KV pool file is named /dev/shm/pdserve-<owner pid>-<worker>-<id>.kv."""
+    try:
+        os.kill(int(Path(path).name.split("-")[1]), 0)
+        return True
+    except (ProcessLookupError, ValueError, IndexError):
+        return False
+    except PermissionError:
+        return True
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse()
+    cluster = start(args)
+    outcomes: list[Outcome] = []
+    kills: list[Kill] = []
+    t0 = time.monotonic()
+    try:
+        asyncio.run(drive(args, cluster, outcomes, kills, t0))
+        wall = time.monotonic() - t0
+        time.sleep(2.0)   # aborts and releases land
+        leaks = {w: r for w, r in cluster.run(cluster.cluster.leak_reports()).items() if holds_anything(r)}
+        stale = [p for p in glob.glob("/dev/shm/pdserve-*.kv") if not _owner_alive(p)]
+    finally:
+        cluster.stop()
+    text = report(args, outcomes, kills, leaks, stale, wall)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

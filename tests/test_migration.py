@@ -1,0 +1,241 @@
+"""The parts of worker-failure recovery that need no cluster: a migrated request resumes exactly
+(greedy and seeded sampling), the attempt bookkeeping, Ray's failure modes told apart (an
+unavailable actor is retried, a dead one is lost), the supervisor's backoff, and the fence that
+keeps a late writer out of a freed reservation. Engine tests end with a leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import KVTransferError, WorkerFailedError
+from engine.request import Request
+from engine.types import KVLayout, RequestSpec, SamplingParams, TokenDelta
+from kvtransfer.handle import KVBlocksHandle
+from router import supervisor as supervisor_module
+from router.migration import RequestMigration
+from router.registry import WorkerHandle, WorkerRegistry, WorkerState
+from router.supervisor import Supervisor
+from router.worker_calls import WorkerLost, call
+from tests.conftest import assert_no_leaks
+
+
+@pytest.fixture()
+def engine(tiny_model):
+    return LLMEngine(tiny_model, EngineConfig(num_kv_blocks=128))
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=30, ignore_eos=True),
+    SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, top_p=0.9, seed=1234),
+], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("cut", [1, 7, 29])
+def test_resumed_request_continues_exactly(engine, sampling, cut):
+    prompt = (17, 4, 99, 250, 3, 8)
+    whole = engine.generate([RequestSpec("whole", prompt, sampling)])["whole"]
+    run = RequestMigration(RequestSpec("r", prompt, sampling))
+    for t in whole[:cut]:
+        run.sent(TokenDelta("r", (t,)))
+    run.migrate("worker died")
+    resumed = run.attempt_spec()
+    assert resumed.req_id != "r" and resumed.num_generated == cut
+    assert resumed.sampling.max_tokens == 30 - cut
+    rest = engine.generate([resumed])[resumed.req_id]
+    assert whole[:cut] + rest == whole
+    assert_no_leaks(engine)
+
+
+def test_migration_limit_gives_up_with_the_cause():
+    run = RequestMigration(RequestSpec("r", (1, 2)), limit=2)
+    run.migrate("a")
+    run.migrate("b")
+    assert run.attempt_spec().req_id == "r.m2"
+    with pytest.raises(WorkerFailedError, match="migration limit.*c"):
+        run.migrate("c")
+
+
+def test_deltas_reach_the_client_under_its_own_id():
+    run = RequestMigration(RequestSpec("client-id", (1, 2)))
+    run.migrate("x")
+    out = run.sent(TokenDelta(run.attempt_spec().req_id, (5, 6)))
+    assert out.req_id == "client-id" and run.sent_token_ids == [5, 6]
+
+
+def test_generated_tail_reaches_into_a_migrated_prompt():
+    spec = RequestSpec("r", (1, 2, 3, 40, 41), num_generated=2)
+    request = Request(spec)
+    request.append_output(42, None)
+    assert request.generated_tail(10) == [40, 41, 42]   # never the real prompt
+    assert request.generated_tail(2) == [41, 42]
+    assert request.num_generated == 3
+
+
+# ---------------------------------------------------------------- Ray's failure modes
+
+
+class FlakyActor:
+    """``ping`` raises the given errors in turn, then answers."""
+
+    def __init__(self, errors):
+        self.errors = list(errors)
+        self.calls = 0
+        self.ping = SimpleNamespace(remote=self._remote)
+
+    def _remote(self, *args):
+        self.calls += 1
+
+        async def answer():
+            if self.errors:
+                raise self.errors.pop(0)
+            return "pong"
+        return answer()
+
+
+def _worker(actor) -> WorkerHandle:
+    return WorkerHandle("w0", "decode", actor, "node", "cpu")
+
+
+def test_unavailable_actor_is_retried_not_lost():
+    actor = FlakyActor([ActorUnavailableError("blip", None), ActorUnavailableError("blip", None)])
+    worker = _worker(actor)
+    assert asyncio.run(call(worker, "ping")) == "pong"
+    assert actor.calls == 3 and worker.alive
+
+
+def test_unavailable_for_too_long_is_lost():
+    actor = FlakyActor([ActorUnavailableError("blip", None)] * 100)
+    with pytest.raises(WorkerLost, match="unreachable"):
+        asyncio.run(call(_worker(actor), "ping", give_up_s=0.3))
+
+
+def test_dead_actor_is_lost_at_once():
+    actor = FlakyActor([ActorDiedError()])
+    with pytest.raises(WorkerLost) as info:
+        asyncio.run(call(_worker(actor), "ping"))
+    assert actor.calls == 1 and info.value.generation == 0
+
+
+def test_a_call_for_a_replaced_generation_is_lost():
+    worker = _worker(FlakyActor([]))
+    worker.mark_down(0)
+    worker.replace(FlakyActor([]), {"node_id": "n", "device": "cpu"})
+    with pytest.raises(WorkerLost):
+        asyncio.run(call(worker, "ping", generation=0))
+    assert asyncio.run(call(worker, "ping", generation=1)) == "pong"
+
+
+def test_only_the_first_report_of_a_generation_takes_the_slot_down():
+    worker = _worker(None)
+    worker.decoding["r"] = object()
+    assert worker.mark_down(0, "died") and worker.state is WorkerState.RESTARTING
+    assert not worker.mark_down(0, "died again")
+    worker.replace("new actor", {"node_id": "n", "device": "cpu", "shm_path": "/dev/shm/x", "pid": 7})
+    assert worker.alive and worker.generation == 1 and worker.restarts == 1 and not worker.decoding
+    assert not worker.mark_down(0, "a late report about the old actor")
+    assert worker.alive
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+def test_supervisor_replaces_with_backoff_and_reports(monkeypatch):
+    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
+    registry = WorkerRegistry()
+    worker = WorkerHandle("d0", "decode", "actor-0", "n", "cpu")
+    registry.add(worker)
+    events, delays = [], []
+
+    async def spawn(w):
+        return f"actor-{w.generation + 1}", {"node_id": "n", "device": "cpu"}
+
+    async def fake_sleep(s):
+        delays.append(s)
+
+    monkeypatch.setattr(supervisor_module.asyncio, "sleep", fake_sleep)
+
+    async def run():
+        sup = Supervisor(registry, spawn, on_down=lambda w: events.append(("down", w.generation)),
+                         on_ready=lambda w: events.append(("ready", w.generation)))
+        sup.watch = lambda w: None   # no real actor to hold a lifeline on
+        for generation in range(3):
+            sup.worker_lost(WorkerLost(worker, generation, "killed"))
+            sup.worker_lost(WorkerLost(worker, generation, "reported twice"))
+            await asyncio.gather(*sup._tasks)
+        return sup
+
+    asyncio.run(run())
+    assert events == [("down", 0), ("ready", 1), ("down", 1), ("ready", 2), ("down", 2), ("ready", 3)]
+    assert delays == [0.0, 1.0, 2.0], "first crash at once, then exponential backoff"
+    assert worker.alive and worker.restarts == 3
+
+
+def test_supervisor_gives_up_past_max_restarts(monkeypatch):
+    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
+    registry = WorkerRegistry()
+    worker = WorkerHandle("d0", "decode", "a", "n", "cpu", restarts=2)
+    registry.add(worker)
+
+    async def run():
+        sup = Supervisor(registry, None, on_down=lambda w: None, on_ready=lambda w: None, max_restarts=2)
+        sup.worker_lost(WorkerLost(worker, 0, "killed"))
+        await asyncio.gather(*sup._tasks)
+
+    asyncio.run(run())
+    assert worker.state is WorkerState.DEAD and not registry.can_serve
+
+
+# ---------------------------------------------------------------- the reservation fence
+
+
+def _layout() -> KVLayout:
+    return KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
+
+
+def test_prefill_worker_refuses_a_write_after_the_lease():
+    from prefill_worker.worker import PrefillWorker
+
+    handle = KVBlocksHandle("r", (), (0,), 3, _layout(), "local", lease_deadline_s=time.time() + 1.0)
+    done = SimpleNamespace(req_id="r", block_ids=(0,), first_token_id=5)
+    worker = PrefillWorker.__new__(PrefillWorker)   # only the lease check runs before any send
+    worker._fail_next_send = False
+    with pytest.raises(KVTransferError, match="lease"):
+        asyncio.run(worker._send(done, handle, decode=None))
+
+
+def test_decode_reservation_aborted_under_a_possible_writer_stays_fenced_until_its_lease(monkeypatch):
+    from decode_worker import worker as decode_module
+    from engine.worker_base import WorkerSpec
+
+    monkeypatch.setattr(decode_module, "RESERVATION_LEASE_S", 0.6)
+    spec = WorkerSpec("fence-test", random_model={"seed": 0}, engine=EngineConfig(num_kv_blocks=32))
+
+    async def run():
+        worker = decode_module.DecodeWorker(spec)
+        worker.start()
+        try:
+            request = RequestSpec("r", tuple(range(3, 40)), SamplingParams(max_tokens=4))
+            handle = await worker.reserve(request, "shm")
+            assert await worker.reserve(request, "shm") == handle, "a retried reserve returns the same blocks"
+            await worker.abort("r", writer_gone=False)
+            fenced = await worker.leak_report()
+            with pytest.raises(KVTransferError, match="no live reservation"):
+                await worker.commit("r", 5, handle)
+            await asyncio.sleep(0.9)
+            after = await worker.leak_report()
+            await worker.reserve(RequestSpec("q", (5, 6), SamplingParams(max_tokens=2)), "shm")
+            await worker.abort("q")   # the writer is known to be gone: freed at once
+            return fenced, after, await worker.leak_report(), worker.engine
+        finally:
+            worker.shutdown()
+
+    fenced, after, last, engine = asyncio.run(run())
+    assert fenced["free_blocks"] < fenced["total_blocks"], "freed under a possibly live writer"
+    assert after["free_blocks"] == after["total_blocks"] and after["requests"] == 0
+    assert last["free_blocks"] == last["total_blocks"] and last["requests"] == 0
+    assert_no_leaks(engine)
