@@ -152,6 +152,11 @@ def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> Non
         at += args.kill_every
 
 
+def _overlaps(o: Outcome, start: float, end: float) -> bool:
+    """The request was in flight at some point of [start, end]."""
+    return o.sent_s <= end and (o.end_s or o.sent_s) >= start
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -168,8 +173,7 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
         k.first_token_s = min(served) if served else None
     done = [o for o in outcomes if o.ok]
     failed = [o for o in outcomes if not o.ok]
-    inside = [o for o in done if any(a <= o.sent_s <= b or (o.end_s and a <= o.end_s and o.sent_s <= b))
-                                     for a, b in windows)]
+    inside = [o for o in done if any(_overlaps(o, a, b) for a, b in windows)]
     outside = [o for o in done if o not in inside]
     met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
     lines = [

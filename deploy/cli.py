@@ -80,6 +80,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="admit every request on the least loaded pair (no SLO predictions, no rejections)")
     p.add_argument("--no-conditional-disagg", action="store_true",
                    help="never prefill on a decode worker, even when the prefill side would miss TTFT")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times one request may move to another worker after its worker died (0: fail it)")
+    p.add_argument("--max-worker-restarts", type=int, default=None,
+                   help="replacements per worker slot before it stays down (default: no limit, with backoff)")
     p.set_defaults(run=_run_serve)
 
 
@@ -104,6 +108,7 @@ def cluster_config(args: argparse.Namespace):
         threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
+        migration_limit=args.migration_limit, max_worker_restarts=args.max_worker_restarts,
     )
 
 

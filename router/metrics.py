@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import start_http_server as _start_http_server
 
-from engine.types import FinishReason, WorkerStats
+from engine.types import FinishReason, HandoffOutcome, WorkerStats
 
 if TYPE_CHECKING:  # convert.py imports the generated protos; metrics only needs the type
     from router.convert import RequestTimings
@@ -240,6 +240,8 @@ class RouterMetrics:
         self.handoffs = Counter("pdserve_kv_handoff_total",
                                 "How each prefill reached its decode worker (ok, recomputed, peer_dead, ...).",
                                 ["outcome"], registry=r)
+        for outcome in HandoffOutcome:   # every outcome visible at 0: a silent fallback shows as a rate
+            self.handoffs.labels(outcome.value)
 
     def _define_gauges(self) -> None:
         r, wl = self.registry, ["worker", "role"]
