@@ -212,6 +212,8 @@ class Orchestrator:
         trace.prefill, trace.handoff = result, result.outcome
         self._observe_prefill(prefill, result)
         self._count_handoff(result.outcome)
+        if result.outcome in (HandoffOutcome.OK, HandoffOutcome.TRANSFER_FAILED):
+            self.registry.handoff_done(prefill, decode, result.outcome is HandoffOutcome.OK)
         match result.outcome:
             case HandoffOutcome.PEER_DEAD:
                 raise WorkerLost(decode, at.decode_gen, result.error or "the decode worker died during the hand-off")

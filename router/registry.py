@@ -27,6 +27,7 @@ from kvtransfer.select import choose_transport
 
 PREFILL_RATE_TAU_S = 60.0   # the prefill load a request decodes under: a minute, not a burst
 MIN_RATE_WINDOW_S = 5.0     # a young estimate divides by at least this much history
+PAIR_FAILURE_LIMIT = 2      # failed hand-offs in a row before a pair gives up on its transport
 
 
 class WorkerState(str, enum.Enum):
@@ -165,6 +166,7 @@ class WorkerRegistry:
     forced_transport: str | None = None
     dist_ready: bool = False      # the torch.distributed group is up
     _transports: dict[tuple[str, str], str] = field(default_factory=dict)
+    _failures: dict[tuple[str, str], int] = field(default_factory=dict)   # consecutive failed hand-offs
 
     def add(self, handle: WorkerHandle) -> None:
         (self.prefill if handle.role == "prefill" else self.decode).append(handle)
@@ -204,6 +206,15 @@ class WorkerRegistry:
                 decode_device=d.device, dist_ready=self.dist_ready,
             )
         return self._transports[key]
+
+    def handoff_done(self, p: WorkerHandle, d: WorkerHandle, ok: bool) -> None:
+        """A pair whose transport failed ``PAIR_FAILURE_LIMIT`` hand-offs in a row (a broken
+        torch.distributed link, say) falls back to the object store, which needs no link."""
+        key = (p.worker_id, d.worker_id)
+        self._failures[key] = 0 if ok else self._failures.get(key, 0) + 1
+        if self._failures[key] >= PAIR_FAILURE_LIMIT and self._transports.get(key) != "object_store":
+            self._transports[key] = "object_store"
+            self._failures[key] = 0
 
     def force_transport(self, name: str | None) -> None:
         """Use ``name`` for every pair from now on (None: choose from placement again)."""

@@ -239,3 +239,19 @@ def test_decode_reservation_aborted_under_a_possible_writer_stays_fenced_until_i
     assert after["free_blocks"] == after["total_blocks"] and after["requests"] == 0
     assert last["free_blocks"] == last["total_blocks"] and last["requests"] == 0
     assert_no_leaks(engine)
+
+
+def test_a_pair_whose_transport_keeps_failing_routes_around_it():
+    registry = WorkerRegistry(dist_ready=True)
+    p, d = WorkerHandle("p0", "prefill", None, "n1", "cpu"), WorkerHandle("d0", "decode", None, "n2", "cpu")
+    registry.add(p)
+    registry.add(d)
+    assert registry.transport(p, d) == "torch_dist"
+    registry.handoff_done(p, d, ok=False)
+    registry.handoff_done(p, d, ok=True)
+    registry.handoff_done(p, d, ok=False)
+    assert registry.transport(p, d) == "torch_dist", "failures must be consecutive"
+    registry.handoff_done(p, d, ok=False)
+    assert registry.transport(p, d) == "object_store"
+    registry.lose_kv_group()
+    assert registry.transport(p, d) == "object_store" and not registry.dist_ready
