@@ -6,7 +6,8 @@ shm_path=...)``); the handle's locator is that path. Life cycle:
 1. decode: ``receiver = ShmReceiver(path)``; handles carry ``receiver.locator(cache)`` (the path).
 2. prefill: ``sender.send(cache, sender.bind(handle, src_ids))`` maps the file on first use
    (cached per path and inode: a decode worker restarted on the same path is re-mapped, never
-   written through a stale mapping) and copies the blocks into the reserved ones. When it
+   written through a stale mapping; mappings of unlinked pools are dropped when a new one is
+   mapped, so a dead worker's memory is returned) and copies the blocks into the reserved ones. When it
    returns, the bytes are in the decode worker's memory.
 3. decode: ``receiver.receive(cache, handle)`` only checks (layout, counts, path): nothing moves.
 4. shutdown: the decode worker unlinks with ``release_kv_cache(path)``; ``sender.close()``
@@ -73,9 +74,22 @@ class ShmSender:
         num_blocks, rest = divmod(st.st_size, handle.layout.bytes_per_block)
         if rest:
             raise KVTransferError(f"{path}: {st.st_size} bytes is not a whole number of blocks")
+        self._drop_unlinked()
         dst = attach_kv_cache(handle.layout, num_blocks, path)
         self._mapped[path] = (st.st_dev, st.st_ino, dst)
         return dst
+
+    def _drop_unlinked(self) -> None:
+        """A dead decode worker's pool is unlinked by the supervisor; our mapping of it would
+        keep its memory alive for good. Checked when a new cache is mapped (a replacement's)."""
+        for path, (dev, ino, _) in list(self._mapped.items()):
+            try:
+                st = os.stat(path)
+                gone = (st.st_dev, st.st_ino) != (dev, ino)
+            except FileNotFoundError:
+                gone = True
+            if gone:
+                del self._mapped[path]
 
 
 class ShmReceiver:

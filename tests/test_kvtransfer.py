@@ -144,6 +144,22 @@ def test_shm_sender_rejects_a_layout_mismatch_before_writing():
         release_kv_cache(path)
 
 
+def test_shm_sender_drops_its_mapping_of_a_dead_workers_unlinked_pool():
+    """A replaced decode worker's pool is unlinked; the sender must not keep its memory mapped."""
+    old, new = shm_path(), shm_path()
+    allocate_kv_cache(LAYOUT, NUM_BLOCKS, shm_path=old)
+    allocate_kv_cache(LAYOUT, NUM_BLOCKS, shm_path=new)
+    sender, src = ShmSender(), random_blocks(NUM_BLOCKS, seed=4)
+    try:
+        sender.send(src, sender.bind(make_handle(transport="shm", locator=old), SRC_IDS))
+        release_kv_cache(old)   # the supervisor unlinks the dead worker's pool
+        sender.send(src, sender.bind(make_handle(transport="shm", locator=new), SRC_IDS))
+        assert list(sender._mapped) == [new]
+    finally:
+        release_kv_cache(old)
+        release_kv_cache(new)
+
+
 # ---- transport choice and the fake ----------------------------------------------------------
 
 @pytest.mark.parametrize("args, kwargs, expected", [
