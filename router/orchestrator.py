@@ -212,7 +212,8 @@ class Orchestrator:
         trace.prefill, trace.handoff = result, result.outcome
         self._observe_prefill(prefill, result)
         self._count_handoff(result.outcome)
-        if result.outcome in (HandoffOutcome.OK, HandoffOutcome.TRANSFER_FAILED):
+        if result.outcome in (HandoffOutcome.OK, HandoffOutcome.TRANSFER_FAILED) and decode.alive \
+                and decode.generation == at.decode_gen:
             self.registry.handoff_done(prefill, decode, result.outcome is HandoffOutcome.OK)
         match result.outcome:
             case HandoffOutcome.PEER_DEAD:

@@ -207,6 +207,13 @@ class WorkerRegistry:
             )
         return self._transports[key]
 
+    def forget_pairs(self, worker: WorkerHandle) -> None:
+        """``worker`` was replaced (maybe on another node or GPU): choose its pairs' transports anew."""
+        for key in [k for k in self._transports if worker.worker_id in k]:
+            del self._transports[key]
+        for key in [k for k in self._failures if worker.worker_id in k]:
+            del self._failures[key]
+
     def handoff_done(self, p: WorkerHandle, d: WorkerHandle, ok: bool) -> None:
         """A pair whose transport failed ``PAIR_FAILURE_LIMIT`` hand-offs in a row (a broken
         torch.distributed link, say) falls back to the object store, which needs no link."""

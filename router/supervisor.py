@@ -94,6 +94,7 @@ class Supervisor:
         else:
             return
         worker.replace(actor, info)
+        self.registry.forget_pairs(worker)
         logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s", worker.worker_id,
                        worker.generation, worker.restarts, time.monotonic() - started)
         self.watch(worker)
