@@ -16,9 +16,16 @@ from kvtransfer.handle import KVBlocksHandle
 
 @ray.remote
 class DecodeActor:
-    def __init__(self, spec: WorkerSpec, colocated: bool = False) -> None:
+    def __init__(self, spec: WorkerSpec, colocated: bool = False, standby: bool = False) -> None:
         role = EngineRole.COLOCATED if colocated else EngineRole.DECODE
-        self.worker = DecodeWorker(spec, role)
+        self.worker = DecodeWorker(spec, role, standby)
+
+    async def ping(self) -> None:
+        """Answers once the constructor is done (a standby spare's model is loaded)."""
+
+    async def activate(self, worker_id: str) -> None:
+        """A standby spare takes a dead worker's place (then ``start``)."""
+        self.worker.activate(worker_id)
 
     async def start(self) -> dict:
         self.worker.start()

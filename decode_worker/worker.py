@@ -49,15 +49,15 @@ def shm_path_for(worker_id: str) -> str:
 
 
 class DecodeWorker(WorkerBase):
-    def __init__(self, spec: WorkerSpec, role: EngineRole = EngineRole.DECODE) -> None:
-        self.shm_path = shm_path_for(spec.worker_id) if spec.engine.device == "cpu" else None
-        super().__init__(spec, role)
+    def __init__(self, spec: WorkerSpec, role: EngineRole = EngineRole.DECODE, standby: bool = False) -> None:
+        super().__init__(spec, role, standby)
         self._receivers: dict[str, Any] = {}
         self._stream: asyncio.Queue[StreamBatch] | None = None
         self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
         self._fenced: set[str] = set()
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int):
+        self.shm_path = shm_path_for(self.worker_id) if self.spec.engine.device == "cpu" else None
         # The pool lives in /dev/shm so a prefill worker on this node can write straight into it.
         return allocate_kv_cache(layout, num_blocks, shm_path=self.shm_path, device=self.spec.engine.device)
 

@@ -30,6 +30,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deploy.standby import StandbyPool
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
@@ -75,6 +76,7 @@ class ClusterConfig:
     migration_limit: int = 3             # times one request may move to another worker after one died
     max_worker_restarts: int | None = None  # per worker slot; None: keep replacing (with backoff)
     worker_start_timeout_s: float = 300.0   # a replacement that takes longer counts as a failed start
+    standby_workers: bool = True         # keep a warm spare per worker kind (CPU engines): ~1 s replacements
 
 
 class Cluster:
@@ -90,6 +92,8 @@ class Cluster:
         self._recipes: dict[str, tuple[Any, tuple]] = {}   # worker id -> (actor class options, args)
         self.health = ServingHealth()
         self.supervisor: Supervisor | None = None
+        self.standby: StandbyPool | None = None
+        self._standby_recipes: dict[str, tuple[Any, tuple]] = {}   # worker kind -> (options, args)
 
     async def start(self) -> int:
         cfg = self.config
@@ -124,6 +128,9 @@ class Cluster:
         self.servicer = servicer
         self.server, self.port = await start_server(servicer, cfg.host, cfg.port, self.health,
                                                     serving=self.registry.can_serve)
+        if self._standby_recipes:
+            self.standby = StandbyPool(self._make_standby)
+            self.standby.fill(set(self._standby_recipes))
         return self.port
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
@@ -145,8 +152,19 @@ class Cluster:
         loop.create_task(self.admission.notify())   # requests queued for a worker to come back
 
     async def _spawn(self, worker: WorkerHandle) -> tuple[Any, dict]:
-        """A fresh actor for ``worker``'s slot: same spec and placement, a new process, engine and
-        KV pool (a new /dev/shm file)."""
+        """A fresh actor for ``worker``'s slot, with a fresh engine and KV pool (a new /dev/shm
+        file): a warm spare when there is one, else a new process from the slot's recipe."""
+        spare = await self.standby.take(worker.role) if self.standby else None
+        if spare is not None:
+            try:
+                await spare.activate.remote(worker.worker_id)
+                info = await spare.start.remote()
+                self.standby.refill(worker.role)
+                return spare, info
+            except Exception as exc:
+                logger.warning("standby for %s failed (%s); cold start", worker.worker_id, exc)
+                ray.kill(spare, no_restart=True)
+                self.standby.refill(worker.role)
         opts, args = self._recipes[worker.worker_id]
         actor = opts.remote(*args)
         try:
@@ -155,6 +173,10 @@ class Cluster:
             ray.kill(actor, no_restart=True)
             raise
         return actor, info
+
+    def _make_standby(self, kind: str):
+        opts, args = self._standby_recipes[kind]
+        return opts.remote(*args, standby=True)
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
@@ -176,17 +198,28 @@ class Cluster:
             spec = self._spec(f"prefill-{i}", model_dir, engines["prefill"], threads)
             opts = self._actor("prefill", strategy, cfg.prefill_resources, gpus_of["prefill"])
             self._recipes[spec.worker_id] = (opts, (spec,))
+            self._add_standby_recipe("prefill", spec, (), cfg.prefill_resources, gpus_of["prefill"])
             actors.append(("prefill", opts.remote(spec)))
+        decode_kind = "colocated" if colocated else "decode"
         for i in range(cfg.num_decode):
             spec = self._spec(f"decode-{i}", model_dir, engines["decode"], threads)
             opts = self._actor("decode", strategy, cfg.decode_resources, gpus_of["decode"])
             self._recipes[spec.worker_id] = (opts, (spec, colocated))
-            actors.append(("colocated" if colocated else "decode", opts.remote(spec, colocated)))
+            self._add_standby_recipe(decode_kind, spec, (colocated,), cfg.decode_resources, gpus_of["decode"])
+            actors.append((decode_kind, opts.remote(spec, colocated)))
         infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
         for (role, actor), info in zip(actors, infos):
             self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
                                            shm_path=info.get("shm_path"), pid=info.get("pid")))
         return list(infos)
+
+    def _add_standby_recipe(self, kind: str, spec: WorkerSpec, args: tuple, resources: dict | None,
+                            num_gpus: float) -> None:
+        """A spare idles: no CPU reservation, outside the placement group. None for GPU workers."""
+        if not self.config.standby_workers or num_gpus or kind in self._standby_recipes:
+            return
+        opts = self._actor("prefill" if kind == "prefill" else "decode", None, resources, 0.0, num_cpus=0)
+        self._standby_recipes[kind] = (opts, (dataclasses.replace(spec, worker_id=f"{kind}-standby"), *args))
 
     def _devices(self, num_prefill: int) -> tuple[dict[str, EngineConfig], dict[str, float]]:
         """Per role: the engine config with its device decided, and each worker's GPU share."""
@@ -212,12 +245,13 @@ class Cluster:
         self._pg = placement_group(bundles, strategy="PACK")
         return self._pg
 
-    def _actor(self, role: str, pg, resources: dict | None, num_gpus: float):
+    def _actor(self, role: str, pg, resources: dict | None, num_gpus: float, num_cpus: float | None = None):
         from decode_worker.actor import DecodeActor
         from prefill_worker.actor import PrefillActor
 
         cls = PrefillActor if role == "prefill" else DecodeActor
-        opts: dict[str, Any] = {"num_cpus": self.config.cpus_per_worker, "num_gpus": num_gpus, "max_concurrency": 1000}
+        num_cpus = self.config.cpus_per_worker if num_cpus is None else num_cpus
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_concurrency": 1000}
         if resources:
             opts["resources"] = resources
         if pg is not None:
@@ -250,6 +284,8 @@ class Cluster:
     async def stop(self) -> None:
         if self.supervisor is not None:
             await self.supervisor.stop()
+        if self.standby is not None:
+            await self.standby.stop()
         if self.server is not None:
             await self.server.stop(grace=2.0)
         if getattr(self, "orchestrator", None):

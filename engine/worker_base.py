@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, TypeVar
 
@@ -47,6 +48,15 @@ def load_for(spec: WorkerSpec):
     return load_model(spec.model, dtype=spec.engine.dtype, device=spec.engine.device)
 
 
+def _process_start_time() -> float:
+    """Wall-clock start of this process (Linux: /proc/self/stat field 22, in clock ticks since boot)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def device_identity(device: str) -> str:
     """The physical device behind ``device``, comparable across processes: Ray gives each GPU
     actor its own CUDA_VISIBLE_DEVICES, so every one of them calls its GPU cuda:0; the UUID
@@ -59,18 +69,35 @@ def device_identity(device: str) -> str:
 class WorkerBase:
     shm_path: str | None = None   # the KV pool's /dev/shm file (decode workers on CPU set it)
 
-    def __init__(self, spec: WorkerSpec, role) -> None:
+    def __init__(self, spec: WorkerSpec, role, standby: bool = False) -> None:
+        """Loads the model; unless ``standby``, also builds the engine (KV pool, loop). A standby
+        worker is a warm spare: ``activate`` gives it a worker id and builds the rest, which
+        takes a fraction of a cold start (the process, the imports and the weights are ready)."""
+        # What a start costs (the supervisor logs it: a replacement's time to serve).
+        self.startup_s = {"process_to_init": time.time() - _process_start_time()}
+        begin = time.perf_counter()
         torch.set_num_threads(spec.num_threads)  # deliberate: oversubscribed threads cost 3-5x
         self.spec = spec
-        self.worker_id = spec.worker_id
+        self.role = role
         self.loaded = load_for(spec)
-        config = replace(spec.engine, role=role)
+        self.startup_s["load_model"] = time.perf_counter() - begin
+        self.aio: asyncio.AbstractEventLoop | None = None
+        self.closed: asyncio.Event | None = None
+        self.engine: LLMEngine | None = None
+        if not standby:
+            self.activate(spec.worker_id)
+
+    def activate(self, worker_id: str) -> None:
+        """Build the engine under ``worker_id``: a fresh KV pool, scheduler and loop."""
+        begin = time.perf_counter()
+        self.spec = replace(self.spec, worker_id=worker_id)
+        self.worker_id = worker_id
+        config = replace(self.spec.engine, role=self.role)
         layout = kv_cache.layout_for(self.loaded.model.config, config)
         cache = self.allocate_cache(layout, kv_cache.num_blocks_for(layout, config))
         self.engine = LLMEngine(self.loaded, config, cache)
-        self.loop = EngineLoop(self.engine, self._on_step_thread, name=spec.worker_id)
-        self.aio: asyncio.AbstractEventLoop | None = None
-        self.closed: asyncio.Event | None = None
+        self.loop = EngineLoop(self.engine, self._on_step_thread, name=worker_id)
+        self.startup_s["kv_cache_and_engine"] = time.perf_counter() - begin
 
     def info(self, node_id: str) -> dict:
         """What the launcher registers: who, where, on which physical device, the model's limits."""
@@ -78,7 +105,7 @@ class WorkerBase:
         return {"worker_id": self.worker_id, "node_id": node_id, "device": device_identity(self.spec.engine.device),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                 "block_size": engine.config.block_size, "model": self.loaded.name,
-                "shm_path": self.shm_path, "pid": os.getpid()}
+                "shm_path": self.shm_path, "pid": os.getpid(), "startup_s": self.startup_s}
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor | None:
         """Override to place the KV pool somewhere special; None lets the engine allocate it."""

@@ -44,8 +44,15 @@ class DecodePeer:
 
 @ray.remote
 class PrefillActor:
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.worker = PrefillWorker(spec)
+    def __init__(self, spec: WorkerSpec, standby: bool = False) -> None:
+        self.worker = PrefillWorker(spec, standby)
+
+    async def ping(self) -> None:
+        """Answers once the constructor is done (a standby spare's model is loaded)."""
+
+    async def activate(self, worker_id: str) -> None:
+        """A standby spare takes a dead worker's place (then ``start``)."""
+        self.worker.activate(worker_id)
 
     async def start(self) -> dict:
         self.worker.start()

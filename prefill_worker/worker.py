@@ -42,8 +42,8 @@ LEASE_MARGIN_S = 5.0   # a write must start this long before the reservation's l
 
 
 class PrefillWorker(WorkerBase):
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec, EngineRole.PREFILL)
+    def __init__(self, spec: WorkerSpec, standby: bool = False) -> None:
+        super().__init__(spec, EngineRole.PREFILL, standby)
         self._waiters: dict[str, asyncio.Future] = {}
         self._done: dict[str, asyncio.Event] = {}
         self._running: dict[str, asyncio.Task] = {}

@@ -16,7 +16,7 @@ from typing import Callable
 
 from engine.types import StreamBatch, TokenDelta
 from router.registry import WorkerHandle, WorkerRegistry
-from router.worker_calls import WorkerLost
+from router.worker_calls import WorkerLost, short_cause
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,10 @@ class DecodeStreams:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            cause = f"decode worker {worker.worker_id} stream failed: {short_cause(exc)}"
             if generation == worker.generation and worker.alive:
-                logger.error("decode worker %s stream failed: %s", worker.worker_id, exc)
-            self._lose(WorkerLost(worker, generation, f"decode worker {worker.worker_id} stream failed: {exc}"))
+                logger.error("%s", cause)
+            self._lose(WorkerLost(worker, generation, cause))
 
     def _dispatch(self, worker: WorkerHandle, generation: int, batch: StreamBatch) -> None:
         if generation != worker.generation:

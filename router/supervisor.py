@@ -95,8 +95,9 @@ class Supervisor:
             return
         worker.replace(actor, info)
         self.registry.forget_pairs(worker)
-        logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s", worker.worker_id,
-                       worker.generation, worker.restarts, time.monotonic() - started)
+        logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s (%s)", worker.worker_id,
+                       worker.generation, worker.restarts, time.monotonic() - started,
+                       ", ".join(f"{k} {v:.1f} s" for k, v in info.get("startup_s", {}).items()))
         self.watch(worker)
         self._on_ready(worker)
 

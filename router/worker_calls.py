@@ -68,9 +68,9 @@ async def await_ref(worker: WorkerHandle, generation: int, make_ref, give_up_s: 
             await asyncio.sleep(backoff)
             backoff = min(MAX_BACKOFF_S, backoff * 2)
         except RayActorError as exc:
-            raise WorkerLost(worker, generation, f"worker {worker.worker_id} died: {_short(exc)}") from exc
+            raise WorkerLost(worker, generation, f"worker {worker.worker_id} died: {short_cause(exc)}") from exc
 
 
-def _short(exc: BaseException) -> str:
+def short_cause(exc: BaseException) -> str:
     """Ray's death messages carry pages of context; the first line says what happened."""
     return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__

@@ -20,6 +20,8 @@ MODEL = {"seed": 0}
 
 
 def start_cluster(mode: str, **overrides) -> ClusterThread:
+    """Warm spares only where a test asks for them (they cost a process each on 2 cores)."""
+    overrides.setdefault("standby_workers", False)
     config = ClusterConfig(
         mode=mode, random_model=MODEL, port=0, cpus_per_worker=0.5, threads_per_worker=1,
         prefill_engine=EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64),

@@ -24,9 +24,10 @@ from tests.test_cluster_e2e import address, start_cluster
 RECOVERY_S = 60.0   # generous for a loaded 2-core CI box; the chaos benchmark measures the real figure
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_session):
-    cluster = start_cluster("disaggregated")
+@pytest.fixture(scope="module", params=["standby", "cold"])
+def cluster(ray_session, request):
+    """Replacements from a warm spare (the default), and cold starts (no spare)."""
+    cluster = start_cluster("disaggregated", standby_workers=request.param == "standby")
     yield cluster
     cluster.stop()
 

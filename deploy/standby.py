@@ -1,0 +1,68 @@
+"""Warm spares: one pre-started actor per worker kind, so that a dead worker is replaced in
+about a second instead of a cold start (a new process importing torch and loading the weights:
+8-13 s on a loaded 2-core machine, benchmarks/results/chaos.txt).
+
+Life cycle: once the cluster serves, ``fill`` starts one spare per kind (prefill, decode or
+colocated) in the background. A spare loads the model and stops there: no KV pool, no engine
+loop, no CPU reservation (it idles). ``take(kind)`` hands one to the supervisor's spawn, which
+``activate``s it under the dead worker's id (a fresh KV pool and engine) and ``start``s it; a
+spare still loading is awaited (it is ahead of a cold start). ``refill`` then builds the next
+one. A spare that died while idle fails its activation: the caller falls back to a cold start.
+GPU workers get no spare (a second copy of the weights and its pool would compete for the
+GPU's memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+class StandbyPool:
+    def __init__(self, make: Callable[[str], Any]) -> None:
+        """``make(kind)`` creates a spare actor of that kind (its constructor loads the model)."""
+        self._make = make
+        self._spares: dict[str, asyncio.Task] = {}
+
+    def fill(self, kinds: set[str]) -> None:
+        for kind in kinds:
+            self.refill(kind)
+
+    def refill(self, kind: str) -> None:
+        if kind not in self._spares:
+            self._spares[kind] = asyncio.get_running_loop().create_task(self._build(kind), name=f"standby-{kind}")
+
+    async def _build(self, kind: str) -> Any:
+        actor = self._make(kind)
+        try:
+            await actor.ping.remote()   # returns once the constructor (the model load) is done
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        logger.info("standby %s worker ready", kind)
+        return actor
+
+    async def take(self, kind: str) -> Any | None:
+        """A spare of ``kind`` (None when there is none, or it failed to start)."""
+        task = self._spares.pop(kind, None)
+        if task is None:
+            return None
+        try:
+            return await task
+        except Exception as exc:
+            logger.warning("standby %s worker failed to start: %s", kind, exc)
+            return None
+
+    async def stop(self) -> None:
+        tasks = list(self._spares.values())
+        self._spares.clear()
+        for task in tasks:
+            task.cancel()
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            if not isinstance(result, BaseException):
+                ray.kill(result, no_restart=True)
