@@ -84,6 +84,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="times one request may move to another worker after its worker died (0: fail it)")
     p.add_argument("--max-worker-restarts", type=int, default=None,
                    help="replacements per worker slot before it stays down (default: no limit, with backoff)")
+    p.add_argument("--no-standby", action="store_true",
+                   help="no warm spare workers: a dead worker is replaced by a cold start (a new process, ~10 s)")
     p.set_defaults(run=_run_serve)
 
 
@@ -109,6 +111,7 @@ def cluster_config(args: argparse.Namespace):
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
         migration_limit=args.migration_limit, max_worker_restarts=args.max_worker_restarts,
+        standby_workers=not args.no_standby,
     )
 
 

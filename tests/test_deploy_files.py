@@ -183,3 +183,7 @@ def test_serve_flags_reach_the_cluster_config():
     assert cfg.defaults == {"max_tokens": 128, "ttft_s": 0.5, "tpot_s": 0.05}
     default = cluster_config(_parser().parse_args(["serve"]))
     assert default.admission and default.conditional_disagg
+    assert (default.migration_limit, default.max_worker_restarts, default.standby_workers) == (3, None, True)
+    failures = cluster_config(_parser().parse_args(["serve", "--migration-limit", "0", "--max-worker-restarts", "5",
+                                                    "--no-standby"]))
+    assert (failures.migration_limit, failures.max_worker_restarts, failures.standby_workers) == (0, 5, False)
