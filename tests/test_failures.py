@@ -182,3 +182,19 @@ def test_paused_worker_is_transient_not_dead(cluster, workload, role):
     assert all(last.timings.migrations == 0 for _, last in results)
     assert worker.restarts == restarts and worker.alive
     assert cluster_leaks(cluster) == {}
+
+
+def test_colocated_worker_killed_mid_stream_streams_complete(ray_session, workload):
+    """Colocated mode: the only worker dies; its requests wait for the spare and resume there."""
+    prompts, max_tokens, refs = workload
+    cluster = start_cluster("colocated", standby_workers=True)
+    try:
+        worker = cluster.cluster.registry.get("decode-0")
+        time.sleep(3)   # let the spare load, so this exercises it
+        results = asyncio.run(_streams(address(cluster), prompts[:4], max_tokens[:4], lambda: _kill(worker.pid)))
+        assert [t for t, _ in results] == refs[:4]
+        assert all(last.timings.migrations == 1 and last.timings.kv_handoff == "" for _, last in results)
+        assert worker.restarts == 1 and worker.alive
+        assert cluster_leaks(cluster) == {}
+    finally:
+        cluster.stop()
