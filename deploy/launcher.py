@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
+from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router.convert import ServerDefaults
 from router.admission import Admission
 from router.metrics import RouterMetrics
@@ -82,6 +83,7 @@ class Cluster:
 
     async def start(self) -> int:
         cfg = self.config
+        reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
         self._init_ray()
         model_dir = None
         if cfg.random_model is None:
