@@ -14,6 +14,8 @@ import logging
 import signal
 import sys
 
+from deploy import security_args
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
@@ -43,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--top-k", type=int, default=None)
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
+        security_args.add_client_args(p)
         p.set_defaults(run=_run_generate if name == "generate" else _run_chat)
     demo = sub.add_parser("demo", help="run the engine in-process on a short demo workload")
     demo.add_argument("--model", default=None)
@@ -60,6 +63,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="the metrics port's bind address, separate from --host (default: loopback only)")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one ('auto' on a ray up head)")
     p.add_argument("--kv-transport", choices=("shm", "torch_dist", "object_store", "cuda_ipc"), default=None)
     p.add_argument("--device", default="auto",
@@ -80,6 +85,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="admit every request on the least loaded pair (no SLO predictions, no rejections)")
     p.add_argument("--no-conditional-disagg", action="store_true",
                    help="never prefill on a decode worker, even when the prefill side would miss TTFT")
+    # Tests and CI: serve a tiny random-weight Llama (no tokenizer: token_ids prompts only).
+    p.add_argument("--random-model", action="store_true", help=argparse.SUPPRESS)
+    security_args.add_server_args(p)
     p.set_defaults(run=_run_serve)
 
 
@@ -104,6 +112,8 @@ def cluster_config(args: argparse.Namespace):
         threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
+        random_model={"seed": 0} if args.random_model else None,
+        security=security_args.server_security(args), metrics_host=args.metrics_host,
     )
 
 
@@ -122,7 +132,7 @@ async def _serve(config) -> int:
     try:
         port = await cluster.start()
         print(f"pdserve ready: gRPC on {config.host}:{port}"
-              + (f", metrics on http://{config.host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
+              + (f", metrics on http://{config.metrics_host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
               + f" ({config.mode}). Ctrl-C stops.", flush=True)
         await stop.wait()
         print("pdserve: shutting down", flush=True)
@@ -148,7 +158,7 @@ def _stream_to_terminal(args, text, messages) -> str:
     from router.client import PdserveClient
 
     out = []
-    with PdserveClient(args.address) as client:
+    with PdserveClient(args.address, **security_args.client_kwargs(args)) as client:
         try:
             for resp in client.generate(text=text, chat=messages, **_request_kwargs(args)):
                 sys.stdout.write(resp.text)

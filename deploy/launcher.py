@@ -36,6 +36,7 @@ from router.admission import Admission
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.registry import WorkerHandle, WorkerRegistry
+from router.security import ServerSecurity
 from router.server import PdserveServicer, ServerInfo, start_server
 from router.streams import DecodeStreams
 
@@ -68,6 +69,8 @@ class ClusterConfig:
     metrics_port: int | None = None      # Prometheus exposition on the router; None: off, 0: any free port
     admission: bool = True               # SLO-aware admission (off: admit everything, least loaded)
     conditional_disagg: bool = True      # let admission prefill on a decode worker when the prefill side misses TTFT
+    security: ServerSecurity | None = None  # TLS / mTLS / bearer token on the gRPC port; None: plaintext, open
+    metrics_host: str = "127.0.0.1"      # the metrics port's own bind address (not ``host``: scrapes stay local)
 
 
 class Cluster:
@@ -95,7 +98,7 @@ class Cluster:
         await self._join_kv_group_if_needed()
         self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
+            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.metrics_host)
         self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg)
         self.streams = DecodeStreams(self.registry, on_stats=self._on_worker_stats)
         self.streams.start()
@@ -107,7 +110,7 @@ class Cluster:
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
                                    ServerInfo(info["model"], cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer
-        self.server, self.port = await start_server(servicer, cfg.host, cfg.port)
+        self.server, self.port = await start_server(servicer, cfg.host, cfg.port, cfg.security)
         return self.port
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
