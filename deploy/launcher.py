@@ -7,7 +7,8 @@ group (PACK: KV moves within a node where possible) with the cores divided among
 (fractions when workers outnumber GPUs: a pair on one GPU moves KV by CUDA IPC), joins
 them into a torch.distributed group when a pair needs it (across nodes or GPUs), then starts
 the router's gRPC server. ``stop()`` stops the server, shuts every worker down (each unlinks
-its /dev/shm pool) and leaves Ray.
+its /dev/shm pool; one that hangs past ``stop_timeout_s`` is killed) and leaves Ray. Pools that
+a crashed run left on this node are reclaimed first thing in ``start()``.
 ``ClusterThread`` runs a cluster on its own event loop in a background thread (tests, CLI).
 """
 
@@ -20,6 +21,7 @@ import math
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deploy.ray_init import init_ray, shutdown_ray
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
@@ -71,6 +74,7 @@ class ClusterConfig:
     conditional_disagg: bool = True      # let admission prefill on a decode worker when the prefill side misses TTFT
     security: ServerSecurity | None = None  # TLS / mTLS / bearer token on the gRPC port; None: plaintext, open
     metrics_host: str = "127.0.0.1"      # the metrics port's own bind address (not ``host``: scrapes stay local)
+    stop_timeout_s: float = 30.0         # stop()'s graceful phases share this; then workers are killed regardless
 
 
 class Cluster:
@@ -123,7 +127,7 @@ class Cluster:
         if ray.is_initialized():
             return
         kwargs = {"include_dashboard": False, "log_to_driver": True, **self.config.ray_init}
-        ray.init(address=self.config.address, **kwargs)
+        init_ray(self.config.address, **kwargs)  # embedded: loopback only (deploy/ray_init.py)
         self._started_ray = True
 
     async def _start_workers(self, model_dir: str | None) -> list[dict]:
@@ -209,13 +213,18 @@ class Cluster:
                 for w, r in zip(alive, reports)}
 
     async def stop(self) -> None:
+        """Bounded: the graceful phases (server grace, request cleanups, streams, each worker's
+        shutdown) share ``stop_timeout_s``; one that runs out of it is cut short, and the workers
+        are killed and their pools unlinked all the same. Safe on a half-started cluster."""
+        deadline = time.monotonic() + self.config.stop_timeout_s
         if self.server is not None:
-            await self.server.stop(grace=2.0)
+            await self.server.stop(grace=min(2.0, self.config.stop_timeout_s))
         if getattr(self, "orchestrator", None):
-            await self.orchestrator.drain_cleanups()
+            await _until(deadline, self.orchestrator.drain_cleanups(), "request cleanups")
         if getattr(self, "streams", None):
-            await self.streams.stop()
-        await asyncio.gather(*(w.actor.shutdown.remote() for w in self.registry.all if w.alive), return_exceptions=True)
+            await _until(deadline, self.streams.stop(), "decode streams")
+        shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]
+        await _until(deadline, asyncio.gather(*shutdowns, return_exceptions=True), "worker shutdown")
         for w in self.registry.all:
             ray.kill(w.actor)
             _unlink(w.shm_path)  # a worker that died never unlinked its pool
@@ -224,13 +233,22 @@ class Cluster:
         if getattr(self, "metrics", None):
             self.metrics.close()
         if self._started_ray:
-            ray.shutdown()
+            shutdown_ray()
+        reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)
 
 
 async def _prepare_model_remote(source: str | None) -> str:
     from deploy.model_prep import prepare_model
 
     return await prepare_model.remote(source)
+
+
+async def _until(deadline: float, aw, what: str) -> None:
+    """Await ``aw`` until ``deadline`` (monotonic); past it, cancel it, log, and go on."""
+    try:
+        await asyncio.wait_for(aw, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        logger.warning("stop: %s did not finish within the stop timeout; going on without it", what)
 
 
 def _unlink(path: str | None) -> None:

@@ -57,6 +57,7 @@ def device_identity(device: str) -> str:
 
 class WorkerBase:
     shm_path: str | None = None   # the KV pool's /dev/shm file (decode workers on CPU set it)
+    _hang_on_shutdown = False     # fault injection's "hang_shutdown" (tests only)
 
     def __init__(self, spec: WorkerSpec, role) -> None:
         torch.set_num_threads(spec.num_threads)  # deliberate: oversubscribed threads cost 3-5x
@@ -114,7 +115,14 @@ class WorkerBase:
             raise PermissionError("fault injection is disabled on this worker")
         from engine import faults
 
+        if kind == faults.HANG_SHUTDOWN:
+            self._hang_on_shutdown = True
+            return
         await self.call(lambda e: faults.inject(e, kind))
 
     def shutdown(self) -> None:
+        if self._hang_on_shutdown:
+            from engine import faults
+
+            faults.wedge()
         self.loop.stop()
