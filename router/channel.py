@@ -58,9 +58,9 @@ class ClientSecurity:
 
 
 def open_channel(address: str, security: ClientSecurity, options: Sequence[tuple[str, Any]] = (),
-                 *, asyncio: bool = False):
+                 *, use_aio: bool = False):
     """A ``grpc.Channel`` (or ``grpc.aio.Channel``) to ``address`` with ``security``'s transport."""
-    module = aio if asyncio else grpc
+    module = aio if use_aio else grpc
     credentials = security.credentials()
     if credentials is None:
         return module.insecure_channel(address, options=list(options))

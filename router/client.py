@@ -172,7 +172,7 @@ class AsyncPdserveClient:
         tls_key: PemSource | None = None, auth_token: str | None = None,
     ) -> None:
         security = ClientSecurity.of(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, auth_token=auth_token)
-        self._channel = open_channel(address, security, options, asyncio=True)
+        self._channel = open_channel(address, security, options, use_aio=True)
         self._stub = pb_grpc.PdserveStub(self._channel)
         self._timeout_s = timeout_s
         self._metadata = security.metadata()

@@ -10,6 +10,7 @@ cluster-wide leak check.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.auth import AuthResult, BearerTokenAuth
-from router.client import PdserveClient
+from router.client import AsyncPdserveClient, PdserveClient
 from router.security import ServerSecurity, read_token, token_from
 from router.server import start_server
 from tests.conftest import cluster_leaks
@@ -184,6 +185,13 @@ def test_mtls_and_token_together(cluster, pki):
         assert rpc_error(lambda: no_token.generate_text(**PROMPT)) == grpc.StatusCode.UNAUTHENTICATED
     with PdserveClient(addr, auth_token=TOKEN, timeout_s=30, **tls) as client:
         assert served(client)
+
+    async def aio_client():
+        async with AsyncPdserveClient(addr, auth_token=TOKEN, timeout_s=30, **tls) as client:
+            return (await client.generate_text(**PROMPT)).token_ids, (await client.server_info()).max_model_len
+
+    token_ids, max_model_len = asyncio.run(aio_client())
+    assert len(token_ids) == 3 and max_model_len > 0
     assert cluster_leaks(cluster) == {}
 
 
