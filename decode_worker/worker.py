@@ -37,6 +37,7 @@ from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.cache_alloc import allocate_kv_cache, release_kv_cache
 from kvtransfer.handle import KVBlocksHandle
 from kvtransfer.select import make_receiver
+from kvtransfer.shm_reclaim import reclaim_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class DecodeWorker(WorkerBase):
     def allocate_cache(self, layout: KVLayout, num_blocks: int):
         self.shm_path = shm_path_for(self.worker_id) if self.spec.engine.device == "cpu" else None
         # The pool lives in /dev/shm so a prefill worker on this node can write straight into it.
+        if self.shm_path:  # this node's pools that crashed workers left, before adding ours
+            reclaim_stale_segments()
         return allocate_kv_cache(layout, num_blocks, shm_path=self.shm_path, device=self.spec.engine.device)
 
     def start(self) -> None:

@@ -1,9 +1,11 @@
 """The ``pdserve`` command: ``serve`` a cluster, ``generate`` / ``chat`` against it, ``demo``
 the engine in-process, ``bench`` a server.
 
-``serve`` life cycle: start Ray (embedded, or ``--address``), the workers and the router;
-print where it listens; on Ctrl-C (SIGINT) or SIGTERM stop the router, shut every worker
-down (each unlinks its /dev/shm pool) and leave Ray.
+``serve`` life cycle: start Ray (embedded and bound to loopback, or ``--address``), the workers
+and the router; print where it listens; on Ctrl-C (SIGINT) or SIGTERM stop the router, shut
+every worker down (each unlinks its /dev/shm pool; one that hangs is killed after
+``--stop-timeout``) and leave Ray, then exit 0. A signal during start-up cancels the start,
+tears down what was started, and exits 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import logging
 import signal
 import sys
 
+from deploy import security_args
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+logger = logging.getLogger("pdserve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C before serve's own handlers are in place (imports)
+        return 128 + signal.SIGINT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--top-k", type=int, default=None)
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
+        security_args.add_client_args(p)
         p.set_defaults(run=_run_generate if name == "generate" else _run_chat)
     demo = sub.add_parser("demo", help="run the engine in-process on a short demo workload")
     demo.add_argument("--model", default=None)
@@ -60,6 +69,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="the metrics port's bind address, separate from --host (default: loopback only)")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one ('auto' on a ray up head)")
     p.add_argument("--kv-transport", choices=("shm", "torch_dist", "object_store", "cuda_ipc"), default=None)
     p.add_argument("--device", default="auto",
@@ -86,6 +97,11 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="replacements per worker slot before it stays down (default: no limit, with backoff)")
     p.add_argument("--no-standby", action="store_true",
                    help="no warm spare workers: a dead worker is replaced by a cold start (a new process, ~10 s)")
+    # Tests and CI: serve a tiny random-weight Llama (no tokenizer: token_ids prompts only).
+    p.add_argument("--random-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stop-timeout", type=float, default=30.0,
+                   help="seconds a graceful stop may take before hanging workers are killed")
+    security_args.add_server_args(p)
     p.set_defaults(run=_run_serve)
 
 
@@ -112,6 +128,9 @@ def cluster_config(args: argparse.Namespace):
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
         migration_limit=args.migration_limit, max_worker_restarts=args.max_worker_restarts,
         standby_workers=not args.no_standby,
+        random_model={"seed": 0} if args.random_model else None,
+        security=security_args.server_security(args), metrics_host=args.metrics_host,
+        stop_timeout_s=args.stop_timeout,
     )
 
 
@@ -120,20 +139,36 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(config) -> int:
+    """Start, serve until SIGINT / SIGTERM, stop. A signal during start-up cancels the start
+    (the half-started cluster is torn down) and exits 128 + the signal's number."""
     from deploy.launcher import Cluster
 
     cluster = Cluster(config)
+    starting = asyncio.ensure_future(cluster.start())
     stop = asyncio.Event()
+    signals: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig)
+        starting.cancel()  # a no-op once started
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
-        port = await cluster.start()
+        try:
+            port = await starting
+        except asyncio.CancelledError:
+            if not signals:
+                raise
+            logger.warning("%s during start-up: stopping the start", signals[0].name)
+            return 128 + signals[0]
         print(f"pdserve ready: gRPC on {config.host}:{port}"
-              + (f", metrics on http://{config.host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
+              + (f", metrics on http://{config.metrics_host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
               + f" ({config.mode}). Ctrl-C stops.", flush=True)
         await stop.wait()
-        print("pdserve: shutting down", flush=True)
+        print(f"pdserve: {signals[0].name}, shutting down", flush=True)
     finally:
         await cluster.stop()
     return 0
@@ -156,7 +191,7 @@ def _stream_to_terminal(args, text, messages) -> str:
     from router.client import PdserveClient
 
     out = []
-    with PdserveClient(args.address) as client:
+    with PdserveClient(args.address, **security_args.client_kwargs(args)) as client:
         try:
             for resp in client.generate(text=text, chat=messages, **_request_kwargs(args)):
                 sys.stdout.write(resp.text)

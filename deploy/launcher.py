@@ -7,10 +7,12 @@ group (PACK: KV moves within a node where possible) with the cores divided among
 (fractions when workers outnumber GPUs: a pair on one GPU moves KV by CUDA IPC), joins
 them into a torch.distributed group when a pair needs it (across nodes or GPUs), then starts
 the router's gRPC server. While it serves, the router's ``Supervisor`` replaces a worker whose
-actor dies: ``_spawn`` starts a fresh actor from the worker's own recipe (same spec, same
-placement group), and the health service follows whether a serving path exists. ``stop()``
-stops the supervisor and the server, shuts every worker down (each unlinks its /dev/shm pool)
-and leaves Ray.
+actor dies: ``_spawn`` activates a warm spare (``deploy/standby.py``) or starts a fresh actor
+from the worker's own recipe (same spec, same placement group), and the health service follows
+whether a serving path exists. ``stop()`` stops the supervisor, the spares and the server,
+shuts every worker down (each unlinks its /dev/shm pool; one that hangs past
+``stop_timeout_s`` is killed) and leaves Ray. Pools that a crashed run left on this node are
+reclaimed first thing in ``start()``.
 ``ClusterThread`` runs a cluster on its own event loop in a background thread (tests, CLI).
 """
 
@@ -23,6 +25,7 @@ import math
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,15 +34,18 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool
+from deploy.ray_init import init_ray, shutdown_ray
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
+from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router.convert import ServerDefaults
 from router.admission import Admission
 from router.health import ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.registry import WorkerHandle, WorkerRegistry
+from router.security import ServerSecurity
 from router.server import PdserveServicer, ServerInfo, start_server
 from router.streams import DecodeStreams
 from router.supervisor import Supervisor
@@ -77,6 +83,9 @@ class ClusterConfig:
     max_worker_restarts: int | None = None  # per worker slot; None: keep replacing (with backoff)
     worker_start_timeout_s: float = 300.0   # a replacement that takes longer counts as a failed start
     standby_workers: bool = True         # keep a warm spare per worker kind (CPU engines): ~1 s replacements
+    security: ServerSecurity | None = None  # TLS / mTLS / bearer token on the gRPC port; None: plaintext, open
+    metrics_host: str = "127.0.0.1"      # the metrics port's own bind address (not ``host``: scrapes stay local)
+    stop_timeout_s: float = 30.0         # stop()'s graceful phases share this; then workers are killed regardless
 
 
 class Cluster:
@@ -97,6 +106,7 @@ class Cluster:
 
     async def start(self) -> int:
         cfg = self.config
+        reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
         self._init_ray()
         model_dir = None
         if cfg.random_model is None:
@@ -108,7 +118,7 @@ class Cluster:
         await self._join_kv_group_if_needed()
         self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
+            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.metrics_host)
         self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg)
         self.supervisor = Supervisor(self.registry, self._spawn, on_down=self._on_worker_down,
                                      on_ready=self._on_worker_ready, max_restarts=cfg.max_worker_restarts)
@@ -126,7 +136,7 @@ class Cluster:
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
                                    ServerInfo(info["model"], cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer
-        self.server, self.port = await start_server(servicer, cfg.host, cfg.port, self.health,
+        self.server, self.port = await start_server(servicer, cfg.host, cfg.port, cfg.security, self.health,
                                                     serving=self.registry.can_serve)
         if self._standby_recipes:
             self.standby = StandbyPool(self._make_standby)
@@ -182,7 +192,7 @@ class Cluster:
         if ray.is_initialized():
             return
         kwargs = {"include_dashboard": False, "log_to_driver": True, **self.config.ray_init}
-        ray.init(address=self.config.address, **kwargs)
+        init_ray(self.config.address, **kwargs)  # embedded: loopback only (deploy/ray_init.py)
         self._started_ray = True
 
     async def _start_workers(self, model_dir: str | None) -> list[dict]:
@@ -282,17 +292,22 @@ class Cluster:
                 for w, r in zip(alive, reports)}
 
     async def stop(self) -> None:
+        """Bounded: the graceful phases (server grace, request cleanups, streams, each worker's
+        shutdown) share ``stop_timeout_s``; one that runs out of it is cut short, and the workers
+        are killed and their pools unlinked all the same. Safe on a half-started cluster."""
+        deadline = time.monotonic() + self.config.stop_timeout_s
         if self.supervisor is not None:
             await self.supervisor.stop()
         if self.standby is not None:
-            await self.standby.stop()
+            await _until(deadline, self.standby.stop(), "standby workers")
         if self.server is not None:
-            await self.server.stop(grace=2.0)
+            await self.server.stop(grace=min(2.0, self.config.stop_timeout_s))
         if getattr(self, "orchestrator", None):
-            await self.orchestrator.drain_cleanups()
+            await _until(deadline, self.orchestrator.drain_cleanups(), "request cleanups")
         if getattr(self, "streams", None):
-            await self.streams.stop()
-        await asyncio.gather(*(w.actor.shutdown.remote() for w in self.registry.all if w.alive), return_exceptions=True)
+            await _until(deadline, self.streams.stop(), "decode streams")
+        shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]
+        await _until(deadline, asyncio.gather(*shutdowns, return_exceptions=True), "worker shutdown")
         for w in self.registry.all:
             ray.kill(w.actor)
             _unlink(w.shm_path)  # a worker that died never unlinked its pool
@@ -301,13 +316,22 @@ class Cluster:
         if getattr(self, "metrics", None):
             self.metrics.close()
         if self._started_ray:
-            ray.shutdown()
+            shutdown_ray()
+        reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)
 
 
 async def _prepare_model_remote(source: str | None) -> str:
     from deploy.model_prep import prepare_model
 
     return await prepare_model.remote(source)
+
+
+async def _until(deadline: float, aw, what: str) -> None:
+    """Await ``aw`` until ``deadline`` (monotonic); past it, cancel it, log, and go on."""
+    try:
+        await asyncio.wait_for(aw, max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        logger.warning("stop: %s did not finish within the stop timeout; going on without it", what)
 
 
 def _unlink(path: str | None) -> None:

@@ -68,6 +68,7 @@ def device_identity(device: str) -> str:
 
 class WorkerBase:
     shm_path: str | None = None   # the KV pool's /dev/shm file (decode workers on CPU set it)
+    _hang_on_shutdown = False     # fault injection's "hang_shutdown" (tests only)
 
     def __init__(self, spec: WorkerSpec, role, standby: bool = False) -> None:
         """Loads the model; unless ``standby``, also builds the engine (KV pool, loop). A standby
@@ -144,6 +145,9 @@ class WorkerBase:
             raise PermissionError("fault injection is disabled on this worker")
         from engine import faults
 
+        if kind == faults.HANG_SHUTDOWN:
+            self._hang_on_shutdown = True
+            return
         await self.call(lambda e: faults.inject(e, kind))
 
     async def lifeline(self) -> None:
@@ -152,6 +156,10 @@ class WorkerBase:
         await self.closed.wait()
 
     def shutdown(self) -> None:
+        if self._hang_on_shutdown:
+            from engine import faults
+
+            faults.wedge()
         self.loop.stop()
         if self.closed is not None:
             self.closed.set()

@@ -5,6 +5,10 @@ Life cycle: a client owns one channel (``close()`` it, or use it as a context ma
 closing the generator) cancels the RPC, which the server turns into an abort that frees the
 request's KV blocks. ``generate_text`` drains the stream into a ``GenerationResult``.
 
+Security (``router/channel.py``): ``tls_ca`` / ``tls_cert`` / ``tls_key`` (file paths or PEM
+bytes; any of them turns TLS on, ``tls=True`` uses the system's CA roots) and ``auth_token``,
+sent as ``authorization: Bearer <token>`` with every call.
+
 Sampling keyword arguments mirror ``SamplingParams`` in the proto; one left out, or passed as
 ``None``, stays unset and so takes the server's default (an explicit ``temperature=0`` is greedy
 even where the server's default is not). Torch-free.
@@ -16,12 +20,10 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-from grpc import aio
-
 from engine.types import FinishReason
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.channel import ClientSecurity, PemSource, open_channel
 from router.convert import RequestTimings, Usage, finish_reason_from_proto, timings_from_proto, usage_from_proto
 
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -107,11 +109,15 @@ class PdserveClient:
     """Blocking client over one ``grpc`` channel."""
 
     def __init__(
-        self, address: str, *, timeout_s: float | None = None, options: Sequence[tuple[str, Any]] = ()
+        self, address: str, *, timeout_s: float | None = None, options: Sequence[tuple[str, Any]] = (),
+        tls: bool = False, tls_ca: PemSource | None = None, tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None, auth_token: str | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(address, options=list(options))
+        security = ClientSecurity.of(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, auth_token=auth_token)
+        self._channel = open_channel(address, security, options)
         self._stub = pb_grpc.PdserveStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = security.metadata()
 
     def generate(
         self,
@@ -122,7 +128,7 @@ class PdserveClient:
     ) -> Iterator[pb.GenerateResponse]:
         """Stream messages as they come. The RPC starts now; bad arguments raise here, not on
         the first ``next()``."""
-        call = self._stub.Generate(build_request(text, chat, token_ids, **kwargs), timeout=self._timeout_s)
+        call = self._stub.Generate(build_request(text, chat, token_ids, **kwargs), timeout=self._timeout_s, metadata=self._metadata)
         return _stream(call)
 
     def generate_text(
@@ -138,7 +144,7 @@ class PdserveClient:
         return result
 
     def server_info(self) -> pb.ServerInfoResponse:
-        return self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._timeout_s)
+        return self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._timeout_s, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -161,11 +167,15 @@ class AsyncPdserveClient:
     """``grpc.aio`` client; make it inside the event loop that uses it."""
 
     def __init__(
-        self, address: str, *, timeout_s: float | None = None, options: Sequence[tuple[str, Any]] = ()
+        self, address: str, *, timeout_s: float | None = None, options: Sequence[tuple[str, Any]] = (),
+        tls: bool = False, tls_ca: PemSource | None = None, tls_cert: PemSource | None = None,
+        tls_key: PemSource | None = None, auth_token: str | None = None,
     ) -> None:
-        self._channel = aio.insecure_channel(address, options=list(options))
+        security = ClientSecurity.of(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, auth_token=auth_token)
+        self._channel = open_channel(address, security, options, use_aio=True)
         self._stub = pb_grpc.PdserveStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = security.metadata()
 
     def generate(
         self,
@@ -174,7 +184,7 @@ class AsyncPdserveClient:
         token_ids: Iterable[int] | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = self._stub.Generate(build_request(text, chat, token_ids, **kwargs), timeout=self._timeout_s)
+        call = self._stub.Generate(build_request(text, chat, token_ids, **kwargs), timeout=self._timeout_s, metadata=self._metadata)
         return _astream(call)
 
     async def generate_text(
@@ -190,7 +200,7 @@ class AsyncPdserveClient:
         return result
 
     async def server_info(self) -> pb.ServerInfoResponse:
-        return await self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._timeout_s)
+        return await self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._timeout_s, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -28,6 +28,7 @@ from router.errors import status_for
 from router.health import PDSERVE_SERVICE, ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
+from router.security import ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -120,17 +121,24 @@ class PdserveServicer(pb_grpc.PdserveServicer):
 
 
 async def start_server(servicer: PdserveServicer, host: str, port: int,
-                       health: ServingHealth | None = None, serving: bool = True) -> tuple[grpc.aio.Server, int]:
-    """Create (inside the running loop, as grpc.aio requires) and start the server; ``health``
-    (made here when not given) starts at ``serving``."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                       security: ServerSecurity | None = None, health: ServingHealth | None = None,
+                       serving: bool = True) -> tuple[grpc.aio.Server, int]:
+    """Create (inside the running loop, as grpc.aio requires) and start the server; ``security``
+    adds TLS / mTLS on the port and the bearer-token interceptor (``router/security.py``);
+    ``health`` (made here when not given) starts at ``serving``."""
+    security = security or ServerSecurity()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=security.interceptors())
     pb_grpc.add_PdserveServicer_to_server(servicer, server)
     health = health or ServingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     names = (PDSERVE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     await server.start()
     await health.update(serving)
-    logger.info("router listening on %s:%d", host, bound)
+    logger.info("router listening on %s:%d (%s)", host, bound, security.describe())
     return server, bound

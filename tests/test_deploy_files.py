@@ -6,15 +6,21 @@
 - The provisioning and Prometheus YAMLs load and point where the code and the dashboard expect.
 - ``deploy/cluster.yaml`` passes the checks ``ray up`` runs before it touches the cloud: Ray's
   JSON schema, then ``prepare_config`` + ``validate_config``.
+- The router runs under systemd on the head (``deploy/pdserve-router.service``): restarted
+  always, stopped with SIGTERM and given longer than pdserve's graceful stop; the cluster YAML
+  installs and (re)starts it after Ray starts.
 """
 
 from __future__ import annotations
 
+import configparser
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from router.metrics import DEFAULT_METRICS_PORT, RouterMetrics
@@ -187,3 +193,53 @@ def test_serve_flags_reach_the_cluster_config():
     failures = cluster_config(_parser().parse_args(["serve", "--migration-limit", "0", "--max-worker-restarts", "5",
                                                     "--no-standby"]))
     assert (failures.migration_limit, failures.max_worker_restarts, failures.standby_workers) == (0, 5, False)
+
+
+# ---------------------------------------------------------------- the router's supervisor
+
+
+def load_unit() -> configparser.ConfigParser:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # systemd keys are case-sensitive
+    unit.read_string((DEPLOY / "pdserve-router.service").read_text())
+    return unit
+
+
+def test_router_service_restarts_and_stops_gracefully():
+    from deploy.cli import _parser
+
+    unit = load_unit()
+    svc = unit["Service"]
+    assert svc["Restart"] == "always" and float(svc["RestartSec"]) > 0
+    assert unit["Unit"]["StartLimitIntervalSec"] == "0", "systemd must never give up restarting it"
+    assert "exec pdserve serve $$PDSERVE_ARGS" in svc["ExecStart"]
+    # SIGTERM is pdserve serve's graceful stop; systemd must wait longer than that stop may take.
+    assert svc.get("KillSignal", "SIGTERM") == "SIGTERM"
+    assert float(svc["TimeoutStopSec"]) > _parser().parse_args(["serve"]).stop_timeout
+    assert svc["User"] == load_cluster()["auth"]["ssh_user"]
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_router_service_passes_systemd_analyze(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed")
+    unit = tmp_path / "pdserve-router.service"
+    unit.write_text((DEPLOY / "pdserve-router.service").read_text())
+    proc = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines() if unit.name in line]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+def test_cluster_yaml_installs_and_starts_the_router_service():
+    cmds = load_cluster()["head_start_ray_commands"]
+    at = {key: next(i for i, c in enumerate(cmds) if key in c)
+          for key in ("systemctl stop pdserve-router", "ray stop", "ray start --head",
+                      "pdserve-router.service /etc/systemd/system/", "systemctl enable pdserve-router",
+                      "systemctl restart pdserve-router", "/etc/default/pdserve-router")}
+    # Router stopped before Ray stops; installed, enabled and restarted after Ray starts.
+    assert at["systemctl stop pdserve-router"] < at["ray stop"] < at["ray start --head"]
+    assert at["ray start --head"] < at["pdserve-router.service /etc/systemd/system/"] < at["systemctl restart pdserve-router"]
+    assert at["systemctl enable pdserve-router"] <= at["systemctl restart pdserve-router"]
+    assert "--address auto" in cmds[at["/etc/default/pdserve-router"]], "the router must join the head's Ray"
+    assert "tmux" not in (DEPLOY / "README.md").read_text(), "the README still starts the router by hand"

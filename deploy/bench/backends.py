@@ -108,9 +108,11 @@ class GrpcBackend:
     name = "grpc"
 
     def __init__(self, address: str, *, timeout_s: float | None = None,
-                 ttft_ms: float | None = None, tpot_ms: float | None = None) -> None:
+                 ttft_ms: float | None = None, tpot_ms: float | None = None,
+                 client_options: dict[str, Any] | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._client_options = client_options or {}   # TLS / token: AsyncPdserveClient's keywords
         self._slo_hints = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
         self._client = None
 
@@ -118,7 +120,7 @@ class GrpcBackend:
         from protos import pdserve_pb2 as pb
         from router.client import AsyncPdserveClient
 
-        self._client = AsyncPdserveClient(self.address, timeout_s=self.timeout_s)
+        self._client = AsyncPdserveClient(self.address, timeout_s=self.timeout_s, **self._client_options)
         info = await self._client.server_info()
         return {"model": info.model, "mode": pb.ServingMode.Name(info.mode).removeprefix("SERVING_MODE_").lower(),
                 "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}

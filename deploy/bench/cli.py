@@ -24,6 +24,7 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+from deploy import security_args
 from deploy.bench import report
 from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend
 from deploy.bench.dataset import DATASETS, DEFAULT_VOCAB, make_requests, with_text
@@ -62,6 +63,7 @@ def run_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="model name sent to an OpenAI server; model to serve with --launch")
     t.add_argument("--tokenizer", default=None, help="tokenizer dir: send prompts as text (OpenAI)")
     t.add_argument("--allow-remote", action="store_true", help="allow a non-loopback target")
+    security_args.add_client_args(p)  # grpc backend
     la = p.add_argument_group("launch a cluster in-process (grpc)")
     la.add_argument("--launch", choices=("disaggregated", "colocated"), default=None)
     la.add_argument("--random-model", action="store_true", help="tiny random Llama (tests, CI)")
@@ -212,7 +214,8 @@ def _run_main(args: argparse.Namespace, slos: dict[str, float]) -> int:
 def make_backend(args: argparse.Namespace, slos: dict[str, float]):
     if args.backend == "grpc":
         hints = {"ttft_ms": slos.get("ttft"), "tpot_ms": slos.get("tpot")} if args.send_slo else {}
-        return GrpcBackend(args.address, timeout_s=args.request_timeout_s, **hints)
+        return GrpcBackend(args.address, timeout_s=args.request_timeout_s,
+                           client_options=security_args.client_kwargs(args), **hints)
     return OpenAIBackend(args.base_url, endpoint=args.endpoint, model=args.model, flavor=args.openai_flavor,
                          extra_body=args.extra_body, timeout_s=args.request_timeout_s, api_key=args.api_key)
 

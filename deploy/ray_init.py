@@ -1,0 +1,76 @@
+"""Joining or starting Ray for the launcher: an embedded Ray listens on loopback only, and
+``ray.init`` does not take over SIGTERM.
+
+Loopback: Ray's own services (GCS, raylet, object manager, workers' gRPC servers) run no auth
+of their own beyond Ray's token mode and would accept anyone who can reach them. A single-node
+pdserve has no peer to talk to, so its embedded Ray binds 127.0.0.1. Ray 2.60 rewrites
+``ray.init(_node_ip_address="127.0.0.1")`` into the machine's routable address
+(``services.resolve_ip_for_localhost``), so that argument alone binds everything to every
+interface; what makes Ray take 127.0.0.1 as the node address, and bind there, is its single-host
+switch ``ray_constants.ENABLE_RAY_CLUSTER`` (what ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` sets at
+import). It is read only while the node's address is decided, so it is switched for the
+``ray.init`` call alone. Joining a cluster (``address``, or ``RAY_ADDRESS``) leaves Ray as it is.
+
+Leaving: ``shutdown_ray`` waits (bounded) until the processes of an embedded Ray are gone, so
+that what they left behind (a worker killed mid-start keeps its /dev/shm pool) can be reclaimed
+at once rather than at the next start.
+
+SIGTERM: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit`` wherever the main
+thread happens to be; the caller's handler (``pdserve serve``: a graceful stop) is put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import psutil
+import ray
+from ray._private import ray_constants
+
+logger = logging.getLogger(__name__)
+
+
+def shutdown_ray(wait_s: float = 10.0) -> None:
+    """``ray.shutdown()``, then wait up to ``wait_s`` for the Ray processes this one started
+    (an embedded Ray's GCS, raylet, agents and workers are all its descendants) to exit."""
+    descendants = psutil.Process().children(recursive=True)
+    ray.shutdown()
+    _, alive = psutil.wait_procs(descendants, timeout=wait_s)
+    if alive:
+        logger.warning("%d Ray processes still running %.0f s after shutdown", len(alive), wait_s)
+
+
+def init_ray(address: str | None, **kwargs) -> None:
+    embedded = address is None and not os.environ.get("RAY_ADDRESS") and "_node_ip_address" not in kwargs
+    with _keep_sigterm_handler(), (_loopback_only() if embedded else contextlib.nullcontext()):
+        ray.init(address=address, **kwargs)
+    if embedded:
+        logger.info("embedded Ray bound to %s", ray.util.get_node_ip_address())
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    previous = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # ray.init only touches signals from the main thread
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: set outside Python, nothing of ours to restore
+            signal.signal(signal.SIGTERM, previous)

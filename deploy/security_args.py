@@ -1,0 +1,49 @@
+"""Command-line flags for the router's transport security, shared by ``pdserve serve`` (the
+server side) and ``pdserve generate`` / ``chat`` / ``bench`` (the client side).
+
+Server: ``--tls-cert FILE --tls-key FILE [--tls-client-ca FILE]`` (the CA turns on mTLS) and
+``--auth-token-file FILE`` (or ``$PDSERVE_AUTH_TOKEN``). Client: ``--tls-ca FILE`` (the CA that
+signed the server's certificate), ``--tls-cert FILE --tls-key FILE`` (mTLS), ``--tls`` (TLS
+with the system's CA roots) and the same token file / variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from router.security import AUTH_TOKEN_ENV, ServerSecurity, token_from
+
+_TOKEN_HELP = f"file holding the bearer token (default: ${AUTH_TOKEN_ENV} if set)"
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (deploy/README.md: threat model)")
+    g.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain: serve gRPC over TLS")
+    g.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle: require a client certificate it signed (mTLS)")
+    g.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help=_TOKEN_HELP + "; every RPC but health needs 'authorization: Bearer <token>'")
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity | None:
+    """The settings the flags ask for (files read now, so a bad path fails before Ray starts);
+    None when there are none."""
+    security = ServerSecurity.from_files(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file)
+    return None if security == ServerSecurity() else security
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security")
+    g.add_argument("--tls", action="store_true", help="connect over TLS, trusting the system's CA roots")
+    g.add_argument("--tls-ca", default=None, metavar="FILE", help="PEM CA that signed the server's certificate (implies TLS)")
+    g.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate (mTLS)")
+    g.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    g.add_argument("--auth-token-file", default=None, metavar="FILE", help=_TOKEN_HELP)
+
+
+def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for ``PdserveClient`` / ``AsyncPdserveClient``."""
+    return {"tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+            "auth_token": token_from(args.auth_token_file)}

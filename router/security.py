@@ -1,0 +1,94 @@
+"""The router's transport security settings: TLS (optionally mutual) and a bearer token.
+
+Role: one typed value that the CLI builds from files (``--tls-cert``, ``--tls-key``,
+``--tls-client-ca``, ``--auth-token-file`` or ``$PDSERVE_AUTH_TOKEN``) and that
+``start_server`` turns into gRPC server credentials and interceptors. Files are read once, when
+the value is made, so a missing or unreadable file fails ``pdserve serve`` before Ray starts.
+
+- TLS: the server presents ``tls_cert`` (PEM chain) with ``tls_key``.
+- mTLS: with ``tls_client_ca`` set, every client must present a certificate that CA signed; the
+  handshake fails otherwise (no RPC is ever dispatched).
+- Token: with ``auth_token`` set, every RPC but grpc.health.v1 must carry
+  ``authorization: Bearer <token>`` (``router/auth.py``). Without TLS the token crosses the
+  network in clear text: use both, except on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
+
+
+def read_token(path: str | os.PathLike) -> str:
+    """A token file's token: its content without surrounding whitespace (editors add a newline)."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    return token
+
+
+def token_from(path: str | os.PathLike | None, env: Mapping[str, str] = os.environ) -> str | None:
+    """The token from ``path`` if given, else from ``$PDSERVE_AUTH_TOKEN``, else None."""
+    if path:
+        return read_token(path)
+    return env.get(AUTH_TOKEN_ENV, "").strip() or None
+
+
+def _read(path: str | os.PathLike | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSecurity:
+    tls_cert: bytes | None = None        # PEM certificate chain the server presents
+    tls_key: bytes | None = None         # its PEM private key
+    tls_client_ca: bytes | None = None   # PEM CA bundle: set, clients must present a cert it signed
+    auth_token: str | None = None        # set: RPCs need "authorization: Bearer <token>"
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("client certificates (--tls-client-ca) need TLS (--tls-cert, --tls-key)")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("the auth token is empty")
+
+    @classmethod
+    def from_files(cls, tls_cert=None, tls_key=None, tls_client_ca=None, auth_token_file=None,
+                   env: Mapping[str, str] = os.environ) -> ServerSecurity:
+        return cls(_read(tls_cert), _read(tls_key), _read(tls_client_ca), token_from(auth_token_file, env))
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls_client_ca is not None
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """Server credentials for ``add_secure_port``; None means a plaintext port."""
+        if not self.tls:
+            return None
+        return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)], root_certificates=self.tls_client_ca,
+                                           require_client_auth=self.mutual_tls)
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        if self.auth_token is None:
+            return []
+        from router.auth import BearerTokenAuth
+
+        return [BearerTokenAuth(self.auth_token)]
+
+    def describe(self) -> str:
+        """For the log line: what protects the port (never the secrets)."""
+        parts = ["mTLS" if self.mutual_tls else "TLS" if self.tls else "plaintext"]
+        if self.auth_token is not None:
+            parts.append("bearer token")
+        return " + ".join(parts)

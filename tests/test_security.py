@@ -1,0 +1,260 @@
+"""The router's transport security over a real cluster (tiny random Llama, real Ray actors):
+TLS serves, mTLS refuses a client without a certificate (or with one from another CA) and
+serves one with, a wrong or missing bearer token gets UNAUTHENTICATED, the right one is served,
+and grpc.health.v1 stays open. Certificates are made here with ``cryptography``.
+
+One cluster for the module; each test restarts only its gRPC server with the settings under
+test (the workers take seconds to start, a server milliseconds). Every test ends with the
+cluster-wide leak check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router.auth import AuthResult, BearerTokenAuth
+from router.client import AsyncPdserveClient, PdserveClient
+from router.security import ServerSecurity, read_token, token_from
+from router.server import start_server
+from tests.conftest import cluster_leaks
+from tests.test_cluster_e2e import start_cluster
+
+TOKEN = "s3cret-token-for-tests"
+PROMPT = {"token_ids": [5, 6, 7, 8], "max_tokens": 3, "ignore_eos": True}
+
+
+# ---------------------------------------------------------------- certificates
+
+
+@dataclass(frozen=True)
+class Pem:
+    cert: bytes
+    key: bytes
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _issue(subject: str, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None, *, ca: bool = False,
+           sans: list[x509.GeneralName] | None = None) -> tuple[Pem, x509.Name, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    issuer_name, issuer_key = issuer or (_name(subject), key)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(issuer_key, hashes.SHA256())
+    pem = Pem(cert.public_bytes(serialization.Encoding.PEM),
+              key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()))
+    return pem, _name(subject), key
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Pem
+    server: Pem
+    client: Pem
+    rogue_client: Pem   # signed by another CA
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    ca, ca_name, ca_key = _issue("pdserve test CA", None, ca=True)
+    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    server, _, _ = _issue("localhost", (ca_name, ca_key), sans=sans)
+    client, _, _ = _issue("pdserve test client", (ca_name, ca_key))
+    _, other_name, other_key = _issue("another CA", None, ca=True)
+    rogue, _, _ = _issue("rogue client", (other_name, other_key))
+    return Pki(ca, server, client, rogue)
+
+
+# ---------------------------------------------------------------- cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    cluster = start_cluster("disaggregated")
+    yield cluster
+    cluster.stop()
+
+
+def serve_with(cluster, security: ServerSecurity | None) -> str:
+    """Replace the cluster's gRPC server with one under ``security``; returns its address."""
+    c = cluster.cluster
+
+    async def restart():
+        await c.server.stop(grace=None)
+        c.server, c.port = await start_server(c.servicer, "127.0.0.1", 0, security)
+
+    cluster.run(restart())
+    return f"127.0.0.1:{c.port}"
+
+
+def served(client: PdserveClient) -> bool:
+    return len(client.generate_text(**PROMPT).token_ids) == 3
+
+
+def rpc_error(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+# ---------------------------------------------------------------- TLS, mTLS
+
+
+def test_tls_serves_and_refuses_plaintext(cluster, pki):
+    addr = serve_with(cluster, ServerSecurity(pki.server.cert, pki.server.key))
+    with PdserveClient(addr, tls_ca=pki.ca.cert, timeout_s=30) as client:
+        assert served(client)
+        assert client.server_info().max_model_len > 0
+    with PdserveClient(f"localhost:{addr.rsplit(':', 1)[1]}", tls_ca=pki.ca.cert, timeout_s=30) as client:
+        assert served(client)  # the certificate names localhost too
+    with PdserveClient(addr, timeout_s=10) as plaintext:
+        assert rpc_error(lambda: plaintext.generate_text(**PROMPT)) == grpc.StatusCode.UNAVAILABLE
+    assert cluster_leaks(cluster) == {}
+
+
+def test_tls_client_refuses_a_server_its_ca_did_not_sign(cluster, pki):
+    addr = serve_with(cluster, ServerSecurity(pki.server.cert, pki.server.key))
+    with PdserveClient(addr, tls_ca=pki.rogue_client.cert, timeout_s=10) as client:
+        assert rpc_error(lambda: client.generate_text(**PROMPT)) == grpc.StatusCode.UNAVAILABLE
+    assert cluster_leaks(cluster) == {}
+
+
+def test_mtls_requires_a_client_certificate_from_the_ca(cluster, pki, tmp_path):
+    addr = serve_with(cluster, ServerSecurity(pki.server.cert, pki.server.key, tls_client_ca=pki.ca.cert))
+    with PdserveClient(addr, tls_ca=pki.ca.cert, timeout_s=10) as no_cert:
+        assert rpc_error(lambda: no_cert.generate_text(**PROMPT)) == grpc.StatusCode.UNAVAILABLE
+    with PdserveClient(addr, tls_ca=pki.ca.cert, tls_cert=pki.rogue_client.cert, tls_key=pki.rogue_client.key,
+                       timeout_s=10) as rogue:
+        assert rpc_error(lambda: rogue.generate_text(**PROMPT)) == grpc.StatusCode.UNAVAILABLE
+    # The client takes file paths as well as PEM bytes.
+    for name, data in (("ca.pem", pki.ca.cert), ("client.pem", pki.client.cert), ("client.key", pki.client.key)):
+        (tmp_path / name).write_bytes(data)
+    with PdserveClient(addr, tls_ca=tmp_path / "ca.pem", tls_cert=str(tmp_path / "client.pem"),
+                       tls_key=tmp_path / "client.key", timeout_s=30) as client:
+        assert served(client)
+    assert cluster_leaks(cluster) == {}
+
+
+# ---------------------------------------------------------------- bearer token
+
+
+def test_wrong_or_missing_token_is_unauthenticated_right_token_is_served(cluster):
+    addr = serve_with(cluster, ServerSecurity(auth_token=TOKEN))
+    for token in (None, "wrong-token", TOKEN + "x", TOKEN[:-1]):
+        with PdserveClient(addr, auth_token=token, timeout_s=10) as client:
+            assert rpc_error(lambda: client.generate_text(**PROMPT)) == grpc.StatusCode.UNAUTHENTICATED
+            assert rpc_error(client.server_info) == grpc.StatusCode.UNAUTHENTICATED
+    with PdserveClient(addr, auth_token=TOKEN, timeout_s=30) as client:
+        assert served(client) and client.server_info().max_model_len > 0
+    assert cluster_leaks(cluster) == {}
+
+
+def test_health_is_open_without_a_token(cluster):
+    addr = serve_with(cluster, ServerSecurity(auth_token=TOKEN))
+    with grpc.insecure_channel(addr) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "pdserve.v1.Pdserve"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    assert cluster_leaks(cluster) == {}
+
+
+def test_mtls_and_token_together(cluster, pki):
+    addr = serve_with(cluster, ServerSecurity(pki.server.cert, pki.server.key, pki.ca.cert, auth_token=TOKEN))
+    tls = {"tls_ca": pki.ca.cert, "tls_cert": pki.client.cert, "tls_key": pki.client.key}
+    with PdserveClient(addr, timeout_s=10, **tls) as no_token:
+        assert rpc_error(lambda: no_token.generate_text(**PROMPT)) == grpc.StatusCode.UNAUTHENTICATED
+    with PdserveClient(addr, auth_token=TOKEN, timeout_s=30, **tls) as client:
+        assert served(client)
+
+    async def aio_client():
+        async with AsyncPdserveClient(addr, auth_token=TOKEN, timeout_s=30, **tls) as client:
+            return (await client.generate_text(**PROMPT)).token_ids, (await client.server_info()).max_model_len
+
+    token_ids, max_model_len = asyncio.run(aio_client())
+    assert len(token_ids) == 3 and max_model_len > 0
+    assert cluster_leaks(cluster) == {}
+
+
+# ---------------------------------------------------------------- without a cluster
+
+
+def test_token_check_is_exact():
+    auth = BearerTokenAuth(TOKEN)
+    method = "/pdserve.v1.Pdserve/Generate"
+    assert auth.check(method, (("authorization", f"Bearer {TOKEN}"),)) is AuthResult.GRANTED
+    assert auth.check(method, (("authorization", f"bearer  {TOKEN} "),)) is AuthResult.GRANTED
+    assert auth.check(method, (("authorization", TOKEN),)) is AuthResult.MISSING  # no scheme
+    assert auth.check(method, (("authorization", f"Basic {TOKEN}"),)) is AuthResult.MISSING
+    assert auth.check(method, ()) is AuthResult.MISSING
+    assert auth.check(method, (("authorization", "Bearer nope"),)) is AuthResult.WRONG
+    assert auth.check("/grpc.health.v1.Health/Check", ()) is AuthResult.OPEN
+    assert auth.check("/grpc.health.v1.HealthX/Check", ()) is AuthResult.MISSING
+
+
+def test_security_settings_from_files_and_env(tmp_path, pki):
+    (tmp_path / "token").write_text(f"  {TOKEN}\n")
+    assert read_token(tmp_path / "token") == TOKEN
+    assert token_from(None, {"PDSERVE_AUTH_TOKEN": TOKEN}) == TOKEN
+    assert token_from(None, {}) is None
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_token(tmp_path / "empty")
+    with pytest.raises(ValueError, match="key"):
+        ServerSecurity(tls_cert=pki.server.cert)
+    with pytest.raises(ValueError, match="need TLS"):
+        ServerSecurity(tls_client_ca=pki.ca.cert)
+    assert ServerSecurity().describe() == "plaintext"
+    assert ServerSecurity(pki.server.cert, pki.server.key, pki.ca.cert, TOKEN).describe() == "mTLS + bearer token"
+
+
+def test_cli_flags_reach_the_server_and_client_settings(tmp_path, pki, monkeypatch):
+    from deploy.cli import _parser, cluster_config
+    from deploy.security_args import client_kwargs
+
+    files = {"cert.pem": pki.server.cert, "key.pem": pki.server.key, "ca.pem": pki.ca.cert, "token": TOKEN.encode()}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    monkeypatch.delenv("PDSERVE_AUTH_TOKEN", raising=False)
+    args = _parser().parse_args(["serve", "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem"),
+                                 "--tls-client-ca", str(tmp_path / "ca.pem"), "--auth-token-file", str(tmp_path / "token"),
+                                 "--host", "0.0.0.0", "--metrics-host", "10.1.2.3"])
+    cfg = cluster_config(args)
+    assert cfg.security == ServerSecurity(pki.server.cert, pki.server.key, pki.ca.cert, TOKEN)
+    assert (cfg.host, cfg.metrics_host) == ("0.0.0.0", "10.1.2.3")
+    default = cluster_config(_parser().parse_args(["serve"]))
+    assert default.security is None and default.metrics_host == "127.0.0.1"
+    monkeypatch.setenv("PDSERVE_AUTH_TOKEN", "from-env")
+    assert cluster_config(_parser().parse_args(["serve"])).security == ServerSecurity(auth_token="from-env")
+
+    gen = _parser().parse_args(["generate", "hi", "--tls-ca", "ca.pem", "--auth-token-file", str(tmp_path / "token")])
+    assert client_kwargs(gen) == {"tls": False, "tls_ca": "ca.pem", "tls_cert": None, "tls_key": None, "auth_token": TOKEN}
+
+
+def test_security_modules_do_not_load_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, router.security, router.auth, router.channel, router.client; "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True, timeout=60)

@@ -1,0 +1,199 @@
+"""``pdserve serve`` as a real process (tiny random Llama, embedded Ray): a crash of the whole
+process tree leaves /dev/shm pools that the next start reclaims; SIGTERM stops it gracefully
+(exit 0, no pool left, no Ray process left); SIGINT during start-up stops the start; the
+embedded Ray listens on loopback only.
+
+Each run starts in its own session (``start_new_session``), and every process Ray starts stays
+in it (checked: GCS, raylet, agents, workers), so "the router's tree" is exactly the processes
+of that session; a test kills whatever of it is left, so a failure never leaks a Ray instance.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvtransfer.shm_reclaim import Owner, owner_pid, owner_state
+from router.client import PdserveClient
+
+ROOT = Path(__file__).resolve().parents[1]
+SHM = Path("/dev/shm")
+READY = re.compile(r"pdserve ready: gRPC on ([\d.]+):(\d+)")
+START_TIMEOUT_S = 240      # a loaded 2-core box: Ray ~5 s, two actors a few more, x load
+STOP_BOUND_S = 60
+
+
+def pools() -> set[Path]:
+    return set(SHM.glob("pdserve-*.kv"))
+
+
+def orphaned(since: set[Path]) -> set[Path]:
+    """Pools created after the snapshot ``since`` whose owner is gone (other test runs on this
+    machine may own live ones)."""
+    return {f for f in pools() - since if owner_state(owner_pid(f)) is not Owner.ALIVE}
+
+
+class Serve:
+    """One ``pdserve serve`` process in its own session, its output read by a thread."""
+
+    def __init__(self, *extra: str) -> None:
+        self.pools_before = pools()
+        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--random-model", "--port", "0", "--metrics-port", "0",
+               "--kv-cache-gib", "0.01", "--cpus-per-worker", "0.5", "--threads-per-worker", "1", *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern: re.Pattern | str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise AssertionError(f"no {pattern!r} in time (rc {self.proc.poll()}):\n{self.text}")
+            m = re.search(pattern, line)
+            if m:
+                return m
+
+    @property
+    def text(self) -> str:
+        return "".join(self.output)
+
+    @property
+    def session(self) -> list[psutil.Process]:
+        """Every live process of this run's session (the CLI, Ray's services, its workers)."""
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except (ProcessLookupError, psutil.Error, PermissionError):
+                continue
+        return out
+
+    def segments(self) -> set[Path]:
+        """KV pools in /dev/shm owned by a live process of this run."""
+        pids = {p.pid for p in self.session}
+        return {f for f in SHM.glob("pdserve-*.kv") if int(f.name.split("-")[1]) in pids}
+
+    def kill_session(self) -> None:
+        """SIGKILL every process of the session: a machine-level crash of the router's tree."""
+        procs = self.session
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=30)
+        self.proc.wait(30)
+
+    def exit_code(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout_s)
+
+    def session_gone(self, timeout_s: float) -> bool:
+        _, alive = psutil.wait_procs(self.session, timeout=timeout_s)
+        return not alive
+
+
+@pytest.fixture
+def runs():
+    started: list[Serve] = []
+    yield lambda *extra: started.append(Serve(*extra)) or started[-1]
+    for run in started:  # whatever a failed test left behind
+        run.kill_session()
+
+
+def address(run: Serve) -> str:
+    host, port = run.wait_for(READY, START_TIMEOUT_S).groups()
+    return f"{host}:{port}"
+
+
+def assert_serves(addr: str) -> None:
+    with PdserveClient(addr, timeout_s=60) as client:
+        assert len(client.generate_text(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def listening_addresses(run: Serve) -> set[str]:
+    out = set()
+    for p in run.session:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        out |= {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}
+    return out
+
+
+def test_crash_leaves_pools_the_next_start_reclaims_and_sigterm_stops_cleanly(runs):
+    first = runs()
+    assert_serves(address(first))
+    crashed = first.segments()
+    assert crashed, "the decode worker's pool should be in /dev/shm"
+    first.kill_session()
+    assert all(f.exists() for f in crashed), "SIGKILL cannot unlink: the pools must still be there"
+
+    second = runs()
+    addr = address(second)
+    assert not any(f.exists() for f in crashed), "the second start left the first run's pools"
+    assert "reclaimed stale KV pool" in second.text
+    assert_serves(addr)
+    # The embedded Ray (and the router, --host default) listen on loopback only.
+    bound = listening_addresses(second)
+    assert bound and all(ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for ip in bound), bound
+    live = second.segments()
+    assert live
+
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.exit_code(STOP_BOUND_S) == 0, second.text
+    assert "SIGTERM, shutting down" in second.text
+    assert second.session_gone(30), [p.name() for p in second.session]
+    assert not any(f.exists() for f in crashed | live)
+    assert not orphaned(first.pools_before)
+
+
+def assert_start_stopped_by_sigint(run: Serve) -> None:
+    started = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.exit_code(STOP_BOUND_S) == 128 + signal.SIGINT, run.text
+    assert time.monotonic() - started < 30
+    assert not READY.search(run.text), "it finished starting despite the Ctrl-C"
+    assert "SIGINT during start-up" in run.text
+    assert run.session_gone(30), [p.name() for p in run.session]
+    assert not orphaned(run.pools_before), "a worker killed mid-start left its pool"
+
+
+def test_sigint_during_start_up_stops_the_start(runs):
+    run = runs()
+    run.wait_for("Started a local Ray instance", START_TIMEOUT_S)  # ~2 s in: Ray up, workers not yet
+    assert_start_stopped_by_sigint(run)
+
+
+def test_sigint_while_workers_start_tears_them_down(runs):
+    run = runs()
+    run.wait_for("embedded Ray bound", START_TIMEOUT_S)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not run.segments():  # the decode worker has made its pool: it is mid-construction
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.text
+        time.sleep(0.05)
+    assert_start_stopped_by_sigint(run)
