@@ -60,6 +60,7 @@ class StepResult:
     deltas: list[TokenDelta] = field(default_factory=list)
     prefilled: list[PrefillDone] = field(default_factory=list)
     timing: StepTiming | None = None
+    between_steps: bool = False   # no step ran: calls changed the engine (EngineLoop); publish stats
 
 
 class LLMEngine:

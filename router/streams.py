@@ -14,6 +14,7 @@ from typing import Callable
 
 from engine.errors import WorkerFailedError
 from engine.types import StreamBatch, TokenDelta
+from router.delta_queue import DeltaQueue
 from router.registry import WorkerHandle, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class DecodeStreams:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def register(self, req_id: str, worker: WorkerHandle) -> asyncio.Queue[QueueItem]:
-        queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+        queue = DeltaQueue()  # merges deltas for a reader that lags; bounded (router/delta_queue.py)
         self._queues[req_id] = queue
         self._owner[req_id] = worker.worker_id
         return queue
