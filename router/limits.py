@@ -71,7 +71,7 @@ def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
     elif kind == "chat":
         n = len(request.chat.messages)
         _require(n <= limits.max_chat_messages, "chat.messages", f"{n} messages; at most {limits.max_chat_messages}")
-        size = sum(len(m.content.encode("utf-8")) + len(m.role.encode("utf-8")) for m in request.chat.messages)
+        size = sum(len(m.content.encode("utf-8")) for m in request.chat.messages)   # roles are a fixed set
         _check_bytes("chat", size, limits)
     _check_stops(request.sampling, limits)
 
