@@ -205,8 +205,11 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         """Every worker's stats now (blocks released between steps included), not the last ones
         seen with a step; a worker that does not answer in time shows its last report."""
         workers = self.orchestrator.registry.all
-        fresh = await asyncio.gather(*(self._stats_of(w) for w in workers))
-        return [s for s in fresh if s is not None]
+        fresh = [s for s in await asyncio.gather(*(self._stats_of(w) for w in workers)) if s is not None]
+        if self.metrics is not None:   # the KV gauges too (a prefill worker reports only with results)
+            for stats in fresh:
+                self.metrics.update_worker(stats)
+        return fresh
 
     @staticmethod
     async def _stats_of(worker) -> WorkerStats | None:
