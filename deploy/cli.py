@@ -130,7 +130,10 @@ def cluster_config(args: argparse.Namespace):
                             max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                             dtype=args.dtype, device=args.device)
 
-    defaults = {"max_tokens": args.default_max_tokens, "limits": server_limits(args)}
+    defaults = {"max_tokens": args.default_max_tokens}
+    limits = server_limits(args)
+    if limits != type(limits)():   # only what differs from ServerDefaults' own default
+        defaults["limits"] = limits
     if args.ttft_ms:
         defaults["ttft_s"] = args.ttft_ms / 1000
     if args.tpot_ms:

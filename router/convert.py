@@ -185,11 +185,13 @@ def spec_from_proto(
     request: pb.GenerateRequest, prompt_token_ids: Sequence[int], defaults: ServerDefaults, req_id: str
 ) -> RequestSpec:
     """Validate the request and fill every default: the one place a ``RequestSpec`` is made."""
-    prompt = tuple(int(t) for t in prompt_token_ids)
     field, limit = _prompt_field(request), defaults.max_model_len
-    _require(prompt, field, "empty prompt")
-    _require(len(prompt) < limit, field,
-             f"prompt has {len(prompt)} tokens; max_model_len is {limit} and one token must be generated")
+    n = len(prompt_token_ids)
+    _require(n, field, "empty prompt")
+    # Length first: a huge prompt is refused before any per-token work (that work runs on the
+    # router's event loop for token_ids prompts).
+    _require(n < limit, field, f"prompt has {n} tokens; max_model_len is {limit} and one token must be generated")
+    prompt = tuple(int(t) for t in prompt_token_ids)
     check_token_ids(prompt, defaults.vocab_size, field)
     sampling = sampling_from_proto(request.sampling, defaults)
     room = limit - len(prompt)

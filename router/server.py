@@ -170,9 +170,13 @@ class PdserveServicer(pb_grpc.PdserveServicer):
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
         if kind in ("text", "chat"):   # tokenizing a long prompt takes a while: off the event loop
             loop = asyncio.get_running_loop()
-            prompt = await loop.run_in_executor(self._tokenize_pool, convert.prompt_from_proto, request, self.tokenizer)
-        else:
-            prompt = convert.prompt_from_proto(request, self.tokenizer)
+            return await loop.run_in_executor(self._tokenize_pool, self._tokenized_spec, request, req_id)
+        prompt = convert.prompt_from_proto(request, self.tokenizer)
+        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
+
+    def _tokenized_spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
+        """On the tokenizer pool: tokenize, then validate the ids there too (per-token work)."""
+        prompt = convert.prompt_from_proto(request, self.tokenizer)
         return convert.spec_from_proto(request, prompt, self.defaults, req_id)
 
     def _detokenizer(self, request, spec: RequestSpec) -> IncrementalDetokenizer | None:

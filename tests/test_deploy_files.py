@@ -183,3 +183,14 @@ def test_serve_flags_reach_the_cluster_config():
     assert cfg.defaults == {"max_tokens": 128, "ttft_s": 0.5, "tpot_s": 0.05}
     default = cluster_config(_parser().parse_args(["serve"]))
     assert default.admission and default.conditional_disagg
+
+
+def test_limit_flags_reach_the_server_defaults():
+    from deploy.cli import _parser, cluster_config
+    from router.limits import SchedulingPolicy
+
+    args = _parser().parse_args(["serve", "--max-stop-strings", "4", "--max-concurrent-streams", "9",
+                                 "--scheduling-policy", "priority", "--max-priority", "3"])
+    limits = cluster_config(args).defaults["limits"]
+    assert (limits.max_stop_strings, limits.max_concurrent_streams, limits.max_priority) == (4, 9, 3)
+    assert limits.scheduling_policy is SchedulingPolicy.PRIORITY
