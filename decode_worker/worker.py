@@ -136,7 +136,7 @@ class DecodeWorker(WorkerBase):
 
     # ---- the batched output stream ----------------------------------------------------------
     def on_step(self, result: StepResult) -> None:
-        if result.deltas:
+        if result.deltas or result.between_steps:   # a batch without deltas carries fresh stats
             self._publish(tuple(result.deltas))
 
     def _publish(self, deltas: tuple) -> None:

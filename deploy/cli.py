@@ -102,7 +102,45 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="seconds a graceful stop may take before hanging workers are killed")
     security_args.add_server_args(p)
+    _limit_flags(p.add_argument_group("request limits (reported in ServerInfo.limits)"))
     p.set_defaults(run=_run_serve)
+
+
+def _limit_flags(g) -> None:
+    from router.limits import SchedulingPolicy, ServerLimits
+
+    d = ServerLimits()
+    for name, kind, help_text in (
+        ("max_stop_strings", int, "stop strings per request"),
+        ("max_stop_string_chars", int, "characters per stop string"),
+        ("max_stop_token_ids", int, "stop token ids per request"),
+        ("max_prompt_bytes", int, "UTF-8 bytes of a text or chat prompt, checked before tokenizing"),
+        ("max_chat_messages", int, "messages per chat prompt"),
+        ("max_receive_message_bytes", int, "gRPC's cap on one incoming message"),
+        ("max_concurrent_streams", int, "live Generate calls; more get RESOURCE_EXHAUSTED at once"),
+        ("max_queued_requests", int, "requests waiting in admission; more get RESOURCE_EXHAUSTED at once"),
+        ("max_pending_tokens", int, "tokens a stream's reader may leave unread before it is cancelled"),
+        ("min_ttft_ms", float, "client TTFT hints are clamped into [min, max]"),
+        ("max_ttft_ms", float, None),
+        ("min_tpot_ms", float, "client TPOT hints are clamped into [min, max]"),
+        ("max_tpot_ms", float, None),
+        ("min_priority", int, "with --scheduling-policy priority: the priorities accepted"),
+        ("max_priority", int, None),
+    ):
+        default = getattr(d, name)
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                       help=f"{help_text} (default {default})" if help_text else f"(default {default})")
+    g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=d.scheduling_policy.value,
+                   help="fcfs ignores the client's priority; priority honours it within the range")
+
+
+def server_limits(args: argparse.Namespace):
+    import dataclasses
+
+    from router.limits import SchedulingPolicy, ServerLimits
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits) if f.name != "scheduling_policy"}
+    return ServerLimits(scheduling_policy=SchedulingPolicy(args.scheduling_policy), **values)
 
 
 def cluster_config(args: argparse.Namespace):
@@ -115,6 +153,9 @@ def cluster_config(args: argparse.Namespace):
                             dtype=args.dtype, device=args.device)
 
     defaults = {"max_tokens": args.default_max_tokens}
+    limits = server_limits(args)
+    if limits != type(limits)():   # only what differs from ServerDefaults' own default
+        defaults["limits"] = limits
     if args.ttft_ms:
         defaults["ttft_s"] = args.ttft_ms / 1000
     if args.tpot_ms:

@@ -30,7 +30,7 @@ from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request
-from engine.sampler import sample
+from engine.sampler import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import StopChecker
 from engine.types import FinishReason, KVLayout, RequestSpec, StepTiming, TokenDelta, WorkerStats
@@ -60,6 +60,7 @@ class StepResult:
     deltas: list[TokenDelta] = field(default_factory=list)
     prefilled: list[PrefillDone] = field(default_factory=list)
     timing: StepTiming | None = None
+    between_steps: bool = False   # no step ran: calls changed the engine (EngineLoop); publish stats
 
 
 class LLMEngine:
@@ -85,6 +86,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, stop)
         self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group)
         self._seeds: dict[str, int] = {}
+        self._last_num_kv_tokens = 0
         self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)
         logger.info("engine ready: role=%s, %d KV blocks of %d tokens", config.role.value, cache.shape[2], config.block_size)
 
@@ -133,23 +135,49 @@ class LLMEngine:
         if out.is_empty:
             return result
         try:
-            finished = self._run(out)
-        except Exception as exc:  # a failed forward fails its batch, never the engine
-            logger.exception("step failed; failing %d requests", len(out.scheduled))
-            result.deltas.extend(self._fail(out, f"{type(exc).__name__}: {exc}"))
-            return result
-        self._collect(out, finished, result)
-        result.timing = self._record_timing(out, time.perf_counter() - start)
+            sampled = self._run(out, result)
+            batched = True
+        except Exception as exc:  # a failed forward fails its request(s), never the engine
+            if len(out.scheduled) == 1:
+                logger.exception("step failed; failing %s", out.scheduled[0].request.req_id)
+                result.deltas.append(self._fail_request(out.scheduled[0].request, _describe(exc)))
+                return result
+            logger.exception("step of %d requests failed; retrying them one by one", len(out.scheduled))
+            sampled, batched = self._run_one_by_one(out, result), False
+        live = SchedulerOutput([s for s in out.scheduled if not s.request.is_finished], out.num_batched_tokens)
+        finished = self.scheduler.update_from_output(live, sampled)
+        self._collect(live, finished, result)
+        if batched:  # a retried step's time says nothing about this batch shape
+            result.timing = self._record_timing(out, time.perf_counter() - start)
         return result
 
-    def _run(self, out: SchedulerOutput) -> list[Request]:
+    def _run(self, out: SchedulerOutput, result: StepResult) -> dict[str, tuple[int, float | None]]:
+        """Forward and sample ``out``; a row that cannot be sampled fails its request alone.
+        Nothing here changes a request's progress, so a failed call can be retried."""
         inputs = self.runner.prepare(out)
         logits = self.runner.execute(inputs)
-        sampling = [s.request for s in out.scheduled if s.sample]
-        tokens = sample(logits, sampling, self._seeds) if sampling else []
-        sampled = {r.req_id: t for r, t in zip(sampling, tokens)}
         self._last_num_kv_tokens = inputs.num_kv_tokens
-        return self.scheduler.update_from_output(out, sampled)
+        sampling = [s.request for s in out.scheduled if s.sample]
+        sampled = {}
+        for request, outcome in zip(sampling, sample(logits, sampling, self._seeds) if sampling else []):
+            if isinstance(outcome, RowFailure):
+                result.deltas.append(self._fail_request(request, outcome.message))
+            else:
+                sampled[request.req_id] = outcome
+        return sampled
+
+    def _run_one_by_one(self, out: SchedulerOutput, result: StepResult) -> dict[str, tuple[int, float | None]]:
+        """Each request alone, so only the one whose forward fails is failed. Re-running the
+        forward rewrites the same KV slots with the same values: progress only advances in
+        ``update_from_output``, after this."""
+        sampled: dict[str, tuple[int, float | None]] = {}
+        for s in out.scheduled:
+            try:
+                sampled.update(self._run(SchedulerOutput([s], s.num_new_tokens), result))
+            except Exception as exc:
+                logger.exception("request %s failed its forward", s.request.req_id)
+                result.deltas.append(self._fail_request(s.request, _describe(exc)))
+        return sampled
 
     def _collect(self, out: SchedulerOutput, finished: list[Request], result: StepResult) -> None:
         for s in out.scheduled:
@@ -176,13 +204,11 @@ class LLMEngine:
             prefill_s=time.perf_counter() - scheduled,
         )
 
-    def _fail(self, out: SchedulerOutput, message: str) -> list[TokenDelta]:
-        deltas = []
-        for s in out.scheduled:
-            self.scheduler.finish(s.request, FinishReason.ERROR)
-            self._seeds.pop(s.request.req_id, None)
-            deltas.append(self._delta(s.request, error=message))
-        return deltas
+    def _fail_request(self, request: Request, message: str) -> TokenDelta:
+        """Finish one request with ERROR (its blocks freed now); the delta carries ``message``."""
+        self.scheduler.finish(request, FinishReason.ERROR)
+        self._seeds.pop(request.req_id, None)
+        return self._delta(request, error=message)
 
     def _delta(self, request: Request, error: str | None = None) -> TokenDelta:
         new = tuple(request.output_token_ids[request.num_reported_tokens :])
@@ -239,3 +265,8 @@ class LLMEngine:
             for delta in self.step().deltas:
                 outputs.setdefault(delta.req_id, []).extend(delta.token_ids)
         return outputs
+
+
+def _describe(exc: BaseException) -> str:
+    """What a failed request's delta carries: the router logs it (clients get a reference)."""
+    return f"{type(exc).__name__}: {exc}"

@@ -4,7 +4,10 @@ Life cycle: ``start`` spawns the loop thread; callers (Ray actor methods on an e
 ``call`` a function on the engine, which runs on the loop thread at the next step boundary —
 so the engine is only ever touched by one thread — and get a concurrent future back. The
 thread steps while the engine has work and otherwise blocks on a condition (no sleep
-polling). Every step's result goes to ``on_step`` (the worker's batched output stream).
+polling). Every step's result goes to ``on_step`` (the worker's batched output stream); calls
+that leave the engine idle send an empty ``StepResult(between_steps=True)`` so the fresh stats
+(blocks released between steps) are published too. ``latest_stats`` is refreshed before a
+call's future resolves.
 ``stop`` ends the thread after the current step.
 """
 
@@ -66,15 +69,33 @@ class EngineLoop:
             self._apply(calls)
             if self.engine.has_work():
                 self._step()
-            self.latest_stats = self.engine.stats(self._thread.name)
+            elif calls:
+                self._report_between_steps()
         self._fail_pending()
 
     def _apply(self, calls) -> None:
+        outcomes = []
         for fn, future in calls:
             try:
-                future.set_result(fn(self.engine))
+                outcomes.append((future, fn(self.engine), None))
             except BaseException as exc:  # the caller gets the error; the loop keeps going
+                outcomes.append((future, None, exc))
+        # Stats first: a caller that reads them once its call returns (a prefill worker after
+        # releasing blocks) must see the blocks released.
+        self.latest_stats = self.engine.stats(self._thread.name)
+        for future, result, exc in outcomes:
+            if exc is None:
+                future.set_result(result)
+            else:
                 future.set_exception(exc)
+
+    def _report_between_steps(self) -> None:
+        """Calls changed the engine (blocks released, a parked request aborted) and no step
+        follows to report it: an empty result tells ``on_step`` to publish the fresh stats."""
+        try:
+            self._on_step(StepResult(between_steps=True))
+        except Exception:
+            logger.exception("on_step callback failed")
 
     def _step(self) -> None:
         result = self.engine.step()

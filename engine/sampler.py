@@ -1,47 +1,98 @@
-"""Turns each sampled request's logits row into its next token.
+"""Turns each sampled request's logits row into its next token, or a per-row failure.
 
-Greedy rows take one batched argmax. Random rows use temperature, top-k and top-p with a
-generator seeded from (request seed, output position): the same seed gives the same output
-whatever shares the batch, and a request recomputed after preemption redraws the same tokens.
+Greedy rows (temperature below ``GREEDY_TEMPERATURE``) take one batched argmax. Random rows use
+temperature, top-k and top-p with a generator seeded from (request seed, output position): the
+same seed gives the same output whatever shares the batch, and a request recomputed after
+preemption redraws the same tokens.
+
+Numerics: everything runs in float32 on a copy of the row with NaN and ±inf logits made finite
+(NaN and +inf become the row's extremes, so a poisoned logit can neither win by accident nor
+turn the softmax into NaN); the temperature is at least ``GREEDY_TEMPERATURE`` here, so
+``logits / temperature`` stays finite; top-k / top-p never mask the argmax, so something is always
+left to sample. A row that still fails (a row of all NaN, an exception) becomes a
+``RowFailure``: only that request fails, the rest of the batch goes on.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 
+logger = logging.getLogger(__name__)
+
 _SEED_STRIDE = 1_000_003
 
 
-def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[tuple[int, float | None]]:
+class SamplingError(RuntimeError):
+    """One row of logits cannot be sampled (e.g. the forward produced only NaN for it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowFailure:
+    """This request's row could not be sampled; ``message`` goes to the worker log and the delta."""
+
+    message: str
+
+
+Sampled = tuple[int, float | None] | RowFailure
+
+
+def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[Sampled]:
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    tokens = _finite(logits).argmax(dim=-1)
+    failed: dict[int, str] = {}
     for row, request in enumerate(requests):
-        if not request.sampling.greedy:
-            seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
-            tokens[row] = _sample_row(logits[row], request, seed % (2**63))
-    want_logprobs = any(r.sampling.logprobs for r in requests)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0] if want_logprobs else None
+        try:
+            if not bool(torch.isfinite(logits[row]).any()):
+                raise SamplingError("the forward produced no finite logit for this request")
+            if not request.sampling.greedy:
+                seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
+                tokens[row] = _sample_row(logits[row], request, seed % (2**63))
+        except Exception as exc:  # one bad row fails its request, never the batch
+            logger.warning("sampling %s failed: %s", request.req_id, exc)
+            failed[row] = f"sampling failed: {type(exc).__name__}"
+    logprobs = _logprobs(logits, tokens) if any(r.sampling.logprobs for r in requests) else None
     token_list = tokens.tolist()
     return [
+        RowFailure(failed[i]) if i in failed else
         (token_list[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None)
         for i, r in enumerate(requests)
     ]
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """NaN -> the lowest float, ±inf -> the extremes: comparisons and softmax stay defined."""
+    info = torch.finfo(x.dtype)
+    return torch.nan_to_num(x, nan=info.min, posinf=info.max, neginf=info.min)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(_finite(logits), dim=-1).gather(1, tokens[:, None])[:, 0]
+    return torch.nan_to_num(lp, nan=float("-inf"))
+
+
 def _sample_row(row: torch.Tensor, request: Request, seed: int) -> int:
     params = request.sampling
-    row = row / params.temperature
+    # Subtracting the max first keeps the division finite for any temperature >= 1e-5.
+    row = _finite(row)
+    row = (row - row.max()) / params.temperature
+    row = torch.nan_to_num(row, nan=float("-inf"), neginf=float("-inf"))
     if params.top_k and params.top_k < row.numel():
         kth = torch.topk(row, params.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
+        row = row.masked_fill(row < kth, float("-inf"))  # the argmax is >= kth: it stays
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token once the mass before it already reaches top_p (the first token always stays).
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[0] = False
         row = row.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(row, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        raise SamplingError("no finite probability left to sample from")
     generator = torch.Generator(device=row.device).manual_seed(seed)
     return int(torch.multinomial(probs, 1, generator=generator))

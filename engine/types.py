@@ -18,9 +18,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"          # a worker or transfer failure
 
 
+# Below this temperature sampling is greedy (vLLM's rule): logits / temperature would overflow
+# float32 (and a distribution that sharp is argmax anyway).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling. Defaults are semantic: temperature 0 means greedy."""
+    """Per-request sampling. Defaults are semantic: temperature 0 (below ``GREEDY_TEMPERATURE``) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -34,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)

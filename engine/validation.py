@@ -1,56 +1,57 @@
 """Checks a RequestSpec against the model's limits before any worker sees it.
 
-Torch-free, so the router runs the same checks at its edge; the engine runs them again on
-``add_request`` so a bad request can never reach the step loop.
+Torch-free, so the router runs the same checks at its edge (with ``prefix="sampling."``, the
+proto path of the fields it names); the engine runs them again on ``add_request`` so a bad
+request can never reach the step loop. Each rule is written here once.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from engine.errors import InvalidRequestError
 from engine.types import RequestSpec, SamplingParams
 
 
-def validate_sampling(sampling: SamplingParams) -> None:
-    if sampling.max_tokens < 1:
-        raise InvalidRequestError("max_tokens", f"must be >= 1, got {sampling.max_tokens}")
-    if math.isnan(sampling.temperature) or sampling.temperature < 0:
-        raise InvalidRequestError("temperature", f"must be >= 0, got {sampling.temperature}")
-    if math.isnan(sampling.top_p) or not 0.0 < sampling.top_p <= 1.0:
-        raise InvalidRequestError("top_p", f"must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {sampling.top_k}")
-    if sampling.seed is not None and sampling.seed < 0:
-        raise InvalidRequestError("seed", f"must be >= 0, got {sampling.seed}")
-    if any(not s for s in sampling.stop):
-        raise InvalidRequestError("stop", "stop strings must not be empty")
+def _require(ok: object, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Every id inside the vocabulary; the error names the first one that is not."""
+    bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(field, f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, prefix: str = "") -> None:
+    """``prefix`` + the field name is what the error names (the router passes "sampling.")."""
+    s = sampling
+    _require(s.max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {s.max_tokens}")
+    # isfinite also rejects NaN, which would slip past every comparison; inf would turn every
+    # logit into 0 / inf sampling.
+    _require(math.isfinite(s.temperature) and s.temperature >= 0, prefix + "temperature",
+             f"must be a finite number >= 0, got {s.temperature}")
+    _require(not math.isnan(s.top_p) and 0.0 < s.top_p <= 1.0, prefix + "top_p", f"must be in (0, 1], got {s.top_p}")
+    _require(s.top_k >= 0, prefix + "top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
+    _require(s.seed is None or s.seed >= 0, prefix + "seed", f"must be >= 0, got {s.seed}")
+    _require(all(s.stop), prefix + "stop", "stop strings must not be empty")
+    if vocab_size is not None:
+        check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")
 
 
 def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int) -> None:
     """Raise InvalidRequestError naming the offending field; return silently when the spec is servable."""
     ids = spec.prompt_token_ids
-    if not spec.req_id:
-        raise InvalidRequestError("request_id", "must not be empty")
-    if len(ids) == 0:
-        raise InvalidRequestError("prompt", "must not be empty")
-    if len(ids) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}"
-        )
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    validate_sampling(spec.sampling)
-    if len(ids) + spec.sampling.max_tokens > max_model_len:
-        raise InvalidRequestError(
-            "max_tokens",
-            f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds max_model_len "
-            f"{max_model_len} (the model's, or what the worker's KV pool holds)",
-        )
-    bad_stop = next((t for t in spec.sampling.stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad_stop is not None:
-        raise InvalidRequestError("stop_token_ids", f"token id {bad_stop} is outside the vocabulary")
+    _require(spec.req_id, "request_id", "must not be empty")
+    _require(len(ids) > 0, "prompt", "must not be empty")
+    _require(len(ids) < max_model_len, "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}")
+    check_token_ids(ids, vocab_size, "prompt_token_ids")
+    validate_sampling(spec.sampling, vocab_size)
+    _require(len(ids) + spec.sampling.max_tokens <= max_model_len, "max_tokens",
+             f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds max_model_len "
+             f"{max_model_len} (the model's, or what the worker's KV pool holds)")
     for name, value in (("ttft_ms", spec.slo.ttft_s), ("tpot_ms", spec.slo.tpot_s)):
-        if value is not None and not value > 0:
-            raise InvalidRequestError(name, f"must be > 0, got {value}")
+        _require(value is None or (math.isfinite(value) and value > 0), name, f"must be > 0, got {value}")

@@ -123,7 +123,7 @@ class WorkerBase:
 
     def _on_step_thread(self, result: StepResult) -> None:
         """Loop thread -> event loop: the worker handles step results on its own loop."""
-        if self.aio is not None and (result.deltas or result.prefilled):
+        if self.aio is not None and (result.deltas or result.prefilled or result.between_steps):
             self.aio.call_soon_threadsafe(self.on_step, result)
 
     def on_step(self, result: StepResult) -> None:

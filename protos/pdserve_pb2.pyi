@@ -27,6 +27,12 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_COLOCATED: _ClassVar[WorkerRole]
+
+class SchedulingPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEDULING_POLICY_UNSPECIFIED: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_FCFS: _ClassVar[SchedulingPolicy]
+    SCHEDULING_POLICY_PRIORITY: _ClassVar[SchedulingPolicy]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -39,6 +45,9 @@ WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_COLOCATED: WorkerRole
+SCHEDULING_POLICY_UNSPECIFIED: SchedulingPolicy
+SCHEDULING_POLICY_FCFS: SchedulingPolicy
+SCHEDULING_POLICY_PRIORITY: SchedulingPolicy
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -196,15 +205,51 @@ class SLODefaults(_message.Message):
     tpot_ms: float
     def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
 
+class Range(_message.Message):
+    __slots__ = ("min", "max")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    min: float
+    max: float
+    def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
+
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_tokens", "max_tokens", "default_max_tokens")
+    __slots__ = ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens", "ttft_ms_range", "tpot_ms_range", "scheduling_policy", "min_priority", "max_priority")
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRING_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHAT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_RANGE_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_RANGE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int
-    def __init__(self, max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ...) -> None: ...
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_stop_token_ids: int
+    max_prompt_bytes: int
+    max_chat_messages: int
+    max_receive_message_bytes: int
+    max_concurrent_streams: int
+    max_queued_requests: int
+    max_pending_tokens: int
+    ttft_ms_range: Range
+    tpot_ms_range: Range
+    scheduling_policy: SchedulingPolicy
+    min_priority: int
+    max_priority: int
+    def __init__(self, max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., max_chat_messages: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_pending_tokens: _Optional[int] = ..., ttft_ms_range: _Optional[_Union[Range, _Mapping]] = ..., tpot_ms_range: _Optional[_Union[Range, _Mapping]] = ..., scheduling_policy: _Optional[_Union[SchedulingPolicy, str]] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "mode", "workers", "default_slo", "limits")

@@ -30,8 +30,9 @@ bottleneck.
 Decision (targets scaled down for lower priority classes, so they are shed first):
   admit  - every prediction within target: the chosen pair runs it;
   queue  - TTFT fits but the decode side is full (its or a running request's TPOT over target,
-           or no KV room): wait for capacity, re-evaluated whenever a worker reports, until the
-           time queued leaves no room for its TTFT;
+           or no KV room): wait for capacity, re-evaluated when a worker reports (the oldest
+           ``MAX_WAKE_PER_NOTIFY`` per report, ``router.wakeup``), until the time queued leaves no
+           room for its TTFT; a queue already ``max_queued`` long refuses at once;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
 With no targets (best effort) or before any step timing arrived, requests are admitted.
@@ -39,7 +40,6 @@ With no targets (best effort) or before any step timing arrived, requests are ad
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -49,6 +49,7 @@ from engine.errors import CapacityError, WorkerFailedError
 from engine.types import RequestSpec
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
+from router.wakeup import FairWakeup
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as sat
 PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
 RESUME_WAIT_S = 60.0      # a migrating request waits this long for a worker to come back
+MAX_WAKE_PER_NOTIFY = 8   # queued requests re-evaluated per worker report: bounded work per step
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +117,9 @@ class Admission:
         # shut admission down.
         self.ttft_correction = 1.0
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
-        self._changed = asyncio.Condition()
+        self._waiters = FairWakeup()
         self.num_queued = 0
+        self.max_queued: int | None = None   # a full queue answers RESOURCE_EXHAUSTED at once
 
     # ---- inputs ---------------------------------------------------------------------------
     def observe_stats(self, worker: WorkerHandle) -> None:
@@ -148,8 +151,7 @@ class Admission:
         return self.models.setdefault(worker_id, StepTimeModel())
 
     async def notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        self._waiters.wake(MAX_WAKE_PER_NOTIFY)
 
     # ---- predictions -----------------------------------------------------------------------
     def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle,
@@ -282,27 +284,28 @@ class Admission:
         # Backstop: the TTFT prediction counts the wait too.
         deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or 30.0))
         decision = self.decide(spec, best_effort=resuming)
-        queued = False
+        ticket = None
         try:
             while decision.action == "queue":
                 queue_reason = decision.reason
-                if not queued:
-                    queued = True
+                if ticket is None:
+                    if self.max_queued is not None and self.num_queued >= self.max_queued:
+                        raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
+                                            f"({decision.reason}); retry later")
+                    ticket = self._waiters.enter()
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0 and decision.prediction is None:
                     raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
                 if remaining <= 0:
                     raise CapacityError(f"queued past its TTFT deadline ({decision.reason})")
-                async with self._changed:
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
-                    except asyncio.TimeoutError:
-                        pass
+                await self._waiters.wait(ticket, remaining)
                 decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming)
         finally:
-            if queued:
+            if ticket is not None:
+                self._waiters.leave(ticket)
                 self._count_queue(-1, metrics)
+        queued = ticket is not None
         if decision.action == "reject":
             raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""))
         if metrics is not None:

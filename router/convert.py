@@ -2,8 +2,9 @@
 
 Life cycle of one Generate call, as far as this module goes:
 
-1. ``req_id_from_proto`` takes the client's ``request_id`` or makes one.
-2. ``prompt_from_proto(request, tokenizer)`` turns the ``prompt`` oneof (text, chat or token ids)
+1. ``label_from_proto`` checks the client's ``request_id``, a label only (the router runs the
+   request under its own id: ``router.identity``); ``router.limits.check_request`` checks sizes.
+2. ``prompt_from_proto(request, tokenizer)`` (off the event loop: it may be slow) turns the ``prompt`` oneof (text, chat or token ids)
    into token ids; chat messages are checked before the chat template sees them.
 3. ``spec_from_proto(request, prompt_token_ids, defaults, req_id)`` checks everything else and
    fills every unset field from ``ServerDefaults``. The frozen ``RequestSpec`` it returns is what
@@ -23,16 +24,16 @@ loads torch or transformers.
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError
 from engine.types import FinishReason, RequestSpec, SamplingParams, SLOTarget, TokenDelta, WorkerStats
-from engine.validation import validate_spec
+from engine.validation import check_token_ids, validate_sampling, validate_spec
 from protos import pdserve_pb2 as pb
+from router.limits import ServerLimits, clamp_hint_ms, limits_to_proto, priority_for
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_REQUEST_ID_LEN = 256
@@ -61,6 +62,7 @@ class ServerDefaults:
     top_k: int = 0               # 0 disables top-k
     ttft_s: float | None = None  # default SLO targets; None = best effort
     tpot_s: float | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +98,20 @@ def _require(ok: object, field: str, message: str) -> None:
         raise InvalidRequestError(field, message)
 
 
-def _check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
-    for i, t in enumerate(ids):
-        _require(0 <= t < vocab_size, field, f"token id {t} at index {i} is outside [0, {vocab_size})")
-
-
-def req_id_from_proto(request: pb.GenerateRequest) -> str:
-    """The client's id when given (uniqueness among live requests is the router's to enforce)."""
+def label_from_proto(request: pb.GenerateRequest) -> str | None:
+    """The client's request_id, checked; None when unset. A label only: the router runs every
+    request under its own id (``router.identity``)."""
     if not request.HasField("request_id"):
-        return uuid.uuid4().hex
+        return None
     rid = request.request_id
     _require(0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id", f"must be 1 to {MAX_REQUEST_ID_LEN} characters")
     return rid
+
+
+def req_id_from_proto(request: pb.GenerateRequest) -> str:
+    """The client's label, or a fresh uuid (tests and tools that make specs without a router)."""
+    label = label_from_proto(request)
+    return uuid.uuid4().hex if label is None else label
 
 
 def chat_from_proto(chat: pb.ChatMessages) -> list[dict[str, str]]:
@@ -166,28 +170,14 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         ignore_eos=get("ignore_eos", False),
         logprobs=get("logprobs", False),
     )
-    _check_sampling(sp, defaults.vocab_size)
+    validate_sampling(sp, defaults.vocab_size, prefix="sampling.")
     return sp
 
 
-def _check_sampling(sp: SamplingParams, vocab_size: int) -> None:
-    _require(sp.max_tokens >= 1, "sampling.max_tokens", f"must be >= 1, got {sp.max_tokens}")
-    # isfinite also rejects NaN, which would slip past every comparison below.
-    _require(math.isfinite(sp.temperature) and sp.temperature >= 0, "sampling.temperature",
-             f"must be a finite number >= 0, got {sp.temperature}")
-    _require(0 < sp.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {sp.top_p}")
-    _require(sp.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 disables it), got {sp.top_k}")
-    _require(sp.seed is None or sp.seed >= 0, "sampling.seed", f"must be >= 0, got {sp.seed}")
-    _require(all(sp.stop), "sampling.stop", "stop strings must be non-empty")
-    _check_token_ids(sp.stop_token_ids, vocab_size, "sampling.stop_token_ids")
-
-
-def _slo_hint(request: pb.GenerateRequest, name: str, default_s: float | None) -> float | None:
+def _slo_hint(request: pb.GenerateRequest, name: str, defaults: ServerDefaults) -> float | None:
     if not request.HasField(name):
-        return default_s
-    ms = getattr(request, name)
-    _require(math.isfinite(ms) and ms > 0, name, f"must be > 0 milliseconds, got {ms}")
-    return ms / 1000.0
+        return getattr(defaults, name.replace("_ms", "_s"))
+    return clamp_hint_ms(name, getattr(request, name), defaults.limits) / 1000.0
 
 
 def _prompt_field(request: pb.GenerateRequest) -> str:
@@ -198,12 +188,14 @@ def spec_from_proto(
     request: pb.GenerateRequest, prompt_token_ids: Sequence[int], defaults: ServerDefaults, req_id: str
 ) -> RequestSpec:
     """Validate the request and fill every default: the one place a ``RequestSpec`` is made."""
-    prompt = tuple(int(t) for t in prompt_token_ids)
     field, limit = _prompt_field(request), defaults.max_model_len
-    _require(prompt, field, "empty prompt")
-    _require(len(prompt) < limit, field,
-             f"prompt has {len(prompt)} tokens; max_model_len is {limit} and one token must be generated")
-    _check_token_ids(prompt, defaults.vocab_size, field)
+    n = len(prompt_token_ids)
+    _require(n, field, "empty prompt")
+    # Length first: a huge prompt is refused before any per-token work (that work runs on the
+    # router's event loop for token_ids prompts).
+    _require(n < limit, field, f"prompt has {n} tokens; max_model_len is {limit} and one token must be generated")
+    prompt = tuple(int(t) for t in prompt_token_ids)
+    check_token_ids(prompt, defaults.vocab_size, field)
     sampling = sampling_from_proto(request.sampling, defaults)
     room = limit - len(prompt)
     if request.sampling.HasField("max_tokens"):
@@ -214,9 +206,8 @@ def spec_from_proto(
     elif sampling.max_tokens > room:
         # The server's default was never the client's promise: it shrinks to fit a long prompt.
         sampling = dataclasses.replace(sampling, max_tokens=room)
-    slo = SLOTarget(ttft_s=_slo_hint(request, "ttft_ms", defaults.ttft_s),
-                    tpot_s=_slo_hint(request, "tpot_ms", defaults.tpot_s))
-    priority = request.priority if request.HasField("priority") else 0
+    slo = SLOTarget(ttft_s=_slo_hint(request, "ttft_ms", defaults), tpot_s=_slo_hint(request, "tpot_ms", defaults))
+    priority = priority_for(request, defaults.limits)
     spec = RequestSpec(req_id=req_id, prompt_token_ids=prompt, sampling=sampling, slo=slo, priority=priority)
     # The engine re-checks every spec on add_request; running its checks here too means a spec
     # the engine would refuse is refused now, before it is queued, whatever either side adds.
@@ -329,7 +320,7 @@ def server_info_to_proto(
         mode=_MODE_TO_PROTO.get(mode, pb.SERVING_MODE_UNSPECIFIED),
         workers=[worker_info_to_proto(w) for w in workers] + [worker_status_to_proto(w) for w in statuses],
         limits=pb.Limits(max_prompt_tokens=defaults.max_model_len - 1, max_tokens=defaults.max_model_len - 1,
-                         default_max_tokens=defaults.max_tokens),
+                         default_max_tokens=defaults.max_tokens, **limits_to_proto(defaults.limits)),
     )
     if defaults.ttft_s is not None:
         msg.default_slo.ttft_ms = defaults.ttft_s * 1000.0

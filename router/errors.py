@@ -1,19 +1,58 @@
-"""The one place where pdserve's typed errors become gRPC status codes."""
+"""The one place where errors become gRPC status codes and messages.
+
+Client mistakes keep their message, which names the field: INVALID_ARGUMENT (bad input),
+ALREADY_EXISTS (a request_id already live), RESOURCE_EXHAUSTED (a limit or no capacity).
+Everything else is ours: the client gets a short message with a reference to grep the router's
+log for (UNAVAILABLE, naming the cause in the router's own words, when no worker could serve
+the request; INTERNAL otherwise), and the full error, a worker's exception text or stack
+included, goes to that log only. Never UNKNOWN.
+"""
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import grpc
+from ray.exceptions import RayTaskError
 
-from engine.errors import CapacityError, InvalidRequestError, KVTransferError, WorkerFailedError
+from engine.errors import CapacityError, InvalidRequestError, WorkerFailedError
+from router.identity import DuplicateRequestError
+
+logger = logging.getLogger(__name__)
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+class RequestFailedError(Exception):
+    """A worker finished the request with FinishReason.ERROR; ``detail`` is its text (logged only)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def status_for(exc: BaseException, req_id: str = "") -> tuple[grpc.StatusCode, str]:
+    exc = _unwrap(exc)
     if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}"
+    if isinstance(exc, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, WorkerFailedError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, KVTransferError):
-        return grpc.StatusCode.INTERNAL, f"KV transfer failed: {exc}"
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, WorkerFailedError):   # our own words (the cause: which worker, what limit)
+        return grpc.StatusCode.UNAVAILABLE, _logged(f"unavailable: {exc}", exc, req_id)
+    return grpc.StatusCode.INTERNAL, _logged("internal error", exc, req_id)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A typed error raised in a worker reaches us as a RayTaskError carrying it as ``cause``
+    (whose own text is the worker's traceback): map and word it by the cause."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _logged(what: str, exc: BaseException, req_id: str) -> str:
+    ref = uuid.uuid4().hex[:12]
+    detail = exc.detail if isinstance(exc, RequestFailedError) else f"{type(exc).__name__}: {exc}"
+    logger.error("%s (ref %s) for request %s: %s", what, ref, req_id or "-", detail,
+                 exc_info=None if isinstance(exc, RequestFailedError) else exc)
+    return f"{what} (ref {ref}); see router logs"

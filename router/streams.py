@@ -15,6 +15,7 @@ import logging
 from typing import Callable
 
 from engine.types import StreamBatch, TokenDelta
+from router.delta_queue import DeltaQueue
 from router.registry import WorkerHandle, WorkerRegistry
 from router.worker_calls import WorkerLost, short_cause
 
@@ -51,7 +52,7 @@ class DecodeStreams:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     def register(self, req_id: str, worker: WorkerHandle) -> asyncio.Queue[QueueItem]:
-        queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+        queue = DeltaQueue()  # merges deltas for a reader that lags; bounded (router/delta_queue.py)
         self._queues[req_id] = queue
         self._owner[req_id] = (worker.worker_id, worker.generation)
         return queue

@@ -96,3 +96,19 @@ def require_promtool() -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+class ByteTokenizer:
+    """A tokenizer for the tiny random model (which has none): one token per UTF-8 byte, ids
+    3.. so they stay inside its vocabulary; a chat renders ``role: content`` lines. Enough to
+    drive the router's text and chat paths in tests."""
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + b for b in text.encode("utf-8")]
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=True, **kwargs):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
+        return self.encode(text)

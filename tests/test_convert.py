@@ -14,6 +14,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.types import FinishReason, SamplingParams, TokenDelta, WorkerStats
 from protos import pdserve_pb2 as pb
+from router.limits import SchedulingPolicy, ServerLimits
 from router.client import build_request
 from router.convert import (
     IncrementalDetokenizer,
@@ -57,11 +58,11 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", chat_template=CHAT_TEMPLATE)
 
 
-def spec(**kwargs):
+def spec(defaults=DEFAULTS, **kwargs):
     """Validate a request with a token-id prompt (default [1, 2, 3]) through the real path."""
     kwargs.setdefault("token_ids", [1, 2, 3])
     req = build_request(**kwargs)
-    return spec_from_proto(req, prompt_from_proto(req, tokenizer=None), DEFAULTS, req_id_from_proto(req))
+    return spec_from_proto(req, prompt_from_proto(req, tokenizer=None), defaults, req_id_from_proto(req))
 
 
 # ---------------------------------------------------------------- validation
@@ -140,7 +141,9 @@ def test_explicit_zero_temperature_is_not_unset():
 
 
 def test_explicit_values_are_kept():
-    s = spec(request_id="r1", max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop="\n",
+    # Priority is honoured only under the priority scheduling policy (router/limits.py).
+    limits = ServerLimits(scheduling_policy=SchedulingPolicy.PRIORITY, min_priority=-5, max_priority=5)
+    s = spec(dataclasses.replace(DEFAULTS, limits=limits), request_id="r1", max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop="\n",
              stop_token_ids=[7], ignore_eos=True, logprobs=True, ttft_ms=250, tpot_ms=50, priority=-2)
     assert s.req_id == "r1" and s.priority == -2
     assert s.sampling == SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=("\n",),

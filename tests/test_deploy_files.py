@@ -243,3 +243,14 @@ def test_cluster_yaml_installs_and_starts_the_router_service():
     assert at["systemctl enable pdserve-router"] <= at["systemctl restart pdserve-router"]
     assert "--address auto" in cmds[at["/etc/default/pdserve-router"]], "the router must join the head's Ray"
     assert "tmux" not in (DEPLOY / "README.md").read_text(), "the README still starts the router by hand"
+
+
+def test_limit_flags_reach_the_server_defaults():
+    from deploy.cli import _parser, cluster_config
+    from router.limits import SchedulingPolicy
+
+    args = _parser().parse_args(["serve", "--max-stop-strings", "4", "--max-concurrent-streams", "9",
+                                 "--scheduling-policy", "priority", "--max-priority", "3"])
+    limits = cluster_config(args).defaults["limits"]
+    assert (limits.max_stop_strings, limits.max_concurrent_streams, limits.max_priority) == (4, 9, 3)
+    assert limits.scheduling_policy is SchedulingPolicy.PRIORITY

@@ -1,0 +1,99 @@
+"""One request's queue of token deltas between its decode worker's stream and its gRPC stream,
+bounded for a reader that falls behind.
+
+grpc.aio's write blocks while the client's flow-control window is full, so a client that stops
+reading stops the handler from taking deltas, and they pile up here. Two rules bound that:
+  merge  - ``get`` returns every delta pending, merged into one (one message instead of many);
+  cancel - past ``max_pending_tokens`` pending, the deltas are dropped, the queue yields only a
+           ``SlowReaderError``, and the task that consumes it (the request's handler, blocked in
+           its write) is cancelled with ``SLOW_READER``: the handler aborts the request (its KV is
+           freed) and answers RESOURCE_EXHAUSTED.
+The limit is the server's option, per request: the handler sets ``MAX_PENDING_TOKENS`` (a
+context variable) before the queue is made in its task, so ``DecodeStreams`` makes the queue
+without knowing the server's options.
+
+Life cycle: made by ``DecodeStreams.register`` inside the request's handler task; ``put_nowait``
+from the stream demux; ``get`` by the orchestrator (in that same task); dropped on unregister.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+from collections import deque
+
+from engine.errors import CapacityError
+from engine.types import TokenDelta
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_TOKENS = 4096
+MAX_PENDING_TOKENS: contextvars.ContextVar[int] = contextvars.ContextVar("max_pending_tokens",
+                                                                           default=DEFAULT_MAX_PENDING_TOKENS)
+SLOW_READER = "pdserve: slow reader"   # the cancel message the handler recognises
+
+QueueItem = TokenDelta | Exception
+
+
+class SlowReaderError(CapacityError):
+    """The client did not read its stream: ``max_pending_tokens`` tokens waited for it."""
+
+
+class DeltaQueue:
+    def __init__(self, max_pending_tokens: int | None = None) -> None:
+        self.max_pending_tokens = MAX_PENDING_TOKENS.get() if max_pending_tokens is None else max_pending_tokens
+        self._items: deque[QueueItem] = deque()
+        self._num_tokens = 0
+        self._ready = asyncio.Event()
+        self._consumer = asyncio.current_task()   # the handler's task (None outside a task)
+        self.overflowed = False
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self._num_tokens
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, item: QueueItem) -> None:
+        if self.overflowed:
+            return
+        self._items.append(item)
+        self._ready.set()
+        if isinstance(item, TokenDelta):
+            self._num_tokens += len(item.token_ids)
+            if self._num_tokens > self.max_pending_tokens:
+                self._overflow()
+
+    async def get(self) -> QueueItem:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._take()
+
+    def _take(self) -> QueueItem:
+        if isinstance(self._items[0], Exception):
+            return self._items.popleft()
+        merged = self._items.popleft()
+        while self._items and isinstance(self._items[0], TokenDelta) and not merged.finished:
+            merged = merge(merged, self._items.popleft())
+        self._num_tokens -= len(merged.token_ids)
+        return merged
+
+    def _overflow(self) -> None:
+        logger.warning("a stream's reader is %d tokens behind (max_pending_tokens %d): cancelling it",
+                       self._num_tokens, self.max_pending_tokens)
+        self.overflowed = True
+        self._items.clear()
+        self._num_tokens = 0
+        self._items.append(SlowReaderError(
+            f"max_pending_tokens: the client left more than {self.max_pending_tokens} tokens unread"))
+        if self._consumer is not None and not self._consumer.done():
+            self._consumer.cancel(SLOW_READER)
+
+
+def merge(a: TokenDelta, b: TokenDelta) -> TokenDelta:
+    """``b`` after ``a`` as one delta (a request's deltas: same id, only the last may finish)."""
+    logprobs = (a.logprobs or ()) + (b.logprobs or ()) if a.logprobs is not None or b.logprobs is not None else None
+    return TokenDelta(a.req_id, a.token_ids + b.token_ids, b.finish_reason, logprobs, b.error or a.error)

@@ -1,0 +1,53 @@
+"""Who a request is: the router's own id for it, and the client's label.
+
+Every Generate call runs under an id the router makes (``req_id``, uuid4 hex): that is what
+``RequestSpec.req_id`` carries to the workers, what streams are demultiplexed by and what
+aborts name, so no client can choose an id that reaches another client's request. The
+client's ``request_id`` is only a label echoed back in its responses (the router makes one
+when it is unset). One live request per label: a second call with a label already live gets
+ALREADY_EXISTS and the running one is left untouched.
+
+Life cycle: ``claim`` when the call arrives (before tokenizing, so a duplicate or a call over
+``max_concurrent_streams`` costs nothing), ``release`` when it ends, whatever way it ends.
+Single-threaded: only the router's event loop touches it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from engine.errors import CapacityError, PdserveError
+
+
+class DuplicateRequestError(PdserveError):
+    """A client request_id already live (maps to ALREADY_EXISTS)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestIdentity:
+    label: str    # the client's request_id, or one made for it: echoed, never routed by
+    req_id: str   # the router's own id: what workers, streams and aborts see
+
+
+class LiveRequests:
+    def __init__(self, max_live: int) -> None:
+        self.max_live = max_live
+        self._live: dict[str, str] = {}   # label -> req_id
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def claim(self, label: str | None) -> RequestIdentity:
+        """Raises DuplicateRequestError or CapacityError (max_concurrent_streams)."""
+        if label is not None and label in self._live:
+            raise DuplicateRequestError(f"request_id: {label!r} is already live on this server")
+        if len(self._live) >= self.max_live:
+            raise CapacityError(f"max_concurrent_streams: {self.max_live} requests are live; retry later")
+        identity = RequestIdentity(label if label is not None else uuid.uuid4().hex, uuid.uuid4().hex)
+        self._live[identity.label] = identity.req_id
+        return identity
+
+    def release(self, identity: RequestIdentity) -> None:
+        if self._live.get(identity.label) == identity.req_id:
+            del self._live[identity.label]

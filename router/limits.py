@@ -1,0 +1,132 @@
+"""What one client may ask of the server: the limits that keep one request from hurting others.
+
+Every limit is a server option (``pdserve serve`` flags, ``ServerLimits`` in ``ServerDefaults``)
+with a default sized for a public endpoint, and is reported in ``ServerInfo.limits``. The checks
+that need only the request message (``check_request``) run before any tokenizer sees the prompt,
+so a huge prompt costs its bytes and nothing more. A request past a limit is refused with
+INVALID_ARGUMENT naming the field; load limits (concurrent streams, admission queue, a stream
+whose reader falls behind) answer RESOURCE_EXHAUSTED at once. SLO hints are clamped, not refused;
+priority is honoured only under the ``priority`` scheduling policy, and then only in range.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from protos import pdserve_pb2 as pb
+
+MIB = 1 << 20
+
+
+class SchedulingPolicy(str, enum.Enum):
+    """vLLM's names. FCFS ignores the client's priority (every request gets 0)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_prompt_bytes: int = MIB              # UTF-8 bytes of text or of all chat contents, before tokenizing
+    max_chat_messages: int = 512
+    # gRPC's own cap on one incoming message: room for a max_prompt_bytes prompt plus its
+    # framing, and for token_ids prompts (an id is up to 10 bytes on the wire).
+    max_receive_message_bytes: int = 4 * MIB
+    max_concurrent_streams: int = 256        # live Generate calls; more: RESOURCE_EXHAUSTED at once
+    max_queued_requests: int = 128           # waiting in admission; more: RESOURCE_EXHAUSTED at once
+    max_pending_tokens: int = 4096           # a stream's tokens not yet taken by its reader; more: cancelled
+    min_ttft_ms: float = 10.0                # client SLO hints are clamped into these ranges
+    max_ttft_ms: float = 600_000.0
+    min_tpot_ms: float = 1.0
+    max_tpot_ms: float = 60_000.0
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    min_priority: int = 0                    # with the priority policy: lower runs first
+    max_priority: int = 10
+
+    def __post_init__(self) -> None:
+        if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:
+            raise ValueError("SLO hint ranges must have min <= max")
+        if self.min_priority > self.max_priority:
+            raise ValueError("priority range must have min <= max")
+
+
+def _require(ok: object, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field, message)
+
+
+def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
+    """The limits a message can be checked against before tokenizing: prompt bytes, chat length,
+    stop strings and stop token ids. Raises InvalidRequestError naming the field."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        _check_bytes("text", len(request.text.encode("utf-8")), limits)
+    elif kind == "chat":
+        n = len(request.chat.messages)
+        _require(n <= limits.max_chat_messages, "chat.messages", f"{n} messages; at most {limits.max_chat_messages}")
+        size = sum(len(m.content.encode("utf-8")) for m in request.chat.messages)   # roles are a fixed set
+        _check_bytes("chat", size, limits)
+    _check_stops(request.sampling, limits)
+
+
+def _check_bytes(field: str, size: int, limits: ServerLimits) -> None:
+    _require(size <= limits.max_prompt_bytes, field, f"prompt is {size} bytes; at most {limits.max_prompt_bytes}")
+
+
+def _check_stops(sampling: pb.SamplingParams, limits: ServerLimits) -> None:
+    n = len(sampling.stop)
+    _require(n <= limits.max_stop_strings, "sampling.stop", f"{n} stop strings; at most {limits.max_stop_strings}")
+    for i, s in enumerate(sampling.stop):
+        _require(len(s) <= limits.max_stop_string_chars, f"sampling.stop[{i}]",
+                 f"{len(s)} characters; at most {limits.max_stop_string_chars}")
+    n = len(sampling.stop_token_ids)
+    _require(n <= limits.max_stop_token_ids, "sampling.stop_token_ids",
+             f"{n} stop token ids; at most {limits.max_stop_token_ids}")
+
+
+def clamp_hint_ms(field: str, ms: float, limits: ServerLimits) -> float:
+    """A client SLO hint clamped into the server's range (a 1 µs TTFT target would make admission
+    reject everything; a week-long one would let a request queue forever). Not a number > 0 is
+    the client's mistake."""
+    _require(math.isfinite(ms) and ms > 0, field, f"must be > 0 milliseconds, got {ms}")
+    low, high = (limits.min_ttft_ms, limits.max_ttft_ms) if field == "ttft_ms" else (limits.min_tpot_ms, limits.max_tpot_ms)
+    return min(high, max(low, ms))
+
+
+def priority_for(request: pb.GenerateRequest, limits: ServerLimits) -> int:
+    """The priority a request runs at: 0 under FCFS whatever it asked; its own under the
+    priority policy, which must be within the configured range."""
+    if limits.scheduling_policy is not SchedulingPolicy.PRIORITY:
+        return 0
+    if not request.HasField("priority"):
+        return min(max(0, limits.min_priority), limits.max_priority)
+    p = request.priority
+    _require(limits.min_priority <= p <= limits.max_priority, "priority",
+             f"{p} is outside [{limits.min_priority}, {limits.max_priority}]")
+    return p
+
+
+_POLICY_TO_PROTO = {SchedulingPolicy.FCFS: pb.SCHEDULING_POLICY_FCFS,
+                    SchedulingPolicy.PRIORITY: pb.SCHEDULING_POLICY_PRIORITY}
+
+
+def limits_to_proto(limits: ServerLimits) -> dict:
+    """The ``Limits`` message fields this module owns (convert adds the model's)."""
+    return dict(
+        max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
+        max_stop_token_ids=limits.max_stop_token_ids, max_prompt_bytes=limits.max_prompt_bytes,
+        max_chat_messages=limits.max_chat_messages, max_receive_message_bytes=limits.max_receive_message_bytes,
+        max_concurrent_streams=limits.max_concurrent_streams, max_queued_requests=limits.max_queued_requests,
+        max_pending_tokens=limits.max_pending_tokens,
+        ttft_ms_range=pb.Range(min=limits.min_ttft_ms, max=limits.max_ttft_ms),
+        tpot_ms_range=pb.Range(min=limits.min_tpot_ms, max=limits.max_tpot_ms),
+        scheduling_policy=_POLICY_TO_PROTO[limits.scheduling_policy],
+        min_priority=limits.min_priority, max_priority=limits.max_priority,
+    )

@@ -1,0 +1,210 @@
+"""One client cannot hurt another: the router runs every request under its own id (the
+client's request_id is a label echoed back; a live label gets ALREADY_EXISTS and the running
+request is untouched, whichever call comes first); one client's cancel does not reach another;
+a client that stops reading is cancelled with bounded memory and its work is freed; ServerInfo
+shows every block free on an idle cluster. Cluster tests end with the cluster-wide leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from engine.types import TokenDelta
+from router.client import AsyncPdserveClient, PdserveClient
+from router.convert import ServerDefaults
+from router.delta_queue import DeltaQueue, SlowReaderError, merge
+from router.limits import ServerLimits
+from router.server import PdserveServicer, ServerInfo, start_server
+from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy
+from tests.test_cluster_e2e import address, start_cluster
+
+PROMPT = [17, 18, 19, 20]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    c = start_cluster("disaggregated")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference):
+    return hf_greedy(hf_reference, PROMPT, 120)
+
+
+async def _collect(stream) -> tuple[list[int], set[str]]:
+    tokens, labels = [], set()
+    async for msg in stream:
+        tokens.extend(msg.token_ids)
+        labels.add(msg.request_id)
+    return tokens, labels
+
+
+def test_live_label_gets_already_exists_and_the_first_is_untouched(cluster, reference):
+    async def scenario():
+        async with AsyncPdserveClient(address(cluster)) as a, AsyncPdserveClient(address(cluster)) as b:
+            first = a.generate(token_ids=PROMPT, max_tokens=120, ignore_eos=True, request_id="job-1")
+            head = await first.__anext__()
+            with pytest.raises(grpc.RpcError) as dup:
+                await b.generate_text(token_ids=[5, 6], max_tokens=3, request_id="job-1")
+            rest, labels = await _collect(first)
+            again = await b.generate_text(token_ids=[5, 6], max_tokens=3, request_id="job-1")  # no longer live
+            return list(head.token_ids) + rest, {head.request_id} | labels, dup.value, again
+
+    tokens, labels, dup, again = asyncio.run(scenario())
+    assert dup.code() is grpc.StatusCode.ALREADY_EXISTS and "request_id" in dup.details()
+    assert tokens == reference and labels == {"job-1"}
+    assert again.request_id == "job-1" and again.usage.completion_tokens == 3
+    assert cluster_leaks(cluster) == {}
+
+
+def test_two_calls_with_one_label_at_once_one_wins_whole(cluster, reference):
+    """Both orders: whichever call the router sees first runs, complete; the other is refused."""
+    async def scenario():
+        async with AsyncPdserveClient(address(cluster)) as a, AsyncPdserveClient(address(cluster)) as b:
+            calls = [c.generate_text(token_ids=PROMPT, max_tokens=120, ignore_eos=True, request_id="same")
+                     for c in (a, b)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    for _ in range(2):
+        results = asyncio.run(scenario())
+        refused = [r for r in results if isinstance(r, grpc.RpcError)]
+        served = [r for r in results if not isinstance(r, BaseException)]
+        assert len(refused) == 1 and refused[0].code() is grpc.StatusCode.ALREADY_EXISTS
+        assert len(served) == 1 and served[0].token_ids == reference and served[0].request_id == "same"
+    assert cluster_leaks(cluster) == {}
+
+
+def test_unlabelled_calls_get_distinct_labels_and_never_share_a_stream(cluster, reference):
+    async def scenario():
+        async with AsyncPdserveClient(address(cluster)) as client:
+            return await asyncio.gather(*(client.generate_text(token_ids=PROMPT, max_tokens=120, ignore_eos=True)
+                                          for _ in range(4)))
+
+    results = asyncio.run(scenario())
+    assert len({r.request_id for r in results}) == 4 and all(len(r.request_id) == 32 for r in results)
+    assert all(r.token_ids == reference for r in results)
+    assert cluster_leaks(cluster) == {}
+
+
+def test_one_clients_cancel_does_not_reach_another_with_the_same_prompt(cluster, reference):
+    async def scenario():
+        async with AsyncPdserveClient(address(cluster)) as a, AsyncPdserveClient(address(cluster)) as b:
+            victim = a.generate(token_ids=PROMPT, max_tokens=120, ignore_eos=True, request_id="x")
+            other = asyncio.create_task(b.generate_text(token_ids=PROMPT, max_tokens=120, ignore_eos=True,
+                                                        request_id="y"))
+            await victim.__anext__()
+            await victim.aclose()   # cancels "x"
+            return await other
+
+    result = asyncio.run(scenario())
+    assert result.token_ids == reference and result.request_id == "y"
+    assert cluster_leaks(cluster) == {}
+
+
+def test_idle_cluster_server_info_shows_every_block_free(cluster):
+    with PdserveClient(address(cluster)) as client:
+        client.generate_text(token_ids=list(range(5, 60)), max_tokens=4, ignore_eos=True)
+        assert cluster_leaks(cluster) == {}
+        workers = client.server_info().workers
+    assert {w.worker_id for w in workers} == {"prefill-0", "decode-0"}
+    assert all(w.num_free_blocks == w.num_total_blocks and w.num_running == 0 for w in workers)
+    # What the router last heard from the decode worker agrees: its stream publishes stats after
+    # calls that free blocks between steps (EngineLoop's between-steps report).
+    decode = cluster.cluster.registry.get("decode-0")
+    assert decode.stats.num_free_blocks == decode.stats.num_total_blocks
+
+
+# ---------------------------------------------------------------- slow readers
+
+
+def test_delta_queue_merges_and_overflows():
+    async def scenario():
+        queue = DeltaQueue(max_pending_tokens=6)
+        for i in range(3):
+            queue.put_nowait(TokenDelta("r", (i, i)))
+        merged = await queue.get()
+        assert merged.token_ids == (0, 0, 1, 1, 2, 2) and queue.num_pending_tokens == 0
+        consumer = asyncio.current_task()
+        for i in range(4):
+            queue.put_nowait(TokenDelta("r", (i, i)))   # 8 > 6 pending: cancel the consumer
+        assert queue.overflowed and consumer.cancelling()
+        consumer.uncancel()
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            pass
+        item = await queue.get()
+        assert isinstance(item, SlowReaderError)
+
+    asyncio.run(scenario())
+    done = merge(TokenDelta("r", (1,), logprobs=(-1.0,)), TokenDelta("r", (2,), "stop", (-2.0,)))
+    assert done.token_ids == (1, 2) and done.finish_reason == "stop" and done.logprobs == (-1.0, -2.0)
+
+
+class EndlessOrchestrator:
+    """Streams 8-token deltas as fast as it can through the real DeltaQueue; records its end."""
+
+    def __init__(self) -> None:
+        self.registry = SimpleNamespace(all=[])
+        self.admission = SimpleNamespace(max_queued=None)
+        self.ended = threading.Event()
+        self.max_pending_seen = 0
+
+    async def generate(self, spec, trace):
+        queue = DeltaQueue()   # made in the handler's task, as DecodeStreams.register does
+
+        async def produce():
+            while True:
+                queue.put_nowait(TokenDelta(spec.req_id, (5,) * 8))
+                self.max_pending_seen = max(self.max_pending_seen, queue.num_pending_tokens)
+                await asyncio.sleep(0)
+
+        producer = asyncio.create_task(produce())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            producer.cancel()
+            self.ended.set()   # where the real orchestrator aborts on every worker
+
+
+def test_slow_reader_is_cancelled_with_bounded_memory():
+    limits = ServerLimits(max_pending_tokens=512)
+    orchestrator = EndlessOrchestrator()
+    servicer = PdserveServicer(orchestrator, ByteTokenizer(), ServerDefaults(max_model_len=10**9, vocab_size=300,
+                                                                            limits=limits),
+                               ServerInfo("fake", "colocated", 16))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(start_server(servicer, "127.0.0.1", 0), loop).result(10)
+    try:
+        with PdserveClient(f"127.0.0.1:{port}", timeout_s=60) as client:
+            stream = client.generate(token_ids=[5], max_tokens=10**8, request_id="slow")
+            next(stream)                       # then stop reading
+            assert orchestrator.ended.wait(30), "the slow reader was never cancelled"
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in stream:
+                    pass
+        assert info.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+        assert info.value.code() is grpc.StatusCode.CANCELLED or "max_pending_tokens" in info.value.details()
+        assert orchestrator.max_pending_seen <= limits.max_pending_tokens + 8
+        deadline = time.monotonic() + 10
+        while len(servicer.live) and time.monotonic() < deadline:   # the handler's finally runs on its loop
+            time.sleep(0.05)
+        assert len(servicer.live) == 0
+        print("slow reader got", info.value.code(), info.value.details())
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)

@@ -1,0 +1,203 @@
+"""Every request limit at its value and just past it (router/limits.py): INVALID_ARGUMENT or
+RESOURCE_EXHAUSTED with a message naming the field; SLO hints clamped; priority only under the
+priority policy and in range; the admission queue cap and its bounded FIFO wake-up; the limits
+reported in ServerInfo. Cluster tests end with the cluster-wide leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from engine.errors import CapacityError, InvalidRequestError
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from router.client import AsyncPdserveClient, PdserveClient, build_request
+from router.convert import ServerDefaults, spec_from_proto
+from router.limits import SchedulingPolicy, ServerLimits
+from router.wakeup import FairWakeup
+from tests.conftest import ByteTokenizer, cluster_leaks
+from tests.test_admission import cluster as admission_cluster, sent_to_decode, spec as admission_spec
+from tests.test_cluster_e2e import address, start_cluster
+
+LIMITS = ServerLimits(max_stop_strings=3, max_stop_string_chars=8, max_stop_token_ids=4, max_prompt_bytes=200,
+                      max_chat_messages=4, max_receive_message_bytes=4096, max_concurrent_streams=4)
+
+
+@pytest.fixture(scope="module")
+def limited(ray_session):
+    cluster = start_cluster("disaggregated", defaults={"limits": LIMITS})
+    cluster.cluster.servicer.tokenizer = ByteTokenizer()
+    yield cluster
+    cluster.stop()
+
+
+def _status(cluster, **kwargs) -> grpc.StatusCode | None:
+    kwargs.setdefault("max_tokens", 2)
+    with PdserveClient(address(cluster)) as client:
+        try:
+            client.generate_text(**kwargs)
+            return None
+        except grpc.RpcError as exc:
+            _status.details = exc.details()
+            return exc.code()
+
+
+AT_AND_PAST = [
+    # (limit, request at the limit, request just past it, field named)
+    ("max_stop_strings", dict(stop=["a", "b", "c"]), dict(stop=["a", "b", "c", "d"]), "sampling.stop"),
+    ("max_stop_string_chars", dict(stop=["x" * 8]), dict(stop=["ok", "x" * 9]), "sampling.stop[1]"),
+    ("max_stop_token_ids", dict(stop_token_ids=[1, 2, 3, 4]), dict(stop_token_ids=[1, 2, 3, 4, 5]),
+     "sampling.stop_token_ids"),
+    ("max_prompt_bytes", dict(text="é" * 100), dict(text="é" * 100 + "a"), "text"),
+    ("max_prompt_bytes (chat)", dict(chat=[("user", "x" * 150), ("assistant", "y" * 50)]),
+     dict(chat=[("user", "x" * 150), ("assistant", "y" * 51)]), "chat"),
+    ("max_chat_messages", dict(chat=[("user", "a"), ("assistant", "b")] * 2),
+     dict(chat=[("user", "a"), ("assistant", "b")] * 2 + [("user", "c")]), "chat.messages"),
+]
+
+
+@pytest.mark.parametrize("at, past, field", [c[1:] for c in AT_AND_PAST], ids=[c[0] for c in AT_AND_PAST])
+def test_limit_at_value_served_and_past_it_invalid(limited, at, past, field):
+    prompt = {} if {"text", "chat"} & set(at) else {"token_ids": [5, 6, 7]}
+    assert _status(limited, **prompt, **at) is None
+    assert _status(limited, **prompt, **past) is grpc.StatusCode.INVALID_ARGUMENT
+    assert _status.details.startswith(f"{field}: "), _status.details
+    assert cluster_leaks(limited) == {}
+
+
+def _text_request_of_size(size: int) -> pb.GenerateRequest:
+    req = build_request(text="x")
+    req.text = "x" * (size - req.ByteSize() + 1)
+    while req.ByteSize() > size:   # the length prefix grew a byte
+        req.text = req.text[:-1]
+    assert req.ByteSize() == size
+    return req
+
+
+def test_max_receive_message_bytes(limited):
+    with grpc.insecure_channel(address(limited)) as channel:
+        stub = pb_grpc.PdserveStub(channel)
+        with pytest.raises(grpc.RpcError) as at:   # received; refused by the (smaller) prompt-bytes limit
+            list(stub.Generate(_text_request_of_size(LIMITS.max_receive_message_bytes), timeout=30))
+        with pytest.raises(grpc.RpcError) as past:
+            list(stub.Generate(_text_request_of_size(LIMITS.max_receive_message_bytes + 1), timeout=30))
+    assert at.value.code() is grpc.StatusCode.INVALID_ARGUMENT and at.value.details().startswith("text: ")
+    assert past.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_max_concurrent_streams(limited):
+    async def scenario():
+        async with AsyncPdserveClient(address(limited)) as client:
+            streams = [client.generate(token_ids=[9, 10, i + 3], max_tokens=400, ignore_eos=True)
+                       for i in range(LIMITS.max_concurrent_streams)]
+            for s in streams:   # all four live
+                await s.__anext__()
+            with pytest.raises(grpc.RpcError) as past:
+                await client.generate_text(token_ids=[5], max_tokens=1)
+            await streams[0].aclose()    # one ends: room for one more
+            await asyncio.sleep(0.2)
+            served = await client.generate_text(token_ids=[5], max_tokens=1)
+            for s in streams[1:]:
+                await s.aclose()
+            return past.value, served
+
+    past, served = asyncio.run(scenario())
+    assert past.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_streams" in past.details()
+    assert served.usage.completion_tokens == 1
+    assert cluster_leaks(limited) == {}
+
+
+def test_server_info_reports_limits(limited):
+    with PdserveClient(address(limited)) as client:
+        limits = client.server_info().limits
+    assert (limits.max_stop_strings, limits.max_stop_string_chars, limits.max_stop_token_ids) == (3, 8, 4)
+    assert (limits.max_prompt_bytes, limits.max_chat_messages, limits.max_receive_message_bytes) == (200, 4, 4096)
+    assert limits.max_concurrent_streams == 4 and limits.max_queued_requests == LIMITS.max_queued_requests
+    assert limits.max_pending_tokens == LIMITS.max_pending_tokens
+    assert (limits.ttft_ms_range.min, limits.ttft_ms_range.max) == (LIMITS.min_ttft_ms, LIMITS.max_ttft_ms)
+    assert limits.scheduling_policy == pb.SCHEDULING_POLICY_FCFS
+
+
+# ---------------------------------------------------------------- unit level: clamps, priority
+
+DEFAULTS = ServerDefaults(max_model_len=64, vocab_size=100, max_tokens=4)
+
+
+def _spec(limits: ServerLimits = ServerLimits(), **kwargs):
+    req = build_request(token_ids=[1, 2], **kwargs)
+    return spec_from_proto(req, [1, 2], dataclasses.replace(DEFAULTS, limits=limits), "r")
+
+
+def test_slo_hints_clamped_into_range():
+    lim = ServerLimits(min_ttft_ms=50, max_ttft_ms=5000, min_tpot_ms=5, max_tpot_ms=500)
+    assert _spec(lim, ttft_ms=50, tpot_ms=500).slo == _spec(lim, ttft_ms=49.9, tpot_ms=500.1).slo
+    at = _spec(lim, ttft_ms=5000, tpot_ms=5).slo
+    assert (at.ttft_s, at.tpot_s) == pytest.approx((5.0, 0.005))
+    past = _spec(lim, ttft_ms=1e12, tpot_ms=1e-9).slo
+    assert (past.ttft_s, past.tpot_s) == pytest.approx((5.0, 0.005))
+    with pytest.raises(InvalidRequestError, match="^ttft_ms: "):
+        _spec(lim, ttft_ms=float("inf"))
+
+
+def test_priority_ignored_under_fcfs():
+    assert _spec(priority=-7).priority == 0 and _spec(priority=10**6).priority == 0
+
+
+def test_priority_honoured_in_range_under_priority_policy():
+    lim = ServerLimits(scheduling_policy=SchedulingPolicy.PRIORITY, min_priority=-2, max_priority=3)
+    assert _spec(lim, priority=-2).priority == -2 and _spec(lim, priority=3).priority == 3
+    assert _spec(lim).priority == 0
+    for bad in (-3, 4):
+        with pytest.raises(InvalidRequestError) as info:
+            _spec(lim, priority=bad)
+        assert info.value.field == "priority" and "[-2, 3]" in str(info.value)
+
+
+# ---------------------------------------------------------------- admission queue
+
+
+def test_admission_queue_cap_answers_at_once():
+    async def scenario():
+        admission = admission_cluster(decode_inflight=60)
+        admission.max_queued = 2
+        waiters = [asyncio.create_task(admission.acquire(admission_spec(ttft=5.0, tpot=0.05))) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert admission.num_queued == 2   # at the cap: both wait
+        with pytest.raises(CapacityError, match="^max_queued_requests: "):
+            await asyncio.wait_for(admission.acquire(admission_spec(ttft=5.0, tpot=0.05)), 0.5)
+        sent_to_decode(admission.registry.decode[0], 0)
+        await admission.notify()
+        await asyncio.wait_for(asyncio.gather(*waiters), 1.0)
+        assert admission.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_wakeup_wakes_the_oldest_few_fifo():
+    async def scenario():
+        wake = FairWakeup()
+        tickets = [wake.enter() for _ in range(5)]
+        order: list[int] = []
+
+        async def waiter(t):
+            await wake.wait(t, 2.0)
+            order.append(t)
+
+        tasks = [asyncio.create_task(waiter(t)) for t in reversed(tickets)]   # waiting order must not matter
+        await asyncio.sleep(0.01)
+        wake.wake(2)
+        await asyncio.sleep(0.01)
+        assert sorted(order) == tickets[:2]
+        for t in tickets[:2]:
+            wake.leave(t)
+        wake.wake(2)
+        await asyncio.gather(*tasks[:3])   # the remaining oldest two now, then the last
+        assert sorted(order[2:4]) == tickets[2:4]
+        wake.wake(8)
+        await asyncio.gather(*tasks)
+        assert len(wake) == 3
+
+    asyncio.run(scenario())
