@@ -68,6 +68,7 @@ class Kill:
     at_s: float
     worker_id: str
     generation: int
+    pid: int
     ready_s: float | None = None
     first_token_s: float | None = None
 
@@ -141,7 +142,7 @@ def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> Non
     while at < args.duration:
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
         worker = registry.get(roles[len(kills) % 2])
-        kill = Kill(time.monotonic() - t0, worker.worker_id, worker.generation)
+        kill = Kill(time.monotonic() - t0, worker.worker_id, worker.generation, worker.pid)
         os.kill(worker.pid, signal.SIGKILL)
         kills.append(kill)
         while not (worker.alive and worker.generation > kill.generation):
@@ -216,12 +217,19 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
     return "\n".join(lines) + "\n"
 
 
-def _owner_alive(path: str) -> bool:
+def _owner(path: str) -> int | None:
     """A KV pool file is named /dev/shm/pdserve-<owner pid>-<worker>-<id>.kv."""
     try:
-        os.kill(int(Path(path).name.split("-")[1]), 0)
+        return int(Path(path).name.split("-")[1])
+    except (ValueError, IndexError):
+        return None
+
+
+def _owner_alive(path: str) -> bool:
+    try:
+        os.kill(_owner(path), 0)
         return True
-    except (ProcessLookupError, ValueError, IndexError):
+    except ProcessLookupError:
         return False
     except PermissionError:
         return True
@@ -239,7 +247,9 @@ def main() -> None:
         wall = time.monotonic() - t0
         time.sleep(2.0)   # aborts and releases land
         leaks = {w: r for w, r in cluster.run(cluster.cluster.leak_reports()).items() if holds_anything(r)}
-        stale = [p for p in glob.glob("/dev/shm/pdserve-*.kv") if not _owner_alive(p)]
+        # This run's pools only (other clusters may share the machine): owners it killed or runs.
+        pids = {k.pid for k in kills} | {w.pid for w in cluster.cluster.registry.all}
+        stale = [p for p in glob.glob("/dev/shm/pdserve-*.kv") if _owner(p) in pids and not _owner_alive(p)]
     finally:
         cluster.stop()
     text = report(args, outcomes, kills, leaks, stale, wall)
