@@ -3,13 +3,14 @@ about a second instead of a cold start (a new process importing torch and loadin
 8-13 s on a loaded 2-core machine, benchmarks/results/chaos.txt).
 
 Life cycle: once the cluster serves, ``fill`` starts one spare per kind (prefill, decode or
-colocated) in the background. A spare loads the model and stops there: no KV pool, no engine
-loop, no CPU reservation (it idles). ``take(kind)`` hands one to the supervisor's spawn, which
-``activate``s it under the dead worker's id (a fresh KV pool and engine) and ``start``s it; a
-spare still loading is awaited (it is ahead of a cold start). ``refill`` then builds the next
-one. A spare that died while idle fails its activation: the caller falls back to a cold start.
-GPU workers get no spare (a second copy of the weights and its pool would compete for the
-GPU's memory).
+colocated) in the background. A spare loads the model and builds its engine and KV pool (a
+decode spare's pool is its own /dev/shm file, touched once like every pool), then idles: no
+engine loop, no CPU reservation. ``take(kind)`` hands one to the supervisor's spawn, which
+``activate``s it under the dead worker's id (its loop starts; its engine and pool were never
+used) and ``start``s it; a spare still loading is awaited (it is ahead of a cold start).
+``refill`` then builds the next one. A spare that died while idle fails its activation: the
+caller falls back to a cold start. The price: one more process, copy of the weights and KV
+pool per kind. GPU workers get no spare (it would compete for the GPU's memory).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Callable
 import ray
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_S = 5.0   # a spare's shutdown (unlinking its pool) gets this long before it is killed
 
 
 class StandbyPool:
@@ -59,10 +62,15 @@ class StandbyPool:
             return None
 
     async def stop(self) -> None:
+        """Spares still loading are killed; ready ones shut down first (a decode spare unlinks
+        its KV pool), then are killed."""
         tasks = list(self._spares.values())
         self._spares.clear()
         for task in tasks:
-            task.cancel()
-        for result in await asyncio.gather(*tasks, return_exceptions=True):
-            if not isinstance(result, BaseException):
-                ray.kill(result, no_restart=True)
+            if not task.done():
+                task.cancel()
+        spares = [r for r in await asyncio.gather(*tasks, return_exceptions=True) if not isinstance(r, BaseException)]
+        await asyncio.gather(*(asyncio.wait_for(s.shutdown.remote(), SHUTDOWN_S) for s in spares),
+                             return_exceptions=True)
+        for spare in spares:
+            ray.kill(spare, no_restart=True)

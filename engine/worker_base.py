@@ -71,34 +71,35 @@ class WorkerBase:
     _hang_on_shutdown = False     # fault injection's "hang_shutdown" (tests only)
 
     def __init__(self, spec: WorkerSpec, role, standby: bool = False) -> None:
-        """Loads the model; unless ``standby``, also builds the engine (KV pool, loop). A standby
-        worker is a warm spare: ``activate`` gives it a worker id and builds the rest, which
-        takes a fraction of a cold start (the process, the imports and the weights are ready)."""
+        """Loads the model and builds the engine (KV pool, scheduler); unless ``standby``, also
+        its loop under ``spec.worker_id``. A standby worker is a warm spare: everything is ready
+        but the loop, which ``activate`` starts under the id of the worker it replaces, in a
+        fraction of a cold start (process, imports, weights and KV pool are all ready)."""
         # What a start costs (the supervisor logs it: a replacement's time to serve).
         self.startup_s = {"process_to_init": time.time() - _process_start_time()}
         begin = time.perf_counter()
         torch.set_num_threads(spec.num_threads)  # deliberate: oversubscribed threads cost 3-5x
         self.spec = spec
-        self.role = role
+        self.worker_id = spec.worker_id
         self.loaded = load_for(spec)
         self.startup_s["load_model"] = time.perf_counter() - begin
+        begin = time.perf_counter()
+        config = replace(spec.engine, role=role)
+        layout = kv_cache.layout_for(self.loaded.model.config, config)
+        cache = self.allocate_cache(layout, kv_cache.num_blocks_for(layout, config))
+        self.engine = LLMEngine(self.loaded, config, cache)
+        self.startup_s["kv_cache_and_engine"] = time.perf_counter() - begin
         self.aio: asyncio.AbstractEventLoop | None = None
         self.closed: asyncio.Event | None = None
-        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None   # a standby spare has none until ``activate``
         if not standby:
             self.activate(spec.worker_id)
 
     def activate(self, worker_id: str) -> None:
-        """Build the engine under ``worker_id``: a fresh KV pool, scheduler and loop."""
-        begin = time.perf_counter()
+        """Serve as ``worker_id``: the engine loop (named after it: its stats carry the id)."""
         self.spec = replace(self.spec, worker_id=worker_id)
         self.worker_id = worker_id
-        config = replace(self.spec.engine, role=self.role)
-        layout = kv_cache.layout_for(self.loaded.model.config, config)
-        cache = self.allocate_cache(layout, kv_cache.num_blocks_for(layout, config))
-        self.engine = LLMEngine(self.loaded, config, cache)
         self.loop = EngineLoop(self.engine, self._on_step_thread, name=worker_id)
-        self.startup_s["kv_cache_and_engine"] = time.perf_counter() - begin
 
     def info(self, node_id: str) -> dict:
         """What the launcher registers: who, where, on which physical device, the model's limits."""
@@ -160,6 +161,7 @@ class WorkerBase:
             from engine import faults
 
             faults.wedge()
-        self.loop.stop()
+        if self.loop is not None:
+            self.loop.stop()
         if self.closed is not None:
             self.closed.set()

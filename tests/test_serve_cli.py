@@ -151,7 +151,7 @@ def test_crash_leaves_pools_the_next_start_reclaims_and_sigterm_stops_cleanly(ru
     crashed = first.segments()
     assert crashed, "the decode worker's pool should be in /dev/shm"
     first.kill_session()
-    assert all(f.exists() for f in crashed), "SIGKILL cannot unlink: the pools must still be there"
+    assert all(f.exists() for f in crashed), ("SIGKILL cannot unlink: the pools must still be there", crashed, [f.exists() for f in crashed])
 
     second = runs()
     addr = address(second)
