@@ -50,6 +50,11 @@ class StandbyPool:
         logger.info("standby %s worker ready", kind)
         return actor
 
+    async def peek(self, kind: str) -> Any | None:
+        """The spare of ``kind`` once it is ready, left in the pool (introspection, tests)."""
+        task = self._spares.get(kind)
+        return None if task is None else await asyncio.shield(task)
+
     async def take(self, kind: str) -> Any | None:
         """A spare of ``kind`` (None when there is none, or it failed to start)."""
         task = self._spares.pop(kind, None)

@@ -198,3 +198,22 @@ def test_colocated_worker_killed_mid_stream_streams_complete(ray_session, worklo
         assert cluster_leaks(cluster) == {}
     finally:
         cluster.stop()
+
+
+def test_a_spare_that_died_idle_falls_back_to_a_cold_start(ray_session, workload):
+    """The spare is killed while it waits; the next worker loss finds it dead, starts a new
+    process instead, and the request still completes."""
+    import ray
+
+    prompts, max_tokens, refs = workload
+    cluster = start_cluster("disaggregated", standby_workers=True)
+    try:
+        spare = cluster.run(cluster.cluster.standby.peek("decode"), 120)
+        ray.kill(spare, no_restart=True)
+        decode = cluster.cluster.registry.get("decode-0")
+        results = asyncio.run(_streams(address(cluster), prompts[:2], max_tokens[:2], lambda: _kill(decode.pid)))
+        assert [t for t, _ in results] == refs[:2]
+        assert decode.restarts == 1 and decode.alive
+        assert cluster_leaks(cluster) == {}
+    finally:
+        cluster.stop()
