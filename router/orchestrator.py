@@ -91,7 +91,6 @@ class _Attempt:
     """One attempt's workers, pinned to the actor generations it started on."""
 
     spec: RequestSpec
-    pair: Prediction
     decode: WorkerHandle
     decode_gen: int
     prefill: WorkerHandle | None          # None once its part is done (nothing to abort there)
@@ -116,7 +115,9 @@ class Orchestrator:
             attempt_spec = run.attempt_spec()
             pair = await self.admission.acquire(attempt_spec, self.metrics, resuming=run.num_migrations > 0)
             try:
-                async for delta in self._attempt(attempt_spec, pair, trace):
+                # A resumed attempt's latency is the loss's, not admission's prediction's to learn from.
+                learn = run.num_migrations == 0
+                async for delta in self._attempt(attempt_spec, pair, trace, learn):
                     yield run.sent(delta)
                 return
             except WorkerLost as lost:
@@ -132,9 +133,11 @@ class Orchestrator:
         if self.on_lost is not None:
             self.on_lost(lost)
 
-    async def _attempt(self, spec: RequestSpec, pair: Prediction, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
+    async def _attempt(self, spec: RequestSpec, pair: Prediction, trace: RequestTrace,
+                       learn: bool = True) -> AsyncIterator[TokenDelta]:
+        """One attempt on ``pair``; ``learn``: its TTFT and TPOT feed admission's corrections."""
         prefill, decode = pair.prefill, pair.decode
-        at = _Attempt(spec, pair, decode, decode.generation, prefill, prefill.generation if prefill else 0)
+        at = _Attempt(spec, decode, decode.generation, prefill, prefill.generation if prefill else 0)
         trace.decode_worker = decode.worker_id
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
@@ -150,7 +153,8 @@ class Orchestrator:
             if first is not None:
                 prefiller.end_prefill(num_prompt, prefiller_gen)
                 prefill_pending = False
-                self._observed_ttft(pair, trace)
+                if learn:
+                    self._observed_ttft(pair, trace)
                 self._decoding(decode, progress, len(first.token_ids))
                 yield first
                 finished = first.finished
@@ -161,7 +165,8 @@ class Orchestrator:
                 if prefill_pending and item.token_ids:
                     prefiller.end_prefill(num_prompt, prefiller_gen)
                     prefill_pending = False
-                    self._observed_ttft(pair, trace)
+                    if learn:
+                        self._observed_ttft(pair, trace)
                 self._decoding(decode, progress, len(item.token_ids))
                 finished = item.finished
                 yield item
@@ -173,7 +178,7 @@ class Orchestrator:
                 prefiller.end_prefill(num_prompt, prefiller_gen)
             if not finished:
                 self._abort_later(at)
-            elif len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
+            elif learn and len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
                 self._observed_tpot(pair, progress, trace.timings().tpot_s)
             self._capacity_changed()
 
