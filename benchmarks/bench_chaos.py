@@ -5,10 +5,12 @@ What it does (one run, one cluster, defaults in brackets):
     random model) and sends seeded requests (dataset ``random``: prompt ``--input-len`` [192]
     and output ``--output-len`` [48] tokens, +-50%, EOS ignored, greedy) as Poisson arrivals at
     ``--rate`` req/s [0.6, ~70% of this machine's capacity at the goodput benchmark's SLO] for
-    ``--duration`` seconds [330];
+    ``--duration`` seconds [330], through SLO admission as a deployment runs (``--no-admission``:
+    everything admitted);
   - every ``--kill-every`` seconds [60] it sends SIGKILL to a worker's process, alternating decode
     and prefill (decode first);
-  - records, per request: submitted / completed / failed (and the gRPC status), TTFT, TPOT,
+  - records, per request: submitted / completed / failed (and the gRPC status) / refused by
+    admission at arrival (load shedding, not a lost request), TTFT, TPOT,
     migrations; per kill: time to the replacement being ready and to the first token the
     replacement served; TTFT/TPOT p50/p99 inside recovery windows (kill -> ready + 5 s) and
     outside them; goodput (requests meeting ``--slo`` TTFT,TPOT ms [6400,390]: the goodput
@@ -83,6 +85,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slo", default="6400,390", help="TTFT,TPOT targets in ms for the goodput figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny random model (no SmolLM2)")
+    p.add_argument("--no-admission", action="store_true",
+                   help="admit everything (default: SLO admission at --slo, as a deployment runs)")
     p.add_argument("--out", default="benchmarks/results/chaos.txt")
     return p.parse_args()
 
@@ -92,7 +96,8 @@ def start(args) -> ClusterThread:
                            random_model={"seed": 0} if args.quick else None, port=0,
                            prefill_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
                            decode_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
-                           admission=False)   # every request is served: failures are the figure
+                           admission=not args.no_admission,
+                           defaults=dict(zip(("ttft_s", "tpot_s"), (float(x) / 1e3 for x in args.slo.split(",")))))
     cluster = ClusterThread(config)
     cluster.start()
     return cluster
@@ -173,7 +178,9 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
                   for t in o.token_times if k.ready_s is not None and t >= k.ready_s]
         k.first_token_s = min(served) if served else None
     done = [o for o in outcomes if o.ok]
-    failed = [o for o in outcomes if not o.ok]
+    # Refused at arrival by admission (no token sent): load shedding, not a lost request.
+    rejected = [o for o in outcomes if not o.ok and not o.token_times and o.status.startswith("RESOURCE_EXHAUSTED")]
+    failed = [o for o in outcomes if not o.ok and o not in rejected]
     inside = [o for o in done if any(_overlaps(o, a, b) for a, b in windows)]
     outside = [o for o in done if o not in inside]
     met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
@@ -182,10 +189,12 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
         f"(1 CPU, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
         f"output {args.output_len} tokens +-50%, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
         f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
-        f"TPOT <= {tpot_t * 1e3:.0f} ms",
+        f"TPOT <= {tpot_t * 1e3:.0f} ms, admission {'off' if args.no_admission else 'on'}, "
+        f"load average at start {os.getloadavg()[0]:.1f}",
         "",
-        f"requests: submitted {len(outcomes)}, completed {len(done)}, failed {len(failed)}, "
-        f"migrated {sum(1 for o in done if o.migrations)} (migrations {sum(o.migrations for o in done)})",
+        f"requests: submitted {len(outcomes)}, completed {len(done)}, failed {len(failed)}, rejected by admission "
+        f"at arrival {len(rejected)}, migrated {sum(1 for o in done if o.migrations)} "
+        f"(migrations {sum(o.migrations for o in done)})",
     ]
     lines += [f"  failed: {o.status}" for o in failed[:10]]
     lines += ["", "kills:  worker      at (s)  ready after (s)  first token by the replacement after (s)"]

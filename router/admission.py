@@ -153,6 +153,15 @@ class Admission:
     async def notify(self) -> None:
         self._waiters.wake(MAX_WAKE_PER_NOTIFY)
 
+    async def capacity_changed(self, timeout_s: float) -> None:
+        """Return at the next capacity change (a worker report, a finished request) or after
+        ``timeout_s``: a request whose reservation was refused retries then, not in a spin."""
+        ticket = self._waiters.enter()
+        try:
+            await self._waiters.wait(ticket, timeout_s)
+        finally:
+            self._waiters.leave(ticket)
+
     # ---- predictions -----------------------------------------------------------------------
     def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle,
                 now: float | None = None, waited_s: float = 0.0) -> Prediction:
@@ -242,8 +251,11 @@ class Admission:
         ttft_t, tpot_t = self._targets(spec)
         preds = self.candidates(spec, now, waited_s)
         disagg = [p for p in preds if p.prefill is not None] or preds
-        if best_effort:
-            return Decision("admit", "migration", min(disagg, key=_load))
+        if best_effort:   # still only where the prompt's blocks fit now, or the reservation fails
+            roomy = [p for p in disagg if _has_prompt_room(p.decode, spec)]
+            if not roomy:
+                return Decision("queue", "decode KV cache full", min(disagg, key=_load))
+            return Decision("admit", "migration", min(roomy, key=_load))
         if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
             return Decision("admit", "best_effort" if self.enabled else "admission_off", best)
@@ -289,7 +301,7 @@ class Admission:
             while decision.action == "queue":
                 queue_reason = decision.reason
                 if ticket is None:
-                    if self.max_queued is not None and self.num_queued >= self.max_queued:
+                    if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
                                             f"({decision.reason}); retry later")
                     ticket = self._waiters.enter()
@@ -359,6 +371,13 @@ def _kv_tokens(w: WorkerHandle) -> int:
     if w.stats is None:
         return 0
     return (w.stats.num_total_blocks - w.stats.num_free_blocks) * w.stats.block_size
+
+
+def _has_prompt_room(w: WorkerHandle, spec: RequestSpec) -> bool:
+    """Room for what ``reserve`` takes now: the prompt's blocks (decoding may preempt later)."""
+    if w.stats is None:
+        return True
+    return -(-len(spec.prompt_token_ids) // w.stats.block_size) <= w.stats.num_free_blocks
 
 
 def _has_kv_room(w: WorkerHandle, spec: RequestSpec) -> bool:

@@ -27,8 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from engine.errors import CapacityError
 from engine.types import FinishReason, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
-from router.admission import Admission, Prediction
+from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
@@ -38,6 +39,7 @@ from router.worker_calls import WorkerLost, await_ref, call
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS_FOR_TPOT = 8   # a shorter output's TPOT says little about the prediction
+RESERVE_RETRY_S = 0.5     # a refused reservation of a migrating request retries at least this often
 
 
 @dataclass(slots=True)
@@ -86,6 +88,10 @@ class RequestTrace:
         )
 
 
+class ReservationRefused(CapacityError):
+    """The decode worker had no room for the prompt's blocks when the KV was ready."""
+
+
 @dataclass(slots=True)
 class _Attempt:
     """One attempt's workers, pinned to the actor generations it started on."""
@@ -111,6 +117,7 @@ class Orchestrator:
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
         run = RequestMigration(spec, self.migration_limit)
+        resume_deadline = None
         while True:
             attempt_spec = run.attempt_spec()
             pair = await self.admission.acquire(attempt_spec, self.metrics, resuming=run.num_migrations > 0)
@@ -128,6 +135,13 @@ class Orchestrator:
                     self.metrics.migration()
                 logger.warning("%s: %s; migrating (attempt %d) with %d tokens already sent", spec.req_id,
                                lost.cause, run.num_migrations + 1, len(run.sent_token_ids))
+                resume_deadline = time.monotonic() + RESUME_WAIT_S
+            except ReservationRefused:
+                # A migrating request was admitted once: a reservation refused for room (stats lag
+                # a step) waits for capacity and tries again, until the resume deadline.
+                if resume_deadline is None or time.monotonic() > resume_deadline:
+                    raise
+                await self.admission.capacity_changed(RESERVE_RETRY_S)
 
     def _report_lost(self, lost: WorkerLost) -> None:
         if self.on_lost is not None:
@@ -224,13 +238,21 @@ class Orchestrator:
             case HandoffOutcome.PEER_DEAD:
                 raise WorkerLost(decode, at.decode_gen, result.error or "the decode worker died during the hand-off")
             case HandoffOutcome.RESERVE_FAILED:
-                await await_ref(decode, at.decode_gen, lambda: handle_ref)  # raises the reservation's own error
+                await self._reservation_error(at, handle_ref)
             case HandoffOutcome.TRANSFER_FAILED:
                 return await self._recompute(at, trace, result.error or "")
             case HandoffOutcome.ENDED_AT_PREFILL | HandoffOutcome.ABORTED:
                 await call(decode, "abort", spec.req_id, generation=at.decode_gen)  # the unused reservation
         return TokenDelta(spec.req_id, _first(result), result.finish_reason,
                           (result.first_logprob,) if result.first_logprob is not None else None, result.error)
+
+    @staticmethod
+    async def _reservation_error(at: _Attempt, handle_ref) -> None:
+        """Raise the refused reservation's own error (a refusal for room as ReservationRefused)."""
+        try:
+            await await_ref(at.decode, at.decode_gen, lambda: handle_ref)
+        except CapacityError as exc:
+            raise ReservationRefused(str(exc)) from exc
 
     def _count_handoff(self, outcome: HandoffOutcome | None) -> None:
         if outcome is not None and self.metrics is not None:

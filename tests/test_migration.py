@@ -255,3 +255,20 @@ def test_a_pair_whose_transport_keeps_failing_routes_around_it():
     assert registry.transport(p, d) == "object_store"
     registry.lose_kv_group()
     assert registry.transport(p, d) == "object_store" and not registry.dist_ready
+
+
+def test_a_migrating_request_waits_for_room_for_its_prompt_instead_of_failing():
+    from engine.types import WorkerStats
+    from router.admission import Admission
+
+    registry = WorkerRegistry()
+    prefill = WorkerHandle("p0", "prefill", None, "n", "cpu")
+    decode = WorkerHandle("d0", "decode", None, "n", "cpu", stats=WorkerStats("d0", "decode", 0, 9, 0, 2, 64, 16))
+    registry.add(prefill)
+    registry.add(decode)
+    admission = Admission(registry)
+    resumed = RequestSpec("r.m1", tuple(range(3, 60)), SamplingParams(max_tokens=4), num_generated=20)
+    assert admission.decide(resumed, best_effort=True).action == "queue", "57 tokens need 4 blocks, 2 are free"
+    decode.observe_stats(WorkerStats("d0", "decode", 0, 9, 0, 4, 64, 16))
+    decision = admission.decide(resumed, best_effort=True)
+    assert decision.action == "admit" and decision.prediction.prefill is prefill
