@@ -190,7 +190,7 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
         f"output {args.output_len} tokens +-50%, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
         f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
         f"TPOT <= {tpot_t * 1e3:.0f} ms, admission {'off' if args.no_admission else 'on'}, "
-        f"load average at start {os.getloadavg()[0]:.1f}",
+        f"load average at start {args.load_at_start:.1f}",
         "",
         f"requests: submitted {len(outcomes)}, completed {len(done)}, failed {len(failed)}, rejected by admission "
         f"at arrival {len(rejected)}, migrated {sum(1 for o in done if o.migrations)} "
@@ -247,6 +247,7 @@ def _owner_alive(path: str) -> bool:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse()
+    args.load_at_start = os.getloadavg()[0]   # the machine may be shared: say how busy it was
     cluster = start(args)
     outcomes: list[Outcome] = []
     kills: list[Kill] = []
