@@ -124,6 +124,23 @@ def test_idle_cluster_server_info_shows_every_block_free(cluster):
 # ---------------------------------------------------------------- slow readers
 
 
+@pytest.mark.parametrize("payload", [
+    b"\x12\x03a\xffb",                                 # text (field 2) with an invalid UTF-8 byte
+    b"\x0a\x02\xc3\x28" + b"\x12\x02hi",                # request_id (field 1) invalid UTF-8
+    b"\x1a\x08\x0a\x06\x0a\x02us\x12\x00" + b"\xff",      # chat, then a truncated field
+    b"\x22\x05\x0a\x03\xff\xff\xff",                        # token_ids with a broken varint
+])
+def test_malformed_bytes_on_the_wire_are_invalid_argument(cluster, payload):
+    """Raw bytes no client library would send: INVALID_ARGUMENT, never INTERNAL or UNKNOWN."""
+    with grpc.insecure_channel(address(cluster)) as channel:
+        call = channel.unary_stream("/pdserve.v1.Pdserve/Generate", request_serializer=lambda b: b,
+                                    response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(payload, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert cluster_leaks(cluster) == {}
+
+
 def test_delta_queue_merges_and_overflows():
     async def scenario():
         queue = DeltaQueue(max_pending_tokens=6)
