@@ -43,11 +43,12 @@ Sampled = tuple[int, float | None] | RowFailure
 
 def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[Sampled]:
     logits = logits.float()
-    tokens = _finite(logits).argmax(dim=-1)
+    all_finite = bool(torch.isfinite(logits).all())   # the common case: one check, no copies
+    tokens = (logits if all_finite else _finite(logits)).argmax(dim=-1)
     failed: dict[int, str] = {}
     for row, request in enumerate(requests):
         try:
-            if not bool(torch.isfinite(logits[row]).any()):
+            if not all_finite and not bool(torch.isfinite(logits[row]).any()):
                 raise SamplingError("the forward produced no finite logit for this request")
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
