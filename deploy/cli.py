@@ -74,6 +74,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="serve gRPC only, no OpenAI-compatible HTTP API")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the HTTP API (/v1/models; requests must name it)")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export OpenTelemetry traces (router and workers) over OTLP/HTTP to this endpoint, "
+                        "e.g. http://127.0.0.1:4318 (default: tracing off, no cost)")
     p.add_argument("--metrics-port", type=int, default=9400)
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="the metrics port's bind address, separate from --host (default: loopback only)")
@@ -152,6 +155,7 @@ def server_limits(args: argparse.Namespace):
 def cluster_config(args: argparse.Namespace):
     from deploy.launcher import ClusterConfig
     from engine.config import EngineConfig
+    from engine.tracing import TracingConfig
 
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -180,6 +184,7 @@ def cluster_config(args: argparse.Namespace):
         stop_timeout_s=args.stop_timeout,
         http_port=None if args.no_http else args.http_port, http_host=args.http_host,
         served_model_name=args.served_model_name,
+        tracing=TracingConfig(otlp_endpoint=args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None,
     )
 
 

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool
 from deploy.ray_init import init_ray, shutdown_ray
+from engine import tracing
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
@@ -90,6 +91,7 @@ class ClusterConfig:
     http_port: int | None = None         # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None         # its bind address; None: ``host``
     served_model_name: str | None = None  # the model's name in the HTTP API; None: the worker's model name
+    tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
 
 
 class Cluster:
@@ -113,6 +115,7 @@ class Cluster:
     async def start(self) -> int:
         cfg = self.config
         reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
+        tracing.configure(cfg.tracing, "pdserve-router")
         self._init_ray()
         model_dir = None
         if cfg.random_model is None:
@@ -264,7 +267,7 @@ class Cluster:
     def _spec(self, worker_id: str, model_dir: str | None, engine: EngineConfig, threads: int) -> WorkerSpec:
         return WorkerSpec(worker_id=worker_id, model=model_dir, random_model=self.config.random_model,
                           engine=dataclasses.replace(engine), num_threads=threads,
-                          allow_fault_injection=self.config.allow_fault_injection)
+                          allow_fault_injection=self.config.allow_fault_injection, tracing=self.config.tracing)
 
     def _placement(self, gpus_per_bundle: list[float]):
         """One bundle per worker, PACKed so that KV moves within a node (and a GPU) where it can."""
@@ -339,6 +342,8 @@ class Cluster:
             self.metrics.close()
         if self._started_ray:
             shutdown_ray()
+        if self.config.tracing is not None:
+            tracing.reset()   # flush the router's spans; back to the no-op tracer
         reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
+from engine import tracing
 from engine.errors import CapacityError, InvalidRequestError
 from engine.types import FinishReason, RequestSpec, TokenDelta
 from protos import pdserve_pb2 as pb
@@ -85,9 +87,30 @@ class GenerationCore:
         if identity is not None:
             self.live.release(identity)
 
-    async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity) -> AsyncIterator[GenerationEvent]:
-        spec = await self.spec(request, identity.req_id)
+    async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity,
+                     door: str = "grpc") -> AsyncIterator[GenerationEvent]:
+        """``door`` names the front door ("grpc", "http") on the request's trace span."""
+        span = tracing.tracer().start_span("request", kind=tracing.trace.SpanKind.SERVER,
+                                           attributes={"pdserve.door": door, "pdserve.req_id": identity.req_id})
+        outcome: FinishReason | str = "unfinished"
+        try:
+            with tracing.tracer().start_span("tokenize", context=tracing.trace.set_span_in_context(span)):
+                spec = await self.spec(request, identity.req_id)
+            spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span)) if span.is_recording() else spec
+            async with contextlib.aclosing(self._stream(spec, request, span)) as events:
+                async for event in events:
+                    outcome = event.delta.finish_reason or outcome
+                    yield event
+        except BaseException as exc:   # refused, failed, cancelled: named on the span
+            outcome = type(exc).__name__
+            raise
+        finally:
+            span.set_attribute("pdserve.outcome", getattr(outcome, "value", outcome))
+            span.end()
+
+    async def _stream(self, spec: RequestSpec, request: pb.GenerateRequest, span) -> AsyncIterator[GenerationEvent]:
         trace = RequestTrace()
+        stream_span = None
         detok = self._detokenizer(request, spec)
         trim = StopTextTrimmer(spec.sampling.stop) if spec.sampling.stop else None
         outcome: FinishReason | str = FinishReason.ABORT  # until the stream says otherwise
@@ -101,6 +124,8 @@ class GenerationCore:
                         raise RequestFailedError(delta.error or "the worker failed the request")
                     if delta.finished:
                         outcome = delta.finish_reason
+                    if stream_span is None and span.is_recording():   # first token: streaming begins
+                        stream_span = tracing.tracer().start_span("stream", context=tracing.trace.set_span_in_context(span))
                     yield self._event(delta, detok, trim, spec, trace)
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
             outcome = FinishReason.ABORT if isinstance(exc, SlowReaderError) else "rejected"
@@ -110,6 +135,9 @@ class GenerationCore:
             raise
         finally:
             self._record(spec, trace, outcome)
+            if stream_span is not None:
+                stream_span.set_attribute("pdserve.completion_tokens", len(trace.token_times))
+                stream_span.end()
 
     def failure(self, exc: BaseException, identity: RequestIdentity | None) -> tuple[grpc.StatusCode, str]:
         """The status and message a failed request ends with (``router.errors``), counted."""

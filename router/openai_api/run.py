@@ -86,7 +86,7 @@ class GenerationResponse(Response):
         logger.debug("client of %s disconnected", identity.req_id if identity else "-")
 
     async def _run(self, identity: RequestIdentity, send) -> None:
-        async with contextlib.aclosing(self.core.stream(self.request, identity)) as events:
+        async with contextlib.aclosing(self.core.stream(self.request, identity, door="http")) as events:
             if self.stream:
                 await self._stream(events, send)
             else:
