@@ -58,7 +58,7 @@ Outputs in ``--out-dir`` (default benchmarks/results/goodput; ``--quick`` defaul
 for all systems (attainment_vs_rate, goodput_vs_rate, ttft_cdf, tpot_cdf) and for admission on vs off in
 ``admission/``, and the summary.
 
-Usage:
+Usage (system c, the peer, needs pdserve's ``peer`` extra: ``.venv/bin/python -m pip install -e '.[peer]'``):
   python benchmarks/bench_goodput.py                      # the full session (~25 min on a quiet 2-core machine)
   python benchmarks/bench_goodput.py --rates 0.4,0.55,0.7,0.85,1.0 --num-prompts 40 --overload-prompts 96 \
       --peer-rates 0.2,0.25,0.3,0.35,0.4 --peer-prompts 24   # the recorded sessions (~43 min)
@@ -236,10 +236,22 @@ def settle_pdserve(cluster, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
+def transformers_command() -> str | None:
+    """The ``transformers`` CLI: on PATH, or beside this interpreter (a venv not activated has
+    its scripts there, not on PATH)."""
+    for name in ("transformers", "transformers-cli"):
+        beside = Path(sys.executable).parent / name
+        found = shutil.which(name) or (str(beside) if beside.exists() else None)
+        if found:
+            return found
+    return None
+
+
 def transformers_session(args, model_dir: Path, log_path: Path) -> Iterator[Target]:
-    exe = shutil.which("transformers") or shutil.which("transformers-cli")
+    exe = transformers_command()
     if exe is None:
-        raise RuntimeError("transformers serve is not installed (pip install 'transformers[serving]')")
+        raise RuntimeError("transformers serve is not installed: install pdserve's peer extra "
+                           "(.venv/bin/python -m pip install -e '.[peer]', i.e. transformers[serving])")
     port = free_port()
     threads = str(args.tserve_threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}

@@ -30,6 +30,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from engine.config import EngineRole
+from engine.tracing import RequestSpans
 from engine.engine import StepResult
 from engine.errors import KVTransferError
 from engine.types import KVLayout, RequestSpec, StreamBatch
@@ -56,6 +57,7 @@ class DecodeWorker(WorkerBase):
         self._stream: asyncio.Queue[StreamBatch] | None = None
         self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
         self._fenced: set[str] = set()
+        self._spans = RequestSpans()   # each traced request's ``decode`` span (engine/tracing.py)
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int):
         self.shm_path = shm_path_for(self.worker_id) if self.spec.engine.device == "cpu" else None
@@ -73,6 +75,7 @@ class DecodeWorker(WorkerBase):
         if spec.req_id in self._handles:   # a retried call: the reservation it made stands
             return self._handles[spec.req_id]
         block_ids = await self.call(lambda e: e.reserve(spec))
+        self._spans.remember(spec.req_id, spec.traceparent)
         locator = self._receiver(transport).locator(self.engine.cache)
         handle = self._handles[spec.req_id] = KVBlocksHandle(
             req_id=spec.req_id,
@@ -105,7 +108,9 @@ class DecodeWorker(WorkerBase):
         # Not awaited: the request joins the batch at the next step boundary either way, and the
         # prefill worker (and the client's first token) should not wait for a decode step.
         self.loop.call(lambda e: e.commit_kv(req_id, first_token_id)).add_done_callback(self._committed)
-        return time.perf_counter() - start
+        receive_s = time.perf_counter() - start
+        self._spans.open(req_id, "decode", worker=self.worker_id, kv_receive_s=receive_s, transport=handle.transport)
+        return receive_s
 
     def _committed(self, future) -> None:
         """Loop thread: a request that finished with its first token (e.g. the model length)
@@ -116,11 +121,13 @@ class DecodeWorker(WorkerBase):
             self.aio.call_soon_threadsafe(self._publish, (future.result(),))
 
     async def add_request(self, spec: RequestSpec) -> None:
+        self._spans.open(spec.req_id, "decode", spec.traceparent, worker=self.worker_id, prefilled_here=True)
         await self.call(lambda e: None if spec.req_id in e.scheduler.requests else e.add_request(spec))
 
     async def abort(self, req_id: str, writer_gone: bool = True) -> None:
         """Free the request. ``writer_gone=False``: a prefill worker may still write into its
         reservation, so the blocks stay fenced until the lease ends."""
+        self._spans.close(req_id, aborted=True)
         handle = self._handles.pop(req_id, None)
         remaining = handle.lease_deadline_s - time.time() if handle is not None else 0.0
         if writer_gone or remaining <= 0:
@@ -140,6 +147,10 @@ class DecodeWorker(WorkerBase):
             self._publish(tuple(result.deltas))
 
     def _publish(self, deltas: tuple) -> None:
+        if self._spans:
+            for delta in deltas:
+                if delta.finished:
+                    self._spans.close(delta.req_id, finish_reason=delta.finish_reason.value)
         self._stream.put_nowait(StreamBatch(self.worker_id, deltas, self.stats()))
 
     async def stream(self) -> AsyncIterator[StreamBatch]:

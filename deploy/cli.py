@@ -68,6 +68,15 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP API's port (0: any free port); --no-http turns it off")
+    p.add_argument("--http-host", default=None, help="the HTTP API's bind address (default: --host)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only, no OpenAI-compatible HTTP API")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the HTTP API (/v1/models; requests must name it)")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="export OpenTelemetry traces (router and workers) over OTLP/HTTP to this endpoint, "
+                        "e.g. http://127.0.0.1:4318 (default: tracing off, no cost)")
     p.add_argument("--metrics-port", type=int, default=9400)
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="the metrics port's bind address, separate from --host (default: loopback only)")
@@ -146,6 +155,7 @@ def server_limits(args: argparse.Namespace):
 def cluster_config(args: argparse.Namespace):
     from deploy.launcher import ClusterConfig
     from engine.config import EngineConfig
+    from engine.tracing import TracingConfig
 
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -172,6 +182,9 @@ def cluster_config(args: argparse.Namespace):
         random_model={"seed": 0} if args.random_model else None,
         security=security_args.server_security(args), metrics_host=args.metrics_host,
         stop_timeout_s=args.stop_timeout,
+        http_port=None if args.no_http else args.http_port, http_host=args.http_host,
+        served_model_name=args.served_model_name,
+        tracing=TracingConfig(otlp_endpoint=args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None,
     )
 
 
@@ -206,6 +219,8 @@ async def _serve(config) -> int:
             logger.warning("%s during start-up: stopping the start", signals[0].name)
             return 128 + signals[0]
         print(f"pdserve ready: gRPC on {config.host}:{port}"
+              + (f", OpenAI API on http{'s' if cluster.http.security.tls else ''}://"
+                 f"{config.http_host or config.host}:{cluster.http_port}/v1" if cluster.http else "")
               + (f", metrics on http://{config.metrics_host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
               + f" ({config.mode}). Ctrl-C stops.", flush=True)
         await stop.wait()

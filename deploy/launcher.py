@@ -6,7 +6,8 @@ group (PACK: KV moves within a node where possible) with the cores divided among
 (``torch.set_num_threads`` per worker) and, when the engines run on "cuda", the GPUs too
 (fractions when workers outnumber GPUs: a pair on one GPU moves KV by CUDA IPC), joins
 them into a torch.distributed group when a pair needs it (across nodes or GPUs), then starts
-the router's gRPC server. While it serves, the router's ``Supervisor`` replaces a worker whose
+the router's gRPC server and, when ``http_port`` is set, the OpenAI-compatible HTTP API in the
+same event loop (``router/openai_api``). While it serves, the router's ``Supervisor`` replaces a worker whose
 actor dies: ``_spawn`` activates a warm spare (``deploy/standby.py``) or starts a fresh actor
 from the worker's own recipe (same spec, same placement group), and the health service follows
 whether a serving path exists. ``stop()`` stops the supervisor, the spares and the server,
@@ -35,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool
 from deploy.ray_init import init_ray, shutdown_ray
+from engine import tracing
 from engine.config import EngineConfig
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
@@ -86,6 +88,10 @@ class ClusterConfig:
     security: ServerSecurity | None = None  # TLS / mTLS / bearer token on the gRPC port; None: plaintext, open
     metrics_host: str = "127.0.0.1"      # the metrics port's own bind address (not ``host``: scrapes stay local)
     stop_timeout_s: float = 30.0         # stop()'s graceful phases share this; then workers are killed regardless
+    http_port: int | None = None         # the OpenAI-compatible HTTP API; None: off, 0: any free port
+    http_host: str | None = None         # its bind address; None: ``host``
+    served_model_name: str | None = None  # the model's name in the HTTP API; None: the worker's model name
+    tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
 
 
 class Cluster:
@@ -98,6 +104,8 @@ class Cluster:
         self._pg = None
         self._started_ray = False
         self.metrics_port: int | None = None
+        self.http = None                    # router.openai_api.server.HttpServer while it serves
+        self.http_port: int | None = None
         self._recipes: dict[str, tuple[Any, tuple]] = {}   # worker id -> (actor class options, args)
         self.health = ServingHealth()
         self.supervisor: Supervisor | None = None
@@ -107,6 +115,7 @@ class Cluster:
     async def start(self) -> int:
         cfg = self.config
         reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
+        tracing.configure(cfg.tracing, "pdserve-router")
         self._init_ray()
         model_dir = None
         if cfg.random_model is None:
@@ -138,10 +147,24 @@ class Cluster:
         self.servicer = servicer
         self.server, self.port = await start_server(servicer, cfg.host, cfg.port, cfg.security, self.health,
                                                     serving=self.registry.can_serve)
+        if cfg.http_port is not None:
+            await self._start_http(servicer, cfg.served_model_name or info["model"], max_model_len)
         if self._standby_recipes:
             self.standby = StandbyPool(self._make_standby)
             self.standby.fill(set(self._standby_recipes))
         return self.port
+
+    async def _start_http(self, servicer: PdserveServicer, model: str, max_model_len: int) -> None:
+        """The OpenAI-compatible API over the gRPC servicer's own request path (same limits,
+        identity, admission, metrics, token and TLS). Imported here: FastAPI only when served."""
+        from router.openai_api.app import ApiConfig, build_app
+        from router.openai_api.server import HttpServer
+
+        cfg = self.config
+        token = cfg.security.auth_token if cfg.security else None
+        app = build_app(servicer.core, self.health, ApiConfig(model, max_model_len, token))
+        self.http = HttpServer(app, cfg.http_host or cfg.host, cfg.http_port, cfg.security)
+        self.http_port = await self.http.start()
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
         self.metrics.update_worker(worker.stats)
@@ -244,7 +267,7 @@ class Cluster:
     def _spec(self, worker_id: str, model_dir: str | None, engine: EngineConfig, threads: int) -> WorkerSpec:
         return WorkerSpec(worker_id=worker_id, model=model_dir, random_model=self.config.random_model,
                           engine=dataclasses.replace(engine), num_threads=threads,
-                          allow_fault_injection=self.config.allow_fault_injection)
+                          allow_fault_injection=self.config.allow_fault_injection, tracing=self.config.tracing)
 
     def _placement(self, gpus_per_bundle: list[float]):
         """One bundle per worker, PACKed so that KV moves within a node (and a GPU) where it can."""
@@ -300,6 +323,8 @@ class Cluster:
             await self.supervisor.stop()
         if self.standby is not None:
             await _until(deadline, self.standby.stop(), "standby workers")
+        if self.http is not None:
+            await _until(deadline, self.http.stop(), "HTTP server")
         if self.server is not None:
             await self.server.stop(grace=min(2.0, self.config.stop_timeout_s))
         if getattr(self, "orchestrator", None):
@@ -317,6 +342,8 @@ class Cluster:
             self.metrics.close()
         if self._started_ray:
             shutdown_ray()
+        if self.config.tracing is not None:
+            tracing.reset()   # flush the router's spans; back to the no-op tracer
         reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)
 
 

@@ -15,6 +15,7 @@ Aborts are applied at the next step boundary.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -82,7 +83,9 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._append_token(request, first_token_id, None)
+        # The prefill worker already delivered the first token and its logprob; a placeholder
+        # keeps output_logprobs aligned with output_token_ids (deltas slice both alike).
+        self._append_token(request, first_token_id, math.nan if request.sampling.logprobs else None)
         request.num_reported_tokens = 1  # the prefill worker already delivered the first token
         return request
 

@@ -62,6 +62,8 @@ class RequestSpec:
     # prompt: the last ``num_generated`` prompt tokens are output, so sampling positions (seeded
     # sampling) and stop strings continue where they were.
     num_generated: int = 0
+    # W3C traceparent of the router's span for this request (engine/tracing.py); None: untraced.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from engine import kv_cache
+from engine import kv_cache, tracing
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepResult
 from engine.loop import EngineLoop
@@ -36,6 +36,7 @@ class WorkerSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     num_threads: int = 1                     # torch threads: the worker's share of the cores
     allow_fault_injection: bool = False      # tests only: enables ``inject_fault``
+    tracing: tracing.TracingConfig | None = None  # where this worker exports its spans; None: off
 
 
 def load_for(spec: WorkerSpec):
@@ -79,6 +80,7 @@ class WorkerBase:
         self.startup_s = {"process_to_init": time.time() - _process_start_time()}
         begin = time.perf_counter()
         torch.set_num_threads(spec.num_threads)  # deliberate: oversubscribed threads cost 3-5x
+        tracing.configure(spec.tracing, f"pdserve-{role.value}-worker")
         self.spec = spec
         self.worker_id = spec.worker_id
         self.loaded = load_for(spec)
@@ -163,5 +165,6 @@ class WorkerBase:
             faults.wedge()
         if self.loop is not None:
             self.loop.stop()
+        tracing.reset()   # flushes spans still batched for export
         if self.closed is not None:
             self.closed.set()

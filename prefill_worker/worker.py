@@ -27,6 +27,7 @@ import logging
 import time
 from typing import Any
 
+from engine import tracing
 from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
 from engine.errors import KVTransferError, PeerLostError
@@ -67,6 +68,15 @@ class PrefillWorker(WorkerBase):
         return await asyncio.shield(task)
 
     async def _prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
+        parent = tracing.context_of(spec.traceparent)
+        if parent is None:   # untraced: no span, no cost
+            return await self._run_prefill(spec, handle, decode)
+        with tracing.tracer().start_as_current_span("prefill", context=parent, kind=tracing.trace.SpanKind.SERVER,
+                                                    attributes={"pdserve.worker": self.worker_id,
+                                                                "pdserve.prompt_tokens": len(spec.prompt_token_ids)}):
+            return await self._run_prefill(spec, handle, decode)
+
+    async def _run_prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
         req_id = spec.req_id
         waiter = self.aio.create_future()
         self._waiters[req_id] = waiter
@@ -77,7 +87,11 @@ class PrefillWorker(WorkerBase):
             if isinstance(outcome, TokenDelta):
                 result = _ended_at_prefill(outcome)
             else:
-                result = await self._hand_off(outcome, handle, decode)
+                _phase_spans(outcome)
+                with tracing.tracer().start_as_current_span("kv_handoff") as span:
+                    result = await self._hand_off(outcome, handle, decode)
+                    span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
+                                         result.transport, "pdserve.kv.outcome": result.outcome.value})
             return dataclasses.replace(result, stats=self.stats())
         finally:
             self._waiters.pop(req_id, None)
@@ -169,6 +183,19 @@ class PrefillWorker(WorkerBase):
         super().shutdown()
         for sender in self._senders.values():
             sender.close()
+
+
+def _phase_spans(done: PrefillDone) -> None:
+    """The engine's queue and compute times of a finished prefill as spans under the current one
+    (their ends are known now; the engine loop thread is not traced)."""
+    span = tracing.trace.get_current_span()
+    if not span.is_recording():
+        return
+    now = time.time_ns()
+    compute_start = now - int(done.prefill_s * 1e9)
+    queue_start = compute_start - int(done.queue_s * 1e9)
+    for name, start, end in (("prefill.queue", queue_start, compute_start), ("prefill.compute", compute_start, now)):
+        tracing.tracer().start_span(name, start_time=start, attributes={"pdserve.tokens": done.num_tokens}).end(end)
 
 
 def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:

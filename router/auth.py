@@ -1,4 +1,5 @@
-"""Bearer-token authentication for the router's gRPC services, as a grpc.aio interceptor.
+"""Bearer-token authentication for the router's gRPC services, as a grpc.aio interceptor (the
+HTTP API checks its ``Authorization`` header with the same ``check_bearer``).
 
 Life cycle of one call: the interceptor looks up the method's handler, then checks the call's
 ``authorization`` metadata against the configured token. An open service (grpc.health.v1: load
@@ -59,10 +60,16 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
     def check(self, method: str, metadata) -> AuthResult:
         if method.startswith(self._open):
             return AuthResult.OPEN
-        presented = _bearer(metadata)
-        if presented is None:
-            return AuthResult.MISSING
-        return AuthResult.GRANTED if hmac.compare_digest(presented, self._token) else AuthResult.WRONG
+        return check_bearer(self._token, metadata)
+
+
+def check_bearer(token: bytes, metadata) -> AuthResult:
+    """``metadata``'s bearer token against ``token``: the one rule, for gRPC metadata and HTTP
+    headers alike (``(key, value)`` pairs, keys lower-case)."""
+    presented = _bearer(metadata)
+    if presented is None:
+        return AuthResult.MISSING
+    return AuthResult.GRANTED if hmac.compare_digest(presented, token) else AuthResult.WRONG
 
 
 def _bearer(metadata) -> bytes | None:

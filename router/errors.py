@@ -31,7 +31,7 @@ class RequestFailedError(Exception):
 
 
 def status_for(exc: BaseException, req_id: str = "") -> tuple[grpc.StatusCode, str]:
-    exc = _unwrap(exc)
+    exc = unwrap(exc)
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}"
     if isinstance(exc, DuplicateRequestError):
@@ -43,7 +43,7 @@ def status_for(exc: BaseException, req_id: str = "") -> tuple[grpc.StatusCode, s
     return grpc.StatusCode.INTERNAL, _logged("internal error", exc, req_id)
 
 
-def _unwrap(exc: BaseException) -> BaseException:
+def unwrap(exc: BaseException) -> BaseException:
     """A typed error raised in a worker reaches us as a RayTaskError carrying it as ``cause``
     (whose own text is the worker's traceback): map and word it by the cause."""
     cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None

@@ -392,8 +392,9 @@ class RouterMetrics:
     def worker_state(self, worker_id: str, role: str, up: bool, restarted: bool = False) -> None:
         """A worker went down, or came (back) up; ``restarted``: as a replacement."""
         self.worker_up.labels(worker_id, role).set(1 if up else 0)
+        restarts = self.worker_restarts.labels(worker_id, role)   # exported at 0 from the start: rate() needs a series
         if restarted:
-            self.worker_restarts.labels(worker_id, role).inc()
+            restarts.inc()
 
     def update_worker(self, stats: WorkerStats) -> None:
         """Fresh stats from one worker: gauges take its values, preemptions count the delta."""

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from engine import tracing
 from engine.errors import CapacityError
 from engine.types import FinishReason, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from router.admission import RESUME_WAIT_S, Admission, Prediction
@@ -120,7 +121,7 @@ class Orchestrator:
         resume_deadline = None
         while True:
             attempt_spec = run.attempt_spec()
-            pair = await self.admission.acquire(attempt_spec, self.metrics, resuming=run.num_migrations > 0)
+            pair = await self._admit(attempt_spec, run.num_migrations)
             try:
                 # A resumed attempt's latency is the loss's, not admission's prediction's to learn from.
                 learn = run.num_migrations == 0
@@ -142,6 +143,19 @@ class Orchestrator:
                 if resume_deadline is None or time.monotonic() > resume_deadline:
                     raise
                 await self.admission.capacity_changed(RESERVE_RETRY_S)
+
+    async def _admit(self, spec: RequestSpec, num_migrations: int) -> Prediction:
+        """Admission (queueing included), as the request trace's ``admission`` span."""
+        parent = tracing.context_of(spec.traceparent)
+        if parent is None:   # untraced: no span at all
+            return await self.admission.acquire(spec, self.metrics, resuming=num_migrations > 0)
+        with tracing.tracer().start_as_current_span("admission", context=parent,
+                                                    attributes={"pdserve.migrations": num_migrations}) as span:
+            pair = await self.admission.acquire(spec, self.metrics, resuming=num_migrations > 0)
+            span.set_attributes({"pdserve.prefill_worker": pair.prefill.worker_id if pair.prefill else "",
+                                 "pdserve.decode_worker": pair.decode.worker_id,
+                                 "pdserve.predicted_ttft_s": float(pair.ttft_s or 0.0)})
+            return pair
 
     def _report_lost(self, lost: WorkerLost) -> None:
         if self.on_lost is not None:

@@ -11,11 +11,16 @@ the value is made, so a missing or unreadable file fails ``pdserve serve`` befor
 - Token: with ``auth_token`` set, every RPC but grpc.health.v1 must carry
   ``authorization: Bearer <token>`` (``router/auth.py``). Without TLS the token crosses the
   network in clear text: use both, except on loopback.
+
+The OpenAI-compatible HTTP API (``router.openai_api``) uses the same settings: the same
+certificate (``ssl_context``), client CA and bearer token.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +83,23 @@ class ServerSecurity:
             return None
         return grpc.ssl_server_credentials([(self.tls_key, self.tls_cert)], root_certificates=self.tls_client_ca,
                                            require_client_auth=self.mutual_tls)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The same certificate, key and client CA for the HTTP API (uvicorn); None: plaintext.
+        ``load_cert_chain`` reads files only: the PEMs go through a private temporary directory
+        that is gone once they are loaded."""
+        if not self.tls:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as tmp:   # mode 0700
+            cert, key = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+            cert.write_bytes(self.tls_cert)
+            key.write_bytes(self.tls_key)
+            context.load_cert_chain(cert, key)
+        if self.mutual_tls:
+            context.load_verify_locations(cadata=self.tls_client_ca.decode())
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         if self.auth_token is None:

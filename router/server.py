@@ -10,8 +10,10 @@ TokenDeltas -> incremental UTF-8 safe text -> one GenerateResponse per (possibly
 the last carries finish reason, usage and timings. Client cancel or deadline cancels the
 handler; the orchestrator's cleanup aborts the request on every worker. A client that stops
 reading is cancelled once ``max_pending_tokens`` wait for it (``router.delta_queue``).
-Every error leaves through ``router.errors`` (never UNKNOWN, never a worker's text). Also
-serves ServerInfo (fresh worker stats), grpc.health.v1 and server reflection.
+Every error leaves through ``router.errors`` (never UNKNOWN, never a worker's text). All of
+that but the wire format is ``router.generation.GenerationCore``, which the OpenAI-compatible
+HTTP API (``router.openai_api``) shares. Also serves ServerInfo (fresh worker stats),
+grpc.health.v1 and server reflection.
 """
 
 from __future__ import annotations
@@ -19,32 +21,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import CapacityError, InvalidRequestError, PdserveError
-from engine.types import FinishReason, RequestSpec, TokenDelta, WorkerStats
+from engine.types import WorkerStats
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router import convert, limits as request_limits
-from router.convert import IncrementalDetokenizer, ServerDefaults, Usage
+from router import convert
+from router.convert import ServerDefaults
+from router.generation import GenerationCore, GenerationEvent, MalformedRequest
 from router.health import PDSERVE_SERVICE, ServingHealth
-from router.delta_queue import MAX_PENDING_TOKENS, SLOW_READER, SlowReaderError
-from router.errors import RequestFailedError, status_for
-from router.identity import LiveRequests, RequestIdentity
+from router.identity import RequestIdentity
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, RequestTrace
+from router.orchestrator import Orchestrator
 from router.security import ServerSecurity
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_THREADS = 2       # HF fast tokenizers release the GIL: two prompts tokenize at once
 STATS_TIMEOUT_S = 1.0       # ServerInfo's fresh-stats call per worker; a slower one shows its last report
 
 
@@ -53,13 +51,6 @@ class ServerInfo:
     model: str
     mode: str          # "disaggregated" | "colocated"
     block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class MalformedRequest:
-    """A GenerateRequest that did not parse (e.g. invalid UTF-8 in a string field)."""
-
-    error: str
 
 
 def _lenient(parse):
@@ -76,18 +67,28 @@ def _lenient(parse):
 
 
 class PdserveServicer(pb_grpc.PdserveServicer):
+    """The gRPC front door over ``GenerationCore`` (shared with the HTTP API: ``self.core``)."""
+
     def __init__(self, orchestrator: Orchestrator, tokenizer: Any | None, defaults: ServerDefaults,
                  info: ServerInfo, metrics: RouterMetrics | None = None) -> None:
+        self.core = GenerationCore(orchestrator, tokenizer, defaults, metrics)
         self.orchestrator = orchestrator
-        self.tokenizer = tokenizer
         self.defaults = defaults
         self.limits = defaults.limits
         self.info = info
         self.metrics = metrics
-        self.live = LiveRequests(self.limits.max_concurrent_streams)
-        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize")
-        # The admission queue's cap is a server limit; admission is built before the servicer.
-        orchestrator.admission.max_queued = self.limits.max_queued_requests
+
+    @property
+    def live(self):
+        return self.core.live
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.core.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any | None) -> None:   # tests swap in a byte tokenizer: both doors see it
+        self.core.tokenizer = tokenizer
 
     # ---- Generate ---------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext) -> None:
@@ -95,106 +96,24 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         stopped reading is seen here and answered."""
         identity: RequestIdentity | None = None
         try:
-            identity = self._admit_call(request)
-            await self._generate(request, identity, context)
+            identity = self.core.claim(request)
+            async with contextlib.aclosing(self.core.stream(request, identity)) as events:
+                async for event in events:
+                    await context.write(_response(event, identity.label))
         except asyncio.CancelledError as exc:
-            if exc.args[:1] != (SLOW_READER,):
+            slow = self.core.slow_reader(exc)
+            if slow is None:
                 raise   # the client cancelled or its deadline passed
-            asyncio.current_task().uncancel()
-            await self._abort(context, SlowReaderError(f"max_pending_tokens: the client left more than "
-                                                       f"{self.limits.max_pending_tokens} tokens unread"), identity)
+            await self._abort(context, slow, identity)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # typed ones map to their codes; anything else is INTERNAL, never UNKNOWN
             await self._abort(context, exc, identity)
         finally:
-            if identity is not None:
-                self.live.release(identity)
-
-    def _admit_call(self, request) -> RequestIdentity:
-        """Cheap checks, before any tokenizer runs: the message parsed, its sizes, its label."""
-        if isinstance(request, MalformedRequest):
-            raise InvalidRequestError("request", f"not a valid GenerateRequest ({request.error}); "
-                                                 "string fields must be valid UTF-8")
-        request_limits.check_request(request, self.limits)
-        return self.live.claim(convert.label_from_proto(request))
-
-    async def _generate(self, request: pb.GenerateRequest, identity: RequestIdentity, context) -> None:
-        spec = await self._spec(request, identity.req_id)
-        trace = RequestTrace()
-        detok = self._detokenizer(request, spec)
-        outcome: FinishReason | str = FinishReason.ABORT  # until the stream says otherwise
-        MAX_PENDING_TOKENS.set(self.limits.max_pending_tokens)  # read by the request's DeltaQueue
-        try:
-            async with contextlib.aclosing(self.orchestrator.generate(spec, trace)) as deltas:
-                async for delta in deltas:
-                    trace.on_tokens(len(delta.token_ids))
-                    if delta.finish_reason is FinishReason.ERROR:
-                        outcome = FinishReason.ERROR
-                        raise RequestFailedError(delta.error or "the worker failed the request")
-                    if delta.finished:
-                        outcome = delta.finish_reason
-                    await context.write(self._response(delta, detok, spec, trace, identity.label))
-        except CapacityError as exc:   # refused by admission (a slow reader is an abort)
-            outcome = FinishReason.ABORT if isinstance(exc, SlowReaderError) else "rejected"
-            raise
-        except Exception:
-            outcome = FinishReason.ERROR
-            raise
-        finally:
-            self._record(spec, trace, outcome)
+            self.core.release(identity)
 
     async def _abort(self, context, exc: BaseException, identity: RequestIdentity | None) -> None:
-        code, message = status_for(exc, identity.req_id if identity else "")
-        if self.metrics is not None and code is grpc.StatusCode.INVALID_ARGUMENT:
-            self.metrics.request_invalid()
-        await context.abort(code, message)
-
-    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason | str) -> None:
-        if self.metrics is None:
-            return
-        if outcome == "rejected":
-            self.metrics.request_rejected("capacity")
-            return
-        times = trace.token_times
-        itls = [b - a for a, b in zip(times, times[1:])]
-        self.metrics.request_finished(
-            outcome, trace.timings(), len(spec.prompt_token_ids), len(times), itls,
-            spec.slo.ttft_s, spec.slo.tpot_s, transport=trace.transport or None,
-        )
-
-    async def _spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
-        kind = request.WhichOneof("prompt")
-        if kind == "chat":
-            convert.chat_from_proto(request.chat)  # malformed messages are named before anything else
-        if kind in ("text", "chat") and self.tokenizer is None:
-            raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
-        if kind in ("text", "chat"):   # tokenizing a long prompt takes a while: off the event loop
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._tokenize_pool, self._tokenized_spec, request, req_id)
-        prompt = convert.prompt_from_proto(request, self.tokenizer)
-        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
-
-    def _tokenized_spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
-        """On the tokenizer pool: tokenize, then validate the ids there too (per-token work)."""
-        prompt = convert.prompt_from_proto(request, self.tokenizer)
-        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
-
-    def _detokenizer(self, request, spec: RequestSpec) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        skip = convert.skip_special_tokens_from_proto(request)
-        return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, skip_special_tokens=skip)
-
-    def _response(self, delta: TokenDelta, detok, spec: RequestSpec, trace: RequestTrace, label: str) -> pb.GenerateResponse:
-        text = detok.push(delta.token_ids, finished=delta.finished) if detok else ""
-        usage = timings = None
-        if delta.finished:
-            usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=len(trace.token_times))
-            timings = trace.timings()
-        msg = convert.delta_to_proto(delta, text, usage=usage, timings=timings)
-        msg.request_id = label   # the client's label; the router's own id never leaves it
-        return msg
+        await context.abort(*self.core.failure(exc, identity))
 
     # ---- ServerInfo -------------------------------------------------------------------------
     async def ServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
@@ -230,7 +149,13 @@ class PdserveServicer(pb_grpc.PdserveServicer):
             return worker.stats
 
     def close(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.core.close()
+
+
+def _response(event: GenerationEvent, label: str) -> pb.GenerateResponse:
+    msg = convert.delta_to_proto(event.delta, event.text, usage=event.usage, timings=event.timings)
+    msg.request_id = label   # the client's label; the router's own id never leaves it
+    return msg
 
 
 def _add_servicer(servicer: PdserveServicer, server: grpc.aio.Server) -> None:

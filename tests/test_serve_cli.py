@@ -48,7 +48,7 @@ class Serve:
 
     def __init__(self, *extra: str) -> None:
         self.pools_before = pools()
-        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--random-model", "--port", "0", "--metrics-port", "0",
+        cmd = [sys.executable, "-m", "deploy.cli", "serve", "--random-model", "--port", "0", "--metrics-port", "0", "--http-port", "0",
                "--kv-cache-gib", "0.01", "--cpus-per-worker", "0.5", "--threads-per-worker", "1", *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,0 +1,151 @@
+"""OpenTelemetry tracing shared by the router and both workers (torch-free).
+
+One trace per request: the router's ``request`` span is the root (``tokenize``, ``admission``
+and ``stream`` under it); its W3C ``traceparent`` rides in ``RequestSpec.traceparent`` over the
+Ray calls, and each worker parents its own spans on it: the prefill worker's ``prefill``
+(``prefill.queue``, ``prefill.compute``, ``kv_handoff`` with bytes, transport and outcome) and
+the decode worker's ``decode`` (KV commit to the request's last token). Each process exports its
+own spans.
+
+Life cycle: ``configure(config, service)`` once per process (the router in ``Cluster.start``,
+each worker in its constructor); without an endpoint nothing is configured and ``tracer()`` is
+OpenTelemetry's no-op tracer: its spans are invalid, so ``traceparent_of`` gives None, specs
+carry none and the workers do nothing per request. ``reset()`` flushes and goes back to no-op
+(``Cluster.stop``). Exporters: OTLP over HTTP (``--otlp-traces-endpoint``, vLLM's flag name) and
+a JSON-lines file (``jsonl_path``: tests, and a look without a collector), one line per span,
+appended with one ``write`` so several processes can share the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_NOOP = trace.NoOpTracer()
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    otlp_endpoint: str | None = None   # e.g. http://collector:4318 (OTLP/HTTP; /v1/traces is added)
+    jsonl_path: str | None = None      # append finished spans as JSON lines here
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.otlp_endpoint or self.jsonl_path)
+
+
+_state: dict = {"tracer": _NOOP, "provider": None}
+
+
+def tracer() -> trace.Tracer:
+    return _state["tracer"]
+
+
+def configure(config: TracingConfig | None, service: str) -> None:
+    if config is None or not config.enabled:
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    reset()
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if config.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url(config.otlp_endpoint))))
+    if config.jsonl_path:
+        provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(config.jsonl_path)))
+    _state.update(tracer=provider.get_tracer("pdserve"), provider=provider)
+
+
+def reset() -> None:
+    provider = _state["provider"]
+    _state.update(tracer=_NOOP, provider=None)
+    if provider is not None:
+        provider.shutdown()   # flushes what is batched
+
+
+def otlp_url(endpoint: str) -> str:
+    """OTLP/HTTP's traces URL: an endpoint given without a path gets ``/v1/traces``."""
+    return endpoint if urlparse(endpoint).path not in ("", "/") else endpoint.rstrip("/") + "/v1/traces"
+
+
+def traceparent_of(span: trace.Span) -> str | None:
+    """The W3C traceparent naming ``span`` as parent; None for a no-op span."""
+    if not span.get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent")
+
+
+def context_of(traceparent: str | None) -> Context | None:
+    """The parent context a worker's span starts under; None when the request is not traced."""
+    return _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
+
+
+class JsonlSpanExporter:
+    """A SpanExporter writing one JSON line per finished span (name, ids, parent, service, times,
+    attributes)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def export(self, spans) -> object:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        for span in spans:
+            os.write(self._fd, (json.dumps(_as_dict(span)) + "\n").encode())
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        os.close(self._fd)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def _as_dict(span) -> dict:
+    ctx, parent = span.get_span_context(), span.parent
+    return {"name": span.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+            "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
+            "service": span.resource.attributes.get("service.name"), "start_ns": span.start_time,
+            "end_ns": span.end_time, "attributes": dict(span.attributes or {})}
+
+
+class RequestSpans:
+    """A worker's spans that outlive one call: opened when a request starts there, ended with its
+    last token or its abort (the decode worker's ``decode`` span). Holds entries for traced
+    requests only; an untraced worker's is always empty."""
+
+    def __init__(self) -> None:
+        self._parents: dict[str, str] = {}        # req_id -> traceparent, until its span opens
+        self._open: dict[str, trace.Span] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._parents or self._open)
+
+    def remember(self, req_id: str, traceparent: str | None) -> None:
+        if traceparent:
+            self._parents[req_id] = traceparent
+
+    def open(self, req_id: str, name: str, traceparent: str | None = None, **attributes) -> None:
+        parent = context_of(traceparent or self._parents.pop(req_id, None))
+        if parent is not None and req_id not in self._open:
+            self._open[req_id] = tracer().start_span(name, context=parent, kind=trace.SpanKind.SERVER,
+                                                     attributes={f"pdserve.{k}": v for k, v in attributes.items()})
+
+    def close(self, req_id: str, **attributes) -> None:
+        self._parents.pop(req_id, None)
+        span = self._open.pop(req_id, None)
+        if span is not None:
+            span.set_attributes({f"pdserve.{k}": v for k, v in attributes.items()})
+            span.end()

@@ -1,0 +1,207 @@
+"""The request path both front doors share: gRPC (``router.server``) and the OpenAI-compatible
+HTTP API (``router.openai_api``) each turn their wire format into a ``GenerateRequest`` and hand
+it here, so limits, identity, tokenizing, admission, metrics and error words are written once.
+
+Life cycle of one request: ``claim`` (the message parsed, its size limits before any tokenizer
+runs, its label: ``router.identity``; cheap, so a duplicate or an over-limit call costs nothing)
+-> ``stream`` (token ids on the tokenizer pool, never on the event loop -> validated
+``RequestSpec`` -> ``Orchestrator.generate`` -> incremental UTF-8 safe text (stop strings
+trimmed: ``router.stop_text``) -> one
+``GenerationEvent`` per (possibly merged) delta; the last carries usage and timings; the
+request's outcome is recorded in the metrics however it ends) -> ``release`` (always). An
+error anywhere becomes one status and message through ``failure`` (``router.errors``: never a
+worker's text). The consumer's task is the one the request's ``DeltaQueue`` cancels with
+``SLOW_READER`` when its client stops reading: ``slow_reader`` recognises that cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import grpc
+
+from engine import tracing
+from engine.errors import CapacityError, InvalidRequestError
+from engine.types import FinishReason, RequestSpec, TokenDelta
+from protos import pdserve_pb2 as pb
+from router import convert, limits as request_limits
+from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
+from router.delta_queue import MAX_PENDING_TOKENS, SLOW_READER, SlowReaderError
+from router.errors import RequestFailedError, status_for
+from router.identity import LiveRequests, RequestIdentity
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, RequestTrace
+from router.stop_text import StopTextTrimmer
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_THREADS = 2       # HF fast tokenizers release the GIL: two prompts tokenize at once
+
+
+@dataclass(frozen=True, slots=True)
+class MalformedRequest:
+    """A GenerateRequest that did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    """One step's output for the client: the delta, its text, and with the last one the totals."""
+
+    delta: TokenDelta
+    text: str
+    usage: Usage | None = None            # last event only
+    timings: RequestTimings | None = None  # last event only
+
+
+class GenerationCore:
+    def __init__(self, orchestrator: Orchestrator, tokenizer: Any | None, defaults: ServerDefaults,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.defaults = defaults
+        self.limits = defaults.limits
+        self.metrics = metrics
+        self.live = LiveRequests(self.limits.max_concurrent_streams)
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize")
+        # The admission queue's cap is a server limit; admission is built before the front doors.
+        orchestrator.admission.max_queued = self.limits.max_queued_requests
+
+    # ---- one request ------------------------------------------------------------------------
+    def claim(self, request: pb.GenerateRequest | MalformedRequest) -> RequestIdentity:
+        """Cheap checks, before any tokenizer runs: the message parsed, its sizes, its label."""
+        if isinstance(request, MalformedRequest):
+            raise InvalidRequestError("request", f"not a valid GenerateRequest ({request.error}); "
+                                                 "string fields must be valid UTF-8")
+        request_limits.check_request(request, self.limits)
+        return self.live.claim(convert.label_from_proto(request))
+
+    def release(self, identity: RequestIdentity | None) -> None:
+        if identity is not None:
+            self.live.release(identity)
+
+    async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity,
+                     door: str = "grpc") -> AsyncIterator[GenerationEvent]:
+        """``door`` names the front door ("grpc", "http") on the request's trace span."""
+        span = tracing.tracer().start_span("request", kind=tracing.trace.SpanKind.SERVER,
+                                           attributes={"pdserve.door": door, "pdserve.req_id": identity.req_id})
+        outcome: FinishReason | str = "unfinished"
+        try:
+            with tracing.tracer().start_span("tokenize", context=tracing.trace.set_span_in_context(span)):
+                spec = await self.spec(request, identity.req_id)
+            spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span)) if span.is_recording() else spec
+            async with contextlib.aclosing(self._stream(spec, request, span)) as events:
+                async for event in events:
+                    outcome = event.delta.finish_reason or outcome
+                    yield event
+        except BaseException as exc:   # refused, failed, cancelled: named on the span
+            outcome = type(exc).__name__
+            raise
+        finally:
+            span.set_attribute("pdserve.outcome", getattr(outcome, "value", outcome))
+            span.end()
+
+    async def _stream(self, spec: RequestSpec, request: pb.GenerateRequest, span) -> AsyncIterator[GenerationEvent]:
+        trace = RequestTrace()
+        stream_span = None
+        detok = self._detokenizer(request, spec)
+        trim = StopTextTrimmer(spec.sampling.stop) if spec.sampling.stop else None
+        outcome: FinishReason | str = FinishReason.ABORT  # until the stream says otherwise
+        MAX_PENDING_TOKENS.set(self.limits.max_pending_tokens)  # read by the request's DeltaQueue
+        try:
+            async with contextlib.aclosing(self.orchestrator.generate(spec, trace)) as deltas:
+                async for delta in deltas:
+                    trace.on_tokens(len(delta.token_ids))
+                    if delta.finish_reason is FinishReason.ERROR:
+                        outcome = FinishReason.ERROR
+                        raise RequestFailedError(delta.error or "the worker failed the request")
+                    if delta.finished:
+                        outcome = delta.finish_reason
+                    if stream_span is None and span.is_recording():   # first token: streaming begins
+                        stream_span = tracing.tracer().start_span("stream", context=tracing.trace.set_span_in_context(span))
+                    yield self._event(delta, detok, trim, spec, trace)
+        except CapacityError as exc:   # refused by admission (a slow reader is an abort)
+            outcome = FinishReason.ABORT if isinstance(exc, SlowReaderError) else "rejected"
+            raise
+        except Exception:
+            outcome = FinishReason.ERROR
+            raise
+        finally:
+            self._record(spec, trace, outcome)
+            if stream_span is not None:
+                stream_span.set_attribute("pdserve.completion_tokens", len(trace.token_times))
+                stream_span.end()
+
+    def failure(self, exc: BaseException, identity: RequestIdentity | None) -> tuple[grpc.StatusCode, str]:
+        """The status and message a failed request ends with (``router.errors``), counted."""
+        code, message = status_for(exc, identity.req_id if identity else "")
+        if self.metrics is not None and code is grpc.StatusCode.INVALID_ARGUMENT:
+            self.metrics.request_invalid()
+        return code, message
+
+    def slow_reader(self, exc: asyncio.CancelledError) -> SlowReaderError | None:
+        """The error to answer when ``exc`` is the slow-reader cancel (the task is uncancelled
+        so it can answer); None for any other cancel (the client left, a deadline passed)."""
+        if exc.args[:1] != (SLOW_READER,):
+            return None
+        asyncio.current_task().uncancel()
+        return SlowReaderError(f"max_pending_tokens: the client left more than "
+                               f"{self.limits.max_pending_tokens} tokens unread")
+
+    # ---- pieces -----------------------------------------------------------------------------
+    async def spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            convert.chat_from_proto(request.chat)  # malformed messages are named before anything else
+        if kind in ("text", "chat") and self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
+        if kind in ("text", "chat"):   # tokenizing a long prompt takes a while: off the event loop
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._tokenize_pool, self._tokenized_spec, request, req_id)
+        prompt = convert.prompt_from_proto(request, self.tokenizer)
+        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
+
+    def _tokenized_spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
+        """On the tokenizer pool: tokenize, then validate the ids there too (per-token work)."""
+        prompt = convert.prompt_from_proto(request, self.tokenizer)
+        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
+
+    def _detokenizer(self, request, spec: RequestSpec) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        skip = convert.skip_special_tokens_from_proto(request)
+        return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, skip_special_tokens=skip)
+
+    @staticmethod
+    def _event(delta: TokenDelta, detok, trim: StopTextTrimmer | None, spec: RequestSpec,
+               trace: RequestTrace) -> GenerationEvent:
+        text = detok.push(delta.token_ids, finished=delta.finished) if detok else ""
+        if trim is not None:   # a stop string and what follows it are not output text
+            text = trim.push(text, finished=delta.finished)
+        if not delta.finished:
+            return GenerationEvent(delta, text)
+        usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=len(trace.token_times))
+        return GenerationEvent(delta, text, usage, trace.timings())
+
+    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason | str) -> None:
+        if self.metrics is None:
+            return
+        if outcome == "rejected":
+            self.metrics.request_rejected("capacity")
+            return
+        times = trace.token_times
+        itls = [b - a for a, b in zip(times, times[1:])]
+        self.metrics.request_finished(
+            outcome, trace.timings(), len(spec.prompt_token_ids), len(times), itls,
+            spec.slo.ttft_s, spec.slo.tpot_s, transport=trace.transport or None,
+        )
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,147 @@
+"""The FastAPI app: routes, bearer-token auth, the request body's size cap, OpenAI error bodies.
+
+Every route but ``GET /health`` needs ``Authorization: Bearer <token>`` when the router has a
+token (the same token and the same constant-time check as gRPC: ``router.auth.check_bearer``);
+``/health`` stays open, like grpc.health.v1, and follows it: 200 while a serving path exists,
+503 otherwise. A body is read up to ``max_receive_message_bytes`` (gRPC's cap on one message)
+and refused past it before it is parsed. The client's ``X-Request-Id`` header is the request's
+label (one live request per label: 409 otherwise), echoed in the response's ``id``; the
+router's own id never leaves it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import InvalidRequestError
+from router.auth import check_bearer
+from router.generation import GenerationCore
+from router.health import ServingHealth
+from router.openai_api import errors
+from router.openai_api.errors import ApiError
+from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_api.requests import chat_request, completion_request, parse
+from router.openai_api.responses import ResponseFormat
+from router.openai_api.run import GenerationResponse
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    model: str                       # the served model's name: /v1/models lists it, requests must name it
+    max_model_len: int
+    auth_token: str | None = None
+
+
+def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(core, health, config)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    return app
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = ApiError(exc.status_code, str(exc.detail), kind, None, None).body()
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+class _Api:
+    def __init__(self, core: GenerationCore, health: ServingHealth, config: ApiConfig) -> None:
+        self.core, self.serving_health, self.config = core, health, config
+        self._token = config.auth_token.encode() if config.auth_token else None
+        self._created = int(time.time())
+
+    async def health(self) -> JSONResponse:
+        serving = bool(self.serving_health.serving)
+        return JSONResponse({"status": "serving" if serving else "not_serving"}, status_code=200 if serving else 503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.config.model, "object": "model", "created": self._created, "owned_by": "pdserve",
+            "max_model_len": self.config.max_model_len}]})
+
+    async def chat(self, request: Request) -> GenerationResponse:
+        req, label = await self._parse(request, ChatCompletionRequest)
+        msg = self._checked(chat_request, req, label)
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return self._response(msg, req, label, chat=True, logprobs=req.logprobs, max_tokens_name=name)
+
+    async def completions(self, request: Request) -> GenerationResponse:
+        req, label = await self._parse(request, CompletionRequest)
+        msg = self._checked(completion_request, req, label)
+        return self._response(msg, req, label, chat=False, logprobs=req.logprobs is not None)
+
+    # ---- pieces ---------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self._token is None:
+            return
+        result = check_bearer(self._token, [("authorization", v) for v in request.headers.getlist("authorization")])
+        if not result.allowed:
+            raise errors.unauthorized(f"{result.value} bearer token (header 'Authorization: Bearer <token>')")
+
+    async def _parse(self, request: Request, model: type):
+        self._authorize(request)
+        body = await self._body(request)
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._bad("body", f"not valid JSON: {exc}") from None
+        req = self._checked(parse, model, data)
+        if req.model is not None and req.model != self.config.model:
+            raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "
+                                   f"{self.config.model!r}", "model")
+        return req, request.headers.get(REQUEST_ID_HEADER)
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.core.limits.max_receive_message_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise errors.too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise errors.too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _checked(self, fn, *args):
+        """``fn(*args)``; bad input is a 400 (counted like gRPC's INVALID_ARGUMENT)."""
+        try:
+            return fn(*args)
+        except InvalidRequestError as exc:
+            raise self._bad(exc.field, exc.message) from None
+
+    def _bad(self, param: str, message: str) -> ApiError:
+        code, _ = self.core.failure(InvalidRequestError(param, message), None)   # counted as invalid
+        return ApiError(400, f"{param}: {message}", "invalid_request_error", param, code.name.lower())
+
+    def _response(self, msg, req, label: str | None, *, chat: bool, logprobs: bool,
+                  max_tokens_name: str = "max_tokens") -> GenerationResponse:
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        fmt = ResponseFormat(chat, prefix + (label or uuid.uuid4().hex), self.config.model, logprobs=logprobs,
+                             include_usage=include_usage, tokenizer=self.core.tokenizer)
+        return GenerationResponse(self.core, msg, fmt, stream=req.stream, max_tokens_name=max_tokens_name)

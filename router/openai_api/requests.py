@@ -1,0 +1,145 @@
+"""An OpenAI request body -> pdserve's ``GenerateRequest``, so it runs through exactly the checks
+a gRPC request does (``router.limits``, ``router.convert``); and the other way for error
+messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the client wrote.
+
+What is refused here (a 400 naming the parameter): ``n`` / ``best_of`` > 1, ``echo``,
+``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
+text, ``top_logprobs`` / completions ``logprobs`` > 0 (the engine returns the sampled token's
+logprob only: 0 is served), a batch of prompts, content parts that are not text. A parameter
+left out takes the server's default, as over gRPC (temperature: greedy; max_tokens: the
+server's ``--default-max-tokens``), so the same request gives the same tokens on both doors.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import ValidationError
+
+from engine.errors import InvalidRequestError
+from protos import pdserve_pb2 as pb
+from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
+_TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _refuse(ok: object, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(param, message)
+
+
+def parse(model: type, body: object):
+    """The body as ``model``; a validation error is a 400 naming the first bad parameter."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise InvalidRequestError(_loc(err["loc"]) or "body", err["msg"]) from None
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not out:
+            out = str(part)
+        elif not re.fullmatch(r"\w+", str(part)) or part in _TYPE_TAGS:
+            continue   # pydantic names the union member it tried ("str", "list[int]"): not a parameter
+        else:
+            out += f".{part}"
+    return out
+
+
+def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRequest:
+    _refuse(not req.tools, "tools", "tool calling is not supported")
+    fmt = (req.response_format or {}).get("type", "text")
+    _refuse(fmt == "text", "response_format", f"only type 'text' is supported, got {fmt!r}")
+    _refuse(not req.top_logprobs, "top_logprobs",
+            "only 0 is supported: this server returns the sampled token's logprob only")
+    msg = _common(req, label)
+    msg.chat.messages.extend(_message(m, i) for i, m in enumerate(req.messages))
+    if not req.messages:
+        msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is not None:
+        msg.sampling.max_tokens = max_tokens
+    if req.logprobs:
+        msg.sampling.logprobs = True
+    return msg
+
+
+def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
+    content = m.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            _refuse(part.type == "text" and part.text is not None, f"messages[{i}].content[{j}]",
+                    f"only text content parts are supported, got {part.type!r}")
+        content = "".join(part.text for part in content)
+    return pb.ChatMessage(role=m.role, content=content or "")
+
+
+def completion_request(req: CompletionRequest, label: str | None) -> pb.GenerateRequest:
+    _refuse(not req.echo, "echo", "echo is not supported")
+    _refuse(req.suffix is None, "suffix", "suffix is not supported")
+    _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
+    _refuse(not req.logprobs, "logprobs",
+            "only 0 is supported: this server returns the sampled token's logprob only")
+    msg = _common(req, label)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        _refuse(len(prompt) == 1, "prompt", "a batch of prompts is not supported: send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        msg.text = prompt
+    else:
+        msg.token_ids.ids.extend(prompt)
+    if req.max_tokens is not None:
+        msg.sampling.max_tokens = req.max_tokens
+    if req.logprobs is not None:
+        msg.sampling.logprobs = True
+    return msg
+
+
+def _common(req, label: str | None) -> pb.GenerateRequest:
+    _refuse(req.n == 1, "n", f"only n=1 is supported, got {req.n}: send n requests")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _refuse(not getattr(req, name), name, "penalties are not supported (only 0)")
+    _refuse(not req.logit_bias, "logit_bias", "logit_bias is not supported")
+    msg = pb.GenerateRequest()
+    if label is not None:
+        msg.request_id = label
+    for name in _SAMPLING:
+        if getattr(req, name) is not None:
+            setattr(msg.sampling, name, getattr(req, name))
+    for name in _TOP:
+        if getattr(req, name) is not None:
+            setattr(msg, name, getattr(req, name))
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    msg.sampling.stop.extend(stops)
+    msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
+    return msg
+
+
+# ---------------------------------------------------------------- field paths, back
+
+
+def param_for(field: str, *, chat: bool, max_tokens_name: str = "max_tokens") -> str:
+    """The OpenAI parameter a ``GenerateRequest`` field path stands for (``sampling.top_p`` ->
+    ``top_p``, ``chat.messages[1].role`` -> ``messages[1].role``, ``text`` -> ``prompt``);
+    a name that is already OpenAI's stays as it is."""
+    if field == "sampling.max_tokens":
+        return max_tokens_name
+    if field.startswith("sampling."):
+        return field.removeprefix("sampling.")
+    if field == "chat" or field.startswith("chat."):
+        return "messages" + field.removeprefix("chat").removeprefix(".messages")
+    if field in ("text", "token_ids"):
+        return "prompt"
+    if field == "prompt":
+        return "messages" if chat else "prompt"
+    if field == "request_id":
+        return "X-Request-Id"
+    return field

@@ -1,0 +1,112 @@
+"""``GenerationEvent``s -> OpenAI response bodies: whole (``chat.completion``,
+``text_completion``) or streamed chunk by chunk (``chat.completion.chunk``; completions stream
+``text_completion`` objects), with OpenAI's logprobs shapes.
+
+The first chat chunk carries ``role: assistant``; the finishing event's chunk carries the
+finish reason; with ``stream_options.include_usage`` every chunk has ``usage: null`` and one
+last chunk with no choices carries the usage. A logprob entry's ``token`` is the token's own
+text (``token_id:<id>`` when the model has no tokenizer, vLLM's spelling), and since only the
+sampled token's logprob exists, chat ``top_logprobs`` lists are empty and completions'
+``top_logprobs`` hold the sampled token alone (OpenAI: "the logprob of the sampled token is
+always returned").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.types import FinishReason
+from router.convert import Usage
+from router.generation import GenerationEvent
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
+           FinishReason.ERROR: "error"}
+
+
+def usage_json(usage: Usage | None) -> dict | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+@dataclass(slots=True)
+class ResponseFormat:
+    """One request's response shape. ``chat``: the chat API, else completions."""
+
+    chat: bool
+    response_id: str
+    model: str
+    logprobs: bool = False
+    include_usage: bool = False
+    tokenizer: Any | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    _role_sent: bool = False
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model}
+
+    # ---- streamed ------------------------------------------------------------------------
+    def chunk(self, event: GenerationEvent) -> dict | None:
+        """The chunk for one event; None when it has nothing to tell (text held back, no logprobs)."""
+        delta = event.delta
+        finish = _FINISH.get(delta.finish_reason) if delta.finished else None
+        if not event.text and finish is None and not self.logprobs and self._role_sent:
+            return None
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": event.text} if self._role_sent else {"role": "assistant", "content": event.text}
+            self._role_sent = True
+        else:
+            choice["text"] = event.text
+        choice["logprobs"] = self._logprobs(delta.token_ids, delta.logprobs) if self.logprobs else None
+        choice["finish_reason"] = finish
+        out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: Usage | None) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [], "usage": usage_json(usage)}
+
+    # ---- whole -----------------------------------------------------------------------------
+    def whole(self, events: Sequence[GenerationEvent]) -> dict:
+        text = "".join(e.text for e in events)
+        last = events[-1]
+        token_ids = [t for e in events for t in e.delta.token_ids]
+        lps = [lp for e in events for lp in (e.delta.logprobs or ())]
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(token_ids, lps) if self.logprobs else None
+        choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
+        return self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
+
+    # ---- logprobs --------------------------------------------------------------------------
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> dict:
+        tokens = [self._token_text(t) for t in token_ids]
+        values = list(logprobs or ())
+        if self.chat:
+            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+                                for tok, lp in zip(tokens, values)]}
+        offsets, at = [], 0
+        for tok in tokens:
+            offsets.append(at)
+            at += len(tok)
+        return {"tokens": tokens, "token_logprobs": values,
+                "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, values)], "text_offset": offsets}
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,133 @@
+"""Runs one OpenAI request inside its HTTP connection's task and writes its response.
+
+Life cycle: ``GenerationResponse.__call__`` (the ASGI response FastAPI hands back) claims the
+request's identity (``GenerationCore.claim``) and starts watching the connection; the request
+then runs through ``GenerationCore.stream`` in this same task, so that
+  - a client that disconnects (``http.disconnect``) cancels the task: the orchestrator's
+    cleanup aborts the request on every worker and frees its KV, and nothing more is written;
+  - a client that stops reading blocks this task in ``send`` (uvicorn's flow control) while the
+    request's ``DeltaQueue`` fills, which then cancels it with ``SLOW_READER``, as over gRPC.
+Streaming waits for the first event before it sends a status, so everything refused before the
+first token (bad input 400, duplicate id 409, admission 429, no worker 503) is an HTTP status
+with OpenAI's error body; an error after that is one ``data: {"error": ...}`` event followed by
+``data: [DONE]``. Non-streaming sends one JSON body at the end. ``release`` always runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from starlette.responses import Response
+
+from protos import pdserve_pb2 as pb
+from router.generation import GenerationCore, GenerationEvent
+from router.identity import RequestIdentity
+from router.openai_api import errors
+from router.openai_api.requests import param_for
+from router.openai_api.responses import ResponseFormat
+
+logger = logging.getLogger(__name__)
+
+CLIENT_GONE = "pdserve: http client disconnected"
+SLOW_READER_GRACE_S = 1.0    # a reader that stopped reading may still take the error event; no longer
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+class GenerationResponse(Response):
+    def __init__(self, core: GenerationCore, request: pb.GenerateRequest, fmt: ResponseFormat, *,
+                 stream: bool, max_tokens_name: str = "max_tokens") -> None:
+        super().__init__(status_code=200)
+        self.core, self.request, self.fmt, self.stream = core, request, fmt, stream
+        self._max_tokens_name = max_tokens_name
+        self._started = False     # a status line went out: errors are events from now on
+        self._done = False        # the last body went out: a disconnect now means nothing
+
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        watcher.add_done_callback(lambda w: self._on_disconnect(w, task))
+        identity: RequestIdentity | None = None
+        try:
+            identity = self.core.claim(self.request)
+            await self._run(identity, send)
+        except asyncio.CancelledError as exc:
+            await self._cancelled(exc, identity, send, task)
+        except Exception as exc:
+            await self._fail(exc, identity, send)
+        finally:
+            self._done = True
+            watcher.cancel()
+            self.core.release(identity)
+
+    def _on_disconnect(self, watcher: asyncio.Future, task: asyncio.Task) -> None:
+        if not watcher.cancelled() and not self._done:
+            task.cancel(CLIENT_GONE)
+
+    async def _cancelled(self, exc: asyncio.CancelledError, identity, send, task: asyncio.Task) -> None:
+        slow = self.core.slow_reader(exc)
+        if slow is not None:
+            with contextlib.suppress(asyncio.TimeoutError):   # it may not read this either
+                await asyncio.wait_for(self._fail(slow, identity, send), SLOW_READER_GRACE_S)
+            return
+        if exc.args[:1] != (CLIENT_GONE,):
+            raise   # the server is stopping
+        task.uncancel()   # the client left: the request is aborted, there is no one to answer
+        logger.debug("client of %s disconnected", identity.req_id if identity else "-")
+
+    async def _run(self, identity: RequestIdentity, send) -> None:
+        async with contextlib.aclosing(self.core.stream(self.request, identity, door="http")) as events:
+            if self.stream:
+                await self._stream(events, send)
+            else:
+                whole = [event async for event in events]
+                await self._send_whole(200, json.dumps(self.fmt.whole(whole)).encode(), send)
+
+    async def _stream(self, events, send) -> None:
+        last: GenerationEvent | None = None
+        async for event in events:
+            if not self._started:   # the first event: the request is accepted, the stream begins
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                self._started = True
+            chunk = self.fmt.chunk(event)
+            if chunk is not None:
+                await send({"type": "http.response.body", "body": sse(chunk), "more_body": True})
+            last = event
+        tail = sse(self.fmt.usage_chunk(last.usage)) if self.fmt.include_usage and last else b""
+        self._done = True
+        await send({"type": "http.response.body", "body": tail + sse("[DONE]"), "more_body": False})
+
+    async def _fail(self, exc: BaseException, identity: RequestIdentity | None, send) -> None:
+        err = self._api_error(exc, identity)
+        self._done = True
+        if self._started:
+            await send({"type": "http.response.body", "body": sse(err.body()) + sse("[DONE]"), "more_body": False})
+        else:
+            await self._send_whole(err.status, err.json_bytes(), send)
+
+    def _api_error(self, exc: BaseException, identity: RequestIdentity | None) -> errors.ApiError:
+        code, message = self.core.failure(exc, identity)
+        chat = self.fmt.chat
+        return errors.from_status(code, message, exc,
+                                  lambda f: param_for(f, chat=chat, max_tokens_name=self._max_tokens_name))
+
+    async def _send_whole(self, status: int, body: bytes, send) -> None:
+        self._done = True
+        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _disconnected(receive) -> Any:
+    """Returns once the client is gone (the request body was read before the handler ran)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

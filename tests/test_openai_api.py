@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP API over a real cluster (tiny random Llama, real Ray actors, real
+uvicorn in the router's loop), driven by the official ``openai`` client: chat and completions,
+streaming or not, usage, seed, logprobs, stop token ids, error codes in OpenAI's shape, bearer
+token auth, /health following the gRPC health, a client that disconnects cancelling its request
+(leak check after), and greedy output equal to gRPC's and to HF's token for token.
+
+The tiny model has no tokenizer; the router gets one whose every token decodes to one character
+of its own (``ExactTokenizer``), so a completion's text gives back its token ids exactly. Stop
+strings need the engine's tokenizer: ``test_openai_smollm2.py`` covers them with the real model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from router.client import PdserveClient
+from router.openai_api.app import ApiConfig, build_app
+from router.openai_api.server import HttpServer
+from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy
+from tests.test_cluster_e2e import address, start_cluster
+
+TOKEN = "http-test-token"
+BASE = 0x4E00
+
+
+class ExactTokenizer(ByteTokenizer):
+    """ByteTokenizer whose decode is exact: token id t is the character U+4E00 + t."""
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(BASE + t) for t in token_ids)
+
+
+def ids_of(text: str) -> list[int]:
+    return [ord(c) - BASE for c in text]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    cluster = start_cluster("disaggregated", http_port=0)
+    cluster.cluster.servicer.tokenizer = ExactTokenizer()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def model_name(cluster) -> str:
+    return client_for(cluster).models.list().data[0].id
+
+
+def base_url(cluster, port: int | None = None) -> str:
+    return f"http://127.0.0.1:{port or cluster.cluster.http_port}/v1"
+
+
+def client_for(cluster, port: int | None = None, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url(cluster, port), api_key=api_key, max_retries=0, timeout=60)
+
+
+def grpc_ids(cluster, **kwargs) -> list[int]:
+    with PdserveClient(address(cluster)) as client:
+        return list(client.generate_text(**kwargs).token_ids)
+
+
+def test_models_and_health(cluster, model_name):
+    models = client_for(cluster).models.list().data
+    assert [m.id for m in models] == [model_name] and models[0].owned_by == "pdserve"
+    root = base_url(cluster).removesuffix("/v1")
+    assert json.load(urllib.request.urlopen(root + "/health", timeout=10)) == {"status": "serving"}
+    cluster.run(cluster.cluster.health.update(False))   # what the supervisor does when nothing can serve
+    try:
+        with pytest.raises(urllib.error.HTTPError) as down:
+            urllib.request.urlopen(root + "/health", timeout=10)
+        assert down.value.code == 503
+    finally:
+        cluster.run(cluster.cluster.health.update(True))
+
+
+def test_greedy_completion_equals_grpc_and_hf(cluster, model_name, hf_reference):
+    prompt = [7, 8, 9, 10, 11, 12]
+    ref = hf_greedy(hf_reference, prompt, 12)
+    extra = {"ignore_eos": True}
+    whole = client_for(cluster).completions.create(model=model_name, prompt=prompt, max_tokens=12,
+                                                   temperature=0, extra_body=extra)
+    chunks = list(client_for(cluster).completions.create(model=model_name, prompt=prompt, max_tokens=12,
+                                                         stream=True, extra_body=extra))
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert ids_of(whole.choices[0].text) == ref == ids_of(streamed)
+    assert grpc_ids(cluster, token_ids=prompt, max_tokens=12, ignore_eos=True) == ref
+    assert whole.choices[0].finish_reason == "length" and chunks[-1].choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == 6 and whole.usage.completion_tokens == 12 and whole.usage.total_tokens == 18
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert cluster_leaks(cluster) == {}
+
+
+def test_chat_stream_and_whole_agree_with_grpc_and_carry_usage(cluster, model_name):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    client = client_for(cluster)
+    whole = client.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=10,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=model_name, messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == whole.choices[0].message.content and whole.choices[0].message.role == "assistant"
+    via_grpc = grpc_ids(cluster, chat=messages, max_tokens=10, ignore_eos=True)
+    assert ids_of(text) == via_grpc
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(ExactTokenizer().apply_chat_template(messages))
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert cluster_leaks(cluster) == {}
+
+
+def test_seed_reproduces_sampling_and_stop_token_ids_stop(cluster, model_name):
+    client = client_for(cluster)
+
+    def sample(seed: int) -> str:
+        return client.completions.create(model=model_name, prompt="abc", max_tokens=16, temperature=1.0, top_p=0.9,
+                                         seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(5) == sample(5) != sample(6)
+    greedy = ids_of(client.completions.create(model=model_name, prompt="abc", max_tokens=16,
+                                              extra_body={"ignore_eos": True}).choices[0].text)
+    stopped = client.completions.create(model=model_name, prompt="abc", max_tokens=16,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [greedy[3]]})
+    assert ids_of(stopped.choices[0].text) == greedy[:4] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_as_openai_defines_them(cluster, model_name):
+    client = client_for(cluster)
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, logprobs=True, top_logprobs=0,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [ord(e.token) - BASE for e in content] == ids_of(chat.choices[0].message.content)
+    assert all(e.logprob <= 0 and e.top_logprobs == [] and bytes(e.bytes).decode() == e.token for e in content)
+    comp = client.completions.create(model=model_name, prompt="hi", max_tokens=4, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == 4
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    streamed = list(client.completions.create(model=model_name, prompt="hi", max_tokens=4, logprobs=0, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs)
+    with PdserveClient(address(cluster)) as grpc_client:   # the same logprobs over gRPC, aligned with the tokens
+        via_grpc = grpc_client.generate_text(text="hi", max_tokens=4, ignore_eos=True, logprobs=True)
+    assert via_grpc.logprobs == pytest.approx(lp.token_logprobs) and len(via_grpc.token_ids) == 4
+    assert chat.choices[0].logprobs is not None and client.completions.create(
+        model=model_name, prompt="hi", max_tokens=2).choices[0].logprobs is None
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as err:
+        call()
+    return err.value
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(n=2), "n"),
+    (dict(logprobs=True, top_logprobs=3), "top_logprobs"),
+    (dict(max_completion_tokens=10**6), "max_completion_tokens"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    (dict(messages=[]), "messages"),
+    (dict(stop=[""]), "stop"),
+    (dict(presence_penalty=0.5), "presence_penalty"),
+])
+def test_bad_chat_input_is_400_naming_the_parameter(cluster, model_name, kwargs, param):
+    kwargs = {"messages": [{"role": "user", "content": "x"}], **kwargs}
+    err = _error(lambda: client_for(cluster).chat.completions.create(model=model_name, **kwargs))
+    assert err.status_code == 400 and isinstance(err, openai.BadRequestError)
+    assert err.body["param"] == param and err.body["type"] == "invalid_request_error", err.body
+    assert err.body["message"].startswith(param), err.body
+
+
+def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
+    client = client_for(cluster)
+    err = _error(lambda: client.completions.create(model=model_name, prompt=[7, 10**7], max_tokens=2))
+    assert err.status_code == 400 and err.body["param"] == "prompt"
+    err = _error(lambda: client.completions.create(model=model_name, prompt=["a", "b"], max_tokens=2))
+    assert err.status_code == 400 and "batch" in err.body["message"]
+    err = _error(lambda: client.completions.create(model=model_name, prompt="x", logprobs=2))
+    assert err.status_code == 400 and err.body["param"] == "logprobs"
+    err = _error(lambda: client.completions.create(model="gpt-4o", prompt="x"))
+    assert isinstance(err, openai.NotFoundError) and err.body["param"] == "model"
+    request = urllib.request.Request(base_url(cluster) + "/completions", data=b"{not json",
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        urllib.request.urlopen(request, timeout=10)
+    assert bad.value.code == 400 and json.load(bad.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_duplicate_request_id_is_409_and_the_first_goes_on(cluster, model_name):
+    client = client_for(cluster)
+    first = client.completions.create(model=model_name, prompt="long", max_tokens=200, stream=True,
+                                      extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "dup-1"})
+    head = next(iter(first))
+    err = _error(lambda: client.completions.create(model=model_name, prompt="x", max_tokens=2,
+                                                   extra_headers={"X-Request-Id": "dup-1"}))
+    assert isinstance(err, openai.ConflictError) and "dup-1" in err.body["message"]
+    rest = list(first)
+    assert head.id == "cmpl-dup-1" and rest[-1].choices[0].finish_reason == "length"
+    assert len(ids_of(head.choices[0].text + "".join(c.choices[0].text for c in rest))) == 200
+    assert cluster_leaks(cluster) == {}
+
+
+def test_admission_rejection_is_429_with_the_predicted_ttft(cluster, model_name):
+    """A burst of long prompts with a 10 ms TTFT target (the floor): the prefill queue they build
+    cannot meet it, so admission refuses some, and the HTTP client sees 429 with the prediction."""
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=base_url(cluster), api_key="unused", max_retries=0, timeout=60)
+        async with client:
+            return await asyncio.gather(*(client.completions.create(
+                model=model_name, prompt=[(i * 7 + j) % 500 + 3 for j in range(400)], max_tokens=2,
+                extra_body={"ttft_ms": 10}) for i in range(16)), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused, "16 prompts of 400 tokens at once cannot all start within 10 ms"
+    assert all(isinstance(r, openai.RateLimitError) and "TTFT" in r.body["message"] for r in refused), refused[0]
+    assert cluster_leaks(cluster) == {}
+
+
+def aborted(cluster) -> float:
+    return cluster.cluster.metrics.requests.labels("aborted")._value.get()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_client_disconnect_cancels_and_frees_kv(cluster, model_name):
+    client = client_for(cluster)
+    before = aborted(cluster)
+    stream = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "go"}],
+                                            max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    stream.close()   # drops the connection mid-stream
+    assert wait_for(lambda: aborted(cluster) == before + 1), "the request was not aborted"
+    assert cluster_leaks(cluster) == {}
+    whole = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "go"}],
+                                           max_tokens=3, extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 3
+
+
+def test_non_streaming_disconnect_cancels_too(cluster, model_name):
+    before = aborted(cluster)
+
+    async def leave_early():
+        reader, writer = await asyncio.open_connection("127.0.0.1", cluster.cluster.http_port)
+        body = json.dumps({"model": model_name, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        await asyncio.sleep(0.5)   # running by now (400 tokens take seconds)
+        writer.close()
+
+    asyncio.run(leave_early())
+    assert wait_for(lambda: aborted(cluster) == before + 1), "the request was not aborted"
+    assert cluster_leaks(cluster) == {}
+
+
+@pytest.fixture(scope="module")
+def authed_port(cluster):
+    """A second HTTP server on the same cluster, with a token (the same app a --auth-token-file serve builds)."""
+    core = cluster.cluster.servicer.core
+    app = build_app(core, cluster.cluster.health, ApiConfig("tiny", 4096, auth_token=TOKEN))
+    server = HttpServer(app, "127.0.0.1", 0)
+    port = cluster.run(server.start())
+    yield port
+    cluster.run(server.stop())
+
+
+def test_bearer_token_required_except_health(cluster, authed_port):
+    err = _error(lambda: client_for(cluster, authed_port, api_key="wrong").models.list())
+    assert isinstance(err, openai.AuthenticationError) and err.body["message"].startswith("wrong")
+    with pytest.raises(urllib.error.HTTPError) as missing:   # the openai client always sends a key
+        urllib.request.urlopen(f"http://127.0.0.1:{authed_port}/v1/models", timeout=10)
+    assert missing.value.code == 401 and json.load(missing.value)["error"]["message"].startswith("missing")
+    err = _error(lambda: client_for(cluster, authed_port, api_key="wrong").completions.create(
+        model="tiny", prompt="x", max_tokens=1))
+    assert err.status_code == 401
+    done = client_for(cluster, authed_port, api_key=TOKEN).completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert done.usage.completion_tokens == 2
+    health = urllib.request.urlopen(f"http://127.0.0.1:{authed_port}/health", timeout=10)
+    assert health.status == 200

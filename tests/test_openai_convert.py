@@ -1,0 +1,145 @@
+"""The HTTP API's pure parts, without a cluster: OpenAI bodies -> GenerateRequest, field paths
+back to OpenAI parameter names, router.errors' verdicts -> HTTP statuses and OpenAI's error
+body, and events -> OpenAI's response shapes."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+
+from engine.errors import CapacityError, InvalidRequestError, WorkerFailedError
+from engine.types import FinishReason, TokenDelta
+from router.convert import Usage
+from router.errors import status_for
+from router.generation import GenerationEvent
+from router.identity import DuplicateRequestError
+from router.openai_api import errors
+from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_api.requests import chat_request, completion_request, param_for, parse
+from router.openai_api.responses import ResponseFormat
+
+
+def test_chat_body_becomes_the_generate_request_grpc_would_send():
+    req = parse(ChatCompletionRequest, {
+        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 4, "stop": "x",
+        "logprobs": True, "top_logprobs": 0, "user": "ignored", "top_k": 5, "ignore_eos": True, "ttft_ms": 100})
+    msg = chat_request(req, "label-1")
+    assert msg.request_id == "label-1" and msg.chat.messages[0].content == "ab"
+    s = msg.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop), s.logprobs, s.top_k, s.ignore_eos) == \
+        (7, 0.5, 0.9, 4, ["x"], True, 5, True)
+    assert msg.ttft_ms == 100 and not msg.HasField("priority")
+
+
+def test_unset_parameters_stay_unset_so_the_server_defaults_apply():
+    msg = completion_request(parse(CompletionRequest, {"prompt": [1, 2, 3]}), None)
+    assert list(msg.token_ids.ids) == [1, 2, 3] and not msg.HasField("request_id")
+    for name in ("max_tokens", "temperature", "top_p", "seed", "logprobs"):
+        assert not msg.sampling.HasField(name), name
+    assert completion_request(parse(CompletionRequest, {"prompt": ["one"]}), None).text == "one"
+    assert completion_request(parse(CompletionRequest, {"prompt": "x", "logprobs": 0}), None).sampling.logprobs
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+])
+def test_unsupported_completion_parameters_are_named(body, param):
+    with pytest.raises(InvalidRequestError) as err:
+        completion_request(parse(CompletionRequest, body), None)
+    assert err.value.field == param
+
+
+def test_validation_errors_name_the_parameter():
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})
+    assert err.value.field == "messages[0].content"
+    with pytest.raises(InvalidRequestError) as err:
+        parse(ChatCompletionRequest, {"model": "m"})
+    assert err.value.field == "messages"
+    with pytest.raises(InvalidRequestError) as err:
+        chat_request(parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), None)
+    assert err.value.field == "messages[0].content[0]"
+
+
+def test_field_paths_map_back_to_openai_parameters():
+    assert param_for("sampling.top_p", chat=True) == "top_p"
+    assert param_for("sampling.max_tokens", chat=True, max_tokens_name="max_completion_tokens") == "max_completion_tokens"
+    assert param_for("chat.messages[1].role", chat=True) == "messages[1].role"
+    assert param_for("chat", chat=True) == param_for("chat.messages", chat=True) == "messages"
+    assert param_for("text", chat=False) == param_for("token_ids", chat=False) == "prompt"
+    assert param_for("sampling.stop[2]", chat=False) == "stop[2]"
+    assert param_for("n", chat=False) == "n"
+
+
+def test_router_errors_become_openai_statuses(caplog):
+    def api(exc):
+        code, message = status_for(exc, "req-1")
+        return errors.from_status(code, message, exc, lambda f: param_for(f, chat=True))
+
+    bad = api(InvalidRequestError("sampling.temperature", "must be >= 0"))
+    assert (bad.status, bad.type, bad.param, bad.message) == (400, "invalid_request_error", "temperature",
+                                                              "temperature: must be >= 0")
+    assert api(DuplicateRequestError("x is live")).status == 409
+    refused = api(CapacityError("predicted TTFT 812 ms > target 10 ms"))
+    assert refused.status == 429 and "TTFT" in refused.message
+    assert api(WorkerFailedError("no decode worker is alive")).status == 503
+    with caplog.at_level(logging.ERROR):
+        internal = api(RuntimeError("secret worker text"))
+    assert internal.status == 500 and "ref " in internal.message and "secret" not in internal.message
+    body = internal.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["code"] == grpc.StatusCode.INTERNAL.name.lower()
+
+
+def _event(ids, text, finish=None, logprobs=None, usage=None):
+    return GenerationEvent(TokenDelta("r", tuple(ids), finish, logprobs), text, usage)
+
+
+def test_chat_chunks_role_first_finish_last_usage_after():
+    fmt = ResponseFormat(True, "chatcmpl-1", "m", include_usage=True)
+    first = fmt.chunk(_event([1], "a"))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"} and first["usage"] is None
+    assert fmt.chunk(_event([2], "")) is None    # text held back: nothing to tell
+    last = fmt.chunk(_event([3], "c", FinishReason.LENGTH, usage=Usage(2, 3)))
+    assert last["choices"][0] == {"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": "length"}
+    tail = fmt.usage_chunk(Usage(2, 3))
+    assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+
+
+def test_whole_completion_with_logprobs():
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(96 + i) for i in ids)
+
+    fmt = ResponseFormat(False, "cmpl-1", "m", logprobs=True, tokenizer=Tok())
+    body = fmt.whole([_event([1, 2], "ab", logprobs=(-0.5, -1.0)),
+                      _event([3], "c", FinishReason.STOP, (-2.0,), Usage(4, 3))])
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["text"] == "abc" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [-0.5, -1.0, -2.0],
+                                  "top_logprobs": [{"a": -0.5}, {"b": -1.0}, {"c": -2.0}], "text_offset": [0, 1, 2]}
+    assert body["usage"]["total_tokens"] == 7
+    chat = ResponseFormat(True, "c", "m", logprobs=True).whole([_event([9], "x", FinishReason.STOP, (-0.1,), Usage(1, 1))])
+    assert chat["choices"][0]["logprobs"]["content"] == [
+        {"token": "token_id:9", "logprob": -0.1, "bytes": list(b"token_id:9"), "top_logprobs": []}]
+
+
+def test_stop_strings_are_trimmed_from_streamed_text():
+    from router.stop_text import StopTextTrimmer
+
+    t = StopTextTrimmer(["Paris", "\n\n"])
+    out = [t.push("The capital is P"), t.push("ar"), t.push("is. More"), t.push("x", finished=True)]
+    assert "".join(out) == "The capital is " and out[0] == "The capital is "   # "P" held until decided
+    t = StopTextTrimmer(["Paris"])
+    assert t.push("a P") == "a " and t.push("ie", finished=True) == "Pie"     # not a stop: flushed
+    t = StopTextTrimmer(["ab"])
+    assert t.push("xa") == "x" and t.push("ab") == "a"                         # "a" + "ab": stop at the second

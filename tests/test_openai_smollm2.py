@@ -1,0 +1,51 @@
+"""Slow tier: the HTTP API with the real default model (SmolLM2-135M-Instruct) and its real
+tokenizer, through the official ``openai`` client: the chat answer is Paris, greedy text over
+HTTP equals gRPC's (token for token: the same ids decode to the same text, and usage counts
+match), stop strings end the output before them (streaming and not), and the cluster holds
+nothing after."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from deploy.launcher import ClusterConfig, ClusterThread
+from engine.config import EngineConfig
+from router.client import PdserveClient
+from tests.conftest import cluster_leaks
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smol_cluster(ray_session):
+    config = ClusterConfig(port=0, http_port=0, cpus_per_worker=0.5, threads_per_worker=1, standby_workers=False,
+                           prefill_engine=EngineConfig(num_kv_blocks=64), decode_engine=EngineConfig(num_kv_blocks=64))
+    cluster = ClusterThread(config)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def test_chat_over_http_equals_grpc_and_stop_strings_stop(smol_cluster):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
+    assert whole.choices[0].message.content == "The capital of France is Paris."
+    with PdserveClient(f"127.0.0.1:{smol_cluster.cluster.port}") as grpc_client:
+        via_grpc = grpc_client.generate_text(chat=QUESTION, max_tokens=24, temperature=0)
+    assert via_grpc.text == whole.choices[0].message.content
+    assert via_grpc.usage.completion_tokens == whole.usage.completion_tokens
+    assert via_grpc.usage.prompt_tokens == whole.usage.prompt_tokens
+
+    stopped = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, stop=[" Paris"])
+    assert stopped.choices[0].message.content.rstrip() == "The capital of France is"
+    assert stopped.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=16,
+                                            stop=["."], stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert "." not in text and chunks[-1].choices[0].finish_reason == "stop"
+    assert cluster_leaks(smol_cluster) == {}

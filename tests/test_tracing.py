@@ -1,0 +1,106 @@
+"""OpenTelemetry traces across the router and both workers, over a real cluster (tiny random
+Llama, real Ray actors). The router and each worker export their own spans; here every process
+appends them to one JSON-lines file (``TracingConfig.jsonl_path``), which the test reads: one
+trace per request, with the router's ``request`` span as the root, the prefill worker's
+``prefill`` (queue, compute, KV hand-off with bytes and transport) and the decode worker's
+``decode`` parented on it across the Ray calls. Without a tracing config nothing is traced.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+import openai
+import pytest
+
+from engine import tracing
+from router.client import PdserveClient
+from tests.conftest import cluster_leaks
+from tests.test_cluster_e2e import address, start_cluster
+
+
+def test_untraced_by_default_costs_nothing():
+    assert tracing.tracer() is tracing._NOOP
+    span = tracing.tracer().start_span("request")
+    assert not span.is_recording() and tracing.traceparent_of(span) is None and tracing.context_of(None) is None
+    spans = tracing.RequestSpans()
+    spans.remember("r", None)
+    spans.open("r", "decode")
+    assert not spans
+    assert tracing.otlp_url("http://c:4318") == "http://c:4318/v1/traces"
+    assert tracing.otlp_url("http://c:4318/v1/traces") == "http://c:4318/v1/traces"
+
+
+@pytest.fixture(scope="module")
+def traced(ray_session, tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "spans.jsonl"
+    cluster = start_cluster("disaggregated", http_port=0, tracing=tracing.TracingConfig(jsonl_path=str(path)))
+    yield cluster, path
+    cluster.stop()
+    assert tracing.tracer() is tracing._NOOP, "stop() puts the no-op tracer back"
+
+
+def _spans(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _traces(path, num_requests: int, timeout_s: float = 20.0) -> dict[str, list[dict]]:
+    """Spans by trace id, once ``num_requests`` traces hold a decode span (it ends with the last
+    token, exported from the decode worker's process)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        by_trace = defaultdict(list)
+        for span in _spans(path):
+            by_trace[span["trace_id"]].append(span)
+        done = [t for t, spans in by_trace.items() if {"decode", "request"} <= {s["name"] for s in spans}]
+        if len(done) >= num_requests or time.monotonic() > deadline:
+            return dict(by_trace)
+        time.sleep(0.1)
+
+
+def test_one_trace_per_request_across_router_prefill_and_decode(traced):
+    cluster, path = traced
+    with PdserveClient(address(cluster)) as client:
+        client.generate_text(token_ids=list(range(3, 60)), max_tokens=6, ignore_eos=True)
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.cluster.http_port}/v1", api_key="x", max_retries=0)
+    http.completions.create(model=http.models.list().data[0].id, prompt=list(range(5, 40)), max_tokens=4,
+                            extra_body={"ignore_eos": True})
+    traces = _traces(path, 2)
+    assert len(traces) == 2, f"one trace per request, got {len(traces)}"
+    doors = set()
+    for spans in traces.values():
+        by_name = {s["name"]: s for s in spans}
+        assert sorted(by_name) == sorted(["request", "tokenize", "admission", "stream", "prefill", "prefill.queue",
+                                          "prefill.compute", "kv_handoff", "decode"]), sorted(by_name)
+        root = by_name["request"]
+        assert root["parent_id"] is None and root["service"] == "pdserve-router"
+        doors.add(root["attributes"]["pdserve.door"])
+        for name in ("tokenize", "admission", "stream", "prefill", "decode"):
+            assert by_name[name]["parent_id"] == root["span_id"], name
+        for name in ("prefill.queue", "prefill.compute", "kv_handoff"):
+            assert by_name[name]["parent_id"] == by_name["prefill"]["span_id"], name
+        assert by_name["prefill"]["service"] == "pdserve-prefill-worker"
+        assert by_name["decode"]["service"] == "pdserve-decode-worker"
+        handoff = by_name["kv_handoff"]["attributes"]
+        assert handoff["pdserve.kv.bytes"] > 0 and handoff["pdserve.kv.transport"] and handoff["pdserve.kv.outcome"] == "ok"
+        assert by_name["decode"]["attributes"]["pdserve.finish_reason"] == "length"
+        assert root["attributes"]["pdserve.outcome"] == "length"
+        assert root["start_ns"] <= by_name["prefill"]["start_ns"] <= by_name["decode"]["start_ns"] <= root["end_ns"]
+    assert doors == {"grpc", "http"}
+    assert cluster_leaks(cluster) == {}
+
+
+def test_an_aborted_request_ends_its_decode_span(traced):
+    cluster, path = traced
+    before = len(_traces(path, 0, timeout_s=0))
+    with PdserveClient(address(cluster)) as client:
+        stream = client.generate(token_ids=[5, 6, 7], max_tokens=400, ignore_eos=True)
+        next(stream), next(stream)
+        stream.close()
+    assert cluster_leaks(cluster) == {}
+    traces = _traces(path, before + 1)
+    aborted = [s for spans in traces.values() for s in spans if s["name"] == "decode"
+               and s["attributes"].get("pdserve.aborted")]
+    assert aborted, "the cancelled request's decode span was not ended"
