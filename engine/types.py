@@ -104,6 +104,10 @@ class WorkerStats:
     block_size: int
     num_preemptions: int = 0
     recent_steps: tuple[StepTiming, ...] = ()
+    # Running totals: prompt tokens that looked for a cached prefix, and those found (a decode
+    # worker counts the prompts it reserves for: a hit there is KV not transferred).
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
