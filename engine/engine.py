@@ -57,6 +57,7 @@ class PrefillDone:
     first_logprob: float | None
     queue_s: float             # added -> first scheduled
     prefill_s: float           # first scheduled -> first token
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
 
 
 @dataclass(slots=True)
@@ -217,6 +218,7 @@ class LLMEngine:
             first_logprob=r.output_logprobs[0] if r.output_logprobs else None,
             queue_s=scheduled - r.added_s,
             prefill_s=time.perf_counter() - scheduled,
+            num_cached_tokens=r.num_cached_tokens,
         )
 
     def _fail_request(self, request: Request, message: str) -> TokenDelta:
@@ -226,11 +228,12 @@ class LLMEngine:
         return self._delta(request, error=message)
 
     def _delta(self, request: Request, error: str | None = None) -> TokenDelta:
+        first = request.num_reported_tokens == 0 and bool(request.output_token_ids)
         new = tuple(request.output_token_ids[request.num_reported_tokens :])
         logprobs = tuple(request.output_logprobs[request.num_reported_tokens :]) if request.sampling.logprobs else None
         request.num_reported_tokens = len(request.output_token_ids)
         reason = request.finish_reason if request.is_finished else None
-        return TokenDelta(request.req_id, new, reason, logprobs, error)
+        return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0)
 
     def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
         timing = StepTiming(

@@ -156,6 +156,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = time.perf_counter()
+                request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             out.scheduled.append(self._plan(request, n))
             budget -= n

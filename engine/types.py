@@ -73,6 +73,8 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     logprobs: tuple[float, ...] | None = None
     error: str | None = None    # set with FinishReason.ERROR
+    # On a request's first token when this engine prefilled it: prompt tokens it found cached.
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -178,6 +180,9 @@ class PrefillResult:
     transport: str = ""
     stats: WorkerStats | None = None   # the prefill worker's stats when it answered
     outcome: HandoffOutcome = HandoffOutcome.OK
+    cached_tokens: int = 0         # prompt tokens the prefill worker found in its prefix cache
+    decode_cached_tokens: int = 0  # prompt tokens whose KV the decode worker held already
+    saved_bytes: int = 0           # KV bytes not moved thanks to that
 
 
 @dataclass(frozen=True, slots=True)

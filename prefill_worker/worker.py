@@ -126,7 +126,9 @@ class PrefillWorker(WorkerBase):
             except Exception as exc:  # the router re-raises the reservation's own error
                 return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.RESERVE_FAILED)
             num_bytes = await self._send(done, handle, decode)
-            return _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
+            result = _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
+            saved = handle.num_cached_tokens // handle.layout.block_size * handle.layout.bytes_per_block
+            return dataclasses.replace(result, decode_cached_tokens=handle.num_cached_tokens, saved_bytes=saved)
         except PeerLostError as exc:
             logger.warning("KV hand-off of %s: the decode worker died: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
@@ -195,4 +197,5 @@ def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 
         transfer_bytes=num_bytes,
         transport=transport,
         outcome=outcome,
+        cached_tokens=done.num_cached_tokens,
     )

@@ -72,8 +72,12 @@ def test_shared_prefix_moves_fewer_bytes(cluster, hf_reference, transport):
         for p in prompts:
             result = client.generate_text(token_ids=p, max_tokens=4, ignore_eos=True)
             assert list(result.token_ids) == hf_greedy(hf_reference, p, 4)
-            sent.append(result.timings.kv_transfer_bytes)
-    assert 0 < sent[1] < sent[0], f"{transport}: {sent}"
+            sent.append(result.timings)
+    first, second = sent
+    assert 0 < second.kv_transfer_bytes < first.kv_transfer_bytes, f"{transport}: {sent}"
+    assert (first.decode_cached_tokens, second.decode_cached_tokens) == (0, 64), "4 blocks of 16 held by decode"
+    assert second.prefill_cached_tokens == 64 and second.kv_transfer_saved_bytes > 0
+    assert second.kv_transfer_saved_bytes == 4 * second.kv_transfer_bytes, "79 tokens: 4 blocks held, 1 moved"
     assert cluster_leaks(cluster) == {}
 
 
