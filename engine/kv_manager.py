@@ -129,9 +129,9 @@ class KVCacheManager:
     def cache_computed(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """File every block of ``req_id`` that the computed tokens filled (its KV is written)."""
         chain = self._chains.get(req_id) if self.enable_prefix_caching else None
-        if chain is None or chain.broken:
-            return
         bs = self.block_size
+        if chain is None or chain.broken or num_computed_tokens // bs <= chain.num_filed:
+            return   # most decode steps: no block became full
         chain.hashes = block_hashes(token_ids[: num_computed_tokens], bs, self.hash_fn, chain.hashes)
         table = self.block_tables[req_id]
         for i in range(chain.num_filed, num_computed_tokens // bs):
