@@ -32,7 +32,7 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
+from collections import OrderedDict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def bench_model(loaded, steps: int, shuffled: bool) -> list[str]:
     if shuffled:   # a long-running server's pool: each request's blocks scattered, not consecutive
         free = list(engine.kv.pool._free)
         rng.shuffle(free)
-        engine.kv.pool._free = deque(free)
+        engine.kv.pool._free = OrderedDict.fromkeys(free)
     for i, p in enumerate(prompts):
         spec = RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=4 * steps + 16, ignore_eos=True))
         engine.reserve(spec)

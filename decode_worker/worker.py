@@ -2,6 +2,7 @@
 
 Life cycle of one request here:
   reserve(spec) -> blocks reserved, request parked; the handle says where its KV must land
+  (only the part after the prefix this worker's cache holds already: those blocks are shared)
   -> commit(req_id, first_token, handle): the transport's receive side runs (a no-op for
   shared memory, where the prefill worker already wrote the blocks), the request joins the
   running batch at the next step -> one token per step -> finished or aborted; blocks are
@@ -74,18 +75,19 @@ class DecodeWorker(WorkerBase):
     async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
         if spec.req_id in self._handles:   # a retried call: the reservation it made stands
             return self._handles[spec.req_id]
-        block_ids = await self.call(lambda e: e.reserve(spec))
+        block_ids, num_cached = await self.call(lambda e: e.reserve_prefix(spec))
         self._spans.remember(spec.req_id, spec.traceparent)
         locator = self._receiver(transport).locator(self.engine.cache)
         handle = self._handles[spec.req_id] = KVBlocksHandle(
             req_id=spec.req_id,
             src_block_ids=(),
-            dst_block_ids=tuple(block_ids),
-            num_tokens=len(spec.prompt_token_ids),
+            dst_block_ids=tuple(block_ids[num_cached // self.engine.config.block_size :]),
+            num_tokens=len(spec.prompt_token_ids) - num_cached,
             layout=self.engine.layout,
             transport=transport,
             locator=locator,
             lease_deadline_s=time.time() + RESERVATION_LEASE_S,
+            num_cached_tokens=num_cached,
         )
         return handle
 

@@ -90,6 +90,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn prefix caching off (on by default: requests sharing a prompt prefix share its KV)")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV pool per worker")
     p.add_argument("--threads-per-worker", type=int, default=None)
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
@@ -160,7 +162,7 @@ def cluster_config(args: argparse.Namespace):
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                            dtype=args.dtype, device=args.device)
+                            dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_cache)
 
     defaults = {"max_tokens": args.default_max_tokens}
     limits = server_limits(args)

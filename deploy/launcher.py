@@ -46,6 +46,7 @@ from router.admission import Admission
 from router.health import ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from router.prefix_index import PrefixIndex
 from router.registry import WorkerHandle, WorkerRegistry
 from router.security import ServerSecurity
 from router.server import PdserveServicer, ServerInfo, start_server
@@ -243,7 +244,8 @@ class Cluster:
         infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
         for (role, actor), info in zip(actors, infos):
             self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
-                                           shm_path=info.get("shm_path"), pid=info.get("pid")))
+                                           shm_path=info.get("shm_path"), pid=info.get("pid"),
+                                           prefix=PrefixIndex(info["block_size"], info.get("prefix_caching", False))))
         return list(infos)
 
     def _add_standby_recipe(self, kind: str, spec: WorkerSpec, args: tuple, resources: dict | None,

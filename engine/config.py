@@ -35,6 +35,7 @@ class EngineConfig:
     decode_attention_group: int = 16    # decode requests gathered per attention call (keeps the gather in cache)
     kv_cache_shm_path: str | None = None  # back the KV pool with a /dev/shm file (decode workers, for kvtransfer)
     num_recent_steps: int = 64          # step timings kept for stats
+    enable_prefix_caching: bool = True  # share the KV of full blocks of common prefixes (engine.kv_manager)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -7,8 +7,11 @@ Roles (EngineConfig.role):
   colocated: prefill and decode mixed in one packed batch.
   prefill:   after the first token the request is *held*: its blocks stay allocated until the
              worker has exported the KV and calls ``release``.
-  decode:    ``reserve`` parks a request with blocks for its prompt; once the KV has landed,
+  decode:    ``reserve`` parks a request with blocks for its prompt (the leading ones may
+             already hold a cached prefix: only the rest must arrive); once the KV has landed,
              ``commit_kv`` lets it join the running batch with the first token.
+Prefix caching (``EngineConfig.enable_prefix_caching``, on by default) is the KV manager's and
+the scheduler's business: a request's prefill starts after its longest cached prefix.
 Each ``step`` returns the TokenDeltas it produced (one per request with news) and, in the
 prefill role, the requests whose KV is ready for hand-off.
 """
@@ -29,6 +32,7 @@ from engine.config import EngineConfig, EngineRole
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.prefix_hash import HashFn, default_block_hash
 from engine.request import Request
 from engine.sampler import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -53,6 +57,7 @@ class PrefillDone:
     first_logprob: float | None
     queue_s: float             # added -> first scheduled
     prefill_s: float           # first scheduled -> first token
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
 
 
 @dataclass(slots=True)
@@ -64,7 +69,9 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, cache: torch.Tensor | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, cache: torch.Tensor | None = None,
+                 block_hash_fn: HashFn = default_block_hash):
+        """``block_hash_fn``: the prefix cache's block hash (tests inject colliding ones)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -74,7 +81,7 @@ class LLMEngine:
         if cache is None:
             cache = kv_cache.allocate(self.layout, kv_cache.num_blocks_for(self.layout, config), config.device)
         self.cache = cache
-        self.kv = KVCacheManager(cache.shape[2], config.block_size)
+        self.kv = KVCacheManager(cache.shape[2], config.block_size, config.enable_prefix_caching, block_hash_fn)
         self.pool_tokens = cache.shape[2] * config.block_size
         # A request must fit the pool on its own: preempting the others could never make room
         # for a larger one, which would be preempted and rescheduled forever. So, as vLLM caps
@@ -98,11 +105,20 @@ class LLMEngine:
 
     def reserve(self, spec: RequestSpec) -> list[int]:
         """Decode role: park the request with blocks reserved for its prompt's KV."""
+        return self.reserve_prefix(spec)[0]
+
+    def reserve_prefix(self, spec: RequestSpec) -> tuple[list[int], int]:
+        """``reserve``, also returning how many leading prompt tokens' KV this engine holds
+        already (a cached prefix, whole blocks): the hand-off moves only the rest."""
         self._validate(spec)
-        needed = -(-len(spec.prompt_token_ids) // self.config.block_size)
-        if needed > self.kv.num_free_blocks:
+        prompt = spec.prompt_token_ids
+        cached = self.kv.find_cached(spec.req_id, prompt)
+        if not self.kv.can_admit(spec.req_id, cached, len(prompt)):
+            needed = -(-len(prompt) // self.config.block_size) - len(cached)
+            self.kv.free(spec.req_id)   # forget the lookup's state
             raise CapacityError(f"{needed} KV blocks needed, {self.kv.num_free_blocks} free")
-        return self.scheduler.park(self._new_request(spec))
+        blocks = self.scheduler.park(self._new_request(spec), cached)
+        return blocks, len(cached) * self.config.block_size
 
     def commit_kv(self, req_id: str, first_token_id: int) -> TokenDelta | None:
         """Decode role: the reserved blocks now hold the prompt's KV; start decoding."""
@@ -202,6 +218,7 @@ class LLMEngine:
             first_logprob=r.output_logprobs[0] if r.output_logprobs else None,
             queue_s=scheduled - r.added_s,
             prefill_s=time.perf_counter() - scheduled,
+            num_cached_tokens=r.num_cached_tokens,
         )
 
     def _fail_request(self, request: Request, message: str) -> TokenDelta:
@@ -211,11 +228,12 @@ class LLMEngine:
         return self._delta(request, error=message)
 
     def _delta(self, request: Request, error: str | None = None) -> TokenDelta:
+        first = request.num_reported_tokens == 0 and bool(request.output_token_ids)
         new = tuple(request.output_token_ids[request.num_reported_tokens :])
         logprobs = tuple(request.output_logprobs[request.num_reported_tokens :]) if request.sampling.logprobs else None
         request.num_reported_tokens = len(request.output_token_ids)
         reason = request.finish_reason if request.is_finished else None
-        return TokenDelta(request.req_id, new, reason, logprobs, error)
+        return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0)
 
     def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
         timing = StepTiming(
@@ -253,6 +271,8 @@ class LLMEngine:
             num_total_blocks=self.kv.num_total_blocks,
             block_size=self.config.block_size,
             num_preemptions=s.num_preemptions,
+            prefix_cache_query_tokens=self.kv.counters.queries,
+            prefix_cache_hit_tokens=self.kv.counters.hits,
             recent_steps=tuple(self.recent_steps),
         )
 

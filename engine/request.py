@@ -36,6 +36,7 @@ class Request:
     # Worker-local perf_counter stamps for per-request timings.
     added_s: float = field(default_factory=time.perf_counter)
     first_scheduled_s: float | None = None
+    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache when first scheduled
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,10 @@ by recompute: its blocks are freed and it re-queues with ``num_computed_tokens =
 ``update_from_output()`` advances computed tokens, appends sampled tokens, applies stop
 conditions and frees finished requests' blocks (a prefill worker holds them for export).
 Aborts are applied at the next step boundary.
+Prefix caching: a request admitted from ``waiting`` (new, or preempted) starts after the
+longest cached prefix of its tokens (``num_computed_tokens`` = the cached length, never all of
+them); blocks its computed tokens fill are filed in the cache after each step
+(``KVCacheManager.cache_computed``), so the next request with that prefix skips them.
 """
 
 from __future__ import annotations
@@ -69,9 +73,10 @@ class Scheduler:
         self.requests[request.req_id] = request
         self._enqueue_waiting(request)
 
-    def park(self, request: Request) -> list[int]:
-        """Decode role: reserve blocks for the prompt's KV; the request waits for it to land."""
-        self.kv.allocate_slots(request.req_id, request.num_prompt_tokens)
+    def park(self, request: Request, cached: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """Decode role: reserve blocks for the prompt's KV, sharing the ``cached`` prefix blocks
+        (from ``kv.find_cached``: their KV is here already); the request waits for the rest."""
+        self.kv.admit(request.req_id, request.all_token_ids, cached, request.num_prompt_tokens)
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.req_id] = request
         self.parked[request.req_id] = request
@@ -81,6 +86,7 @@ class Scheduler:
         """KV landed: the request joins the running batch with its prompt computed."""
         request = self.parked.pop(req_id)
         request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed(req_id, request.all_token_ids, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         # The prefill worker already delivered the first token and its logprob; a placeholder
@@ -143,14 +149,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_uncomputed_tokens, budget)
-            if not self.kv.can_allocate(request.req_id, request.num_computed_tokens + n):
+            cached = self.kv.find_cached(request.req_id, request.all_token_ids)
+            start = len(cached) * self.kv.block_size
+            n = min(request.num_tokens - start, budget)
+            if not self.kv.can_admit(request.req_id, cached, start + n):
                 break  # FCFS/priority: don't let a later request jump a blocked one
             self.waiting.pop(0)
-            self.kv.allocate_slots(request.req_id, request.num_computed_tokens + n)
+            request.num_computed_tokens = self.kv.admit(request.req_id, request.all_token_ids, cached, start + n)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_s is None:
                 request.first_scheduled_s = time.perf_counter()
+                request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
             out.scheduled.append(self._plan(request, n))
             budget -= n
@@ -182,6 +191,7 @@ class Scheduler:
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed(request.req_id, request.all_token_ids, request.num_computed_tokens)
             if s.sample:
                 token_id, logprob = sampled[request.req_id]
                 if self._append_token(request, token_id, logprob):

@@ -75,6 +75,8 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     logprobs: tuple[float, ...] | None = None
     error: str | None = None    # set with FinishReason.ERROR
+    # On a request's first token when this engine prefilled it: prompt tokens it found cached.
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -106,6 +108,10 @@ class WorkerStats:
     block_size: int
     num_preemptions: int = 0
     recent_steps: tuple[StepTiming, ...] = ()
+    # Running totals: prompt tokens that looked for a cached prefix, and those found (a decode
+    # worker counts the prompts it reserves for: a hit there is KV not transferred).
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -176,6 +182,9 @@ class PrefillResult:
     transport: str = ""
     stats: WorkerStats | None = None   # the prefill worker's stats when it answered
     outcome: HandoffOutcome = HandoffOutcome.OK
+    cached_tokens: int = 0         # prompt tokens the prefill worker found in its prefix cache
+    decode_cached_tokens: int = 0  # prompt tokens whose KV the decode worker held already
+    saved_bytes: int = 0           # KV bytes not moved thanks to that
 
 
 @dataclass(frozen=True, slots=True)

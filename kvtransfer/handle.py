@@ -5,7 +5,11 @@ Life cycle of a ``KVBlocksHandle``:
 1. The decode worker reserves destination blocks and creates the handle: ``req_id``,
    ``dst_block_ids``, ``num_tokens``, its own ``layout``, the ``transport`` and the
    receiver's ``locator`` (where the destination is: a /dev/shm path, a rank, a CUDA IPC
-   descriptor). ``src_block_ids`` is still empty.
+   descriptor). ``src_block_ids`` is still empty. When the decode worker's prefix cache
+   already holds the prompt's first ``num_cached_tokens`` (whole blocks), the handle names only
+   the rest: ``dst_block_ids`` and ``num_tokens`` start after them, and the sender picks its
+   source blocks from the same place (``source_blocks``). Every transport moves what the
+   handle names, so none of them needs to know.
 2. The handle crosses to the prefill worker (through the router: Ray pickles it, so it must
    stay torch-free; the router never imports torch).
 3. The prefill worker's sender ``bind``s it: fills ``src_block_ids`` (and its part of the
@@ -100,6 +104,13 @@ class KVBlocksHandle:
     # Wall clock (time.time()) after which no writer may start: the decode side may free the
     # blocks once it passes even if it never heard from the writer. 0: no lease.
     lease_deadline_s: float = 0.0
+    # Leading prompt tokens (whole blocks) whose KV the decode worker holds already: not moved.
+    num_cached_tokens: int = 0
+
+    def source_blocks(self, prompt_block_ids: Sequence[int]) -> tuple[int, ...]:
+        """The prefill side's blocks to send, given all of its prompt's blocks in token order."""
+        skip = self.num_cached_tokens // self.layout.block_size
+        return tuple(prompt_block_ids[skip : skip + self.num_blocks])
 
     @property
     def num_blocks(self) -> int:

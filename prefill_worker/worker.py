@@ -6,6 +6,8 @@ Life cycle of one request here:
   budget, many prompts per step) -> first token sampled, blocks *held* -> KV sent through the
   handle's transport -> decode worker's ``commit`` (it admits the request) -> blocks released
   -> PrefillResult (first token + timings) back to the router.
+Prefix caching on both sides: the engine starts the prefill after this worker's cached prefix,
+and only the blocks the decode worker does not hold already move (the handle names them).
 A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
 PrefillResult with its finish reason and no hand-off. Every result carries a ``HandoffOutcome``
 (ok, ended at prefill, aborted, reserve failed, transfer failed, peer dead): the router acts on
@@ -138,7 +140,9 @@ class PrefillWorker(WorkerBase):
             except Exception as exc:  # the router re-raises the reservation's own error
                 return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.RESERVE_FAILED)
             num_bytes = await self._send(done, handle, decode)
-            return _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
+            result = _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
+            saved = handle.num_cached_tokens // handle.layout.block_size * handle.layout.bytes_per_block
+            return dataclasses.replace(result, decode_cached_tokens=handle.num_cached_tokens, saved_bytes=saved)
         except PeerLostError as exc:
             logger.warning("KV hand-off of %s: the decode worker died: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
@@ -157,7 +161,7 @@ class PrefillWorker(WorkerBase):
         if handle.lease_deadline_s and time.time() > handle.lease_deadline_s - LEASE_MARGIN_S:
             raise KVTransferError("the decode reservation's lease ran out before the KV was ready")
         sender = self._sender(handle.transport)
-        bound = sender.bind(handle, done.block_ids[: handle.num_blocks])
+        bound = sender.bind(handle, handle.source_blocks(done.block_ids))
         if sender.rendezvous:  # the receiver must be inside receive() while we send
             async with self._transfer_locks.setdefault(decode.peer_id, asyncio.Lock()):  # FIFO per pair
                 commit = asyncio.ensure_future(decode.commit(done.req_id, done.first_token_id, bound))
@@ -220,4 +224,5 @@ def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 
         transfer_bytes=num_bytes,
         transport=transport,
         outcome=outcome,
+        cached_tokens=done.num_cached_tokens,
     )

@@ -122,7 +122,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s", "e2e_s", "kv_transfer_bytes", "prefill_worker_id", "decode_worker_id", "kv_handoff", "recomputed_on_decode", "migrations")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s", "e2e_s", "kv_transfer_bytes", "prefill_worker_id", "decode_worker_id", "kv_handoff", "recomputed_on_decode", "migrations", "prefill_cached_tokens", "decode_cached_tokens", "kv_transfer_saved_bytes")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,9 @@ class Timings(_message.Message):
     KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_ON_DECODE_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
@@ -149,7 +152,10 @@ class Timings(_message.Message):
     kv_handoff: str
     recomputed_on_decode: bool
     migrations: int
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_handoff: _Optional[str] = ..., recomputed_on_decode: _Optional[bool] = ..., migrations: _Optional[int] = ...) -> None: ...
+    prefill_cached_tokens: int
+    decode_cached_tokens: int
+    kv_transfer_saved_bytes: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_handoff: _Optional[str] = ..., recomputed_on_decode: _Optional[bool] = ..., migrations: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_transfer_saved_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs", "error")

@@ -3,7 +3,9 @@
 For every candidate (prefill, decode) pair the router predicts, from live worker stats, its own
 in-flight counts and step-time models fitted online (``router.step_model``):
   TTFT = time already spent queued + (prompt tokens waiting for prefill on the prefilling
-         worker + this prompt) x its seconds per prefill token + the recent KV hand-off time;
+         worker + this prompt's tokens not in its prefix cache) x its seconds per prefill token
+         + the recent KV hand-off time. The cached part is the router's guess
+         (``router.prefix_index``): a prefix placed on that worker recently;
   TPOT = the decode worker's step time with this request added (batch size, KV tokens),
          divided by (1 - u) when that worker also prefills (colocated, or conditional
          disaggregation): u is the share of its time prefill takes over the long run, from the
@@ -22,7 +24,13 @@ admission-time prediction instead is biased upward (a request is admitted when t
 estimate happens to read low, then meets the average load), which made admission reject
 requests that would have met their target.
 Pair choice: among the pairs predicted to meet both targets, disaggregated pairs first, then
-the lowest TTFT (balances prefill queues), then the most headroom. Conditional disaggregation:
+the lowest TTFT (balances prefill queues, and weighs a cached prefix against a longer queue: both
+are prompt tokens to compute), then the most headroom. Without targets or timings: the least
+queued work (prefill tokens queued there minus the prefix expected cached there), then the
+fewest requests decoding, then the decode worker holding most of the prompt already (fewer
+bytes to move). A decode worker that holds all of a prompt but its last block
+(``LOCAL_PREFILL_TOKENS`` or fewer to compute) is taken like a disaggregated pair: a hand-off
+would cost more than that prefill. Conditional disaggregation:
 the decode worker prefilling the prompt itself is a candidate too (no hand-off, but its prefill
 interferes with its decodes); it is taken when no prefill worker can meet the request's TTFT
 and its own predictions fit: extra prefill capacity exactly when the prefill side is the
@@ -62,6 +70,7 @@ PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targe
 MIN_PRIORITY_SCALE = 0.4
 RESUME_WAIT_S = 60.0      # a migrating request waits this long for a worker to come back
 MAX_WAKE_PER_NOTIFY = 8   # queued requests re-evaluated per worker report: bounded work per step
+LOCAL_PREFILL_TOKENS = 16  # a decode worker prefilling this few is cheaper than a hand-off (~one decode step's cost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,19 @@ class Prediction:
     tpot_s: float | None           # this request's
     running_tpot_ratio: float | None = None  # worst projected / target TPOT of those decoding there
     waited_s: float = 0.0
+    num_prompt_tokens: int = 0
+    cached_tokens: int = 0         # expected in the prefilling worker's prefix cache
+    decode_cached_tokens: int = 0  # expected in the decode worker's (not moved in a hand-off)
+
+    @property
+    def tokens_to_prefill(self) -> int:
+        return self.num_prompt_tokens - self.cached_tokens
+
+    @property
+    def cheap_local(self) -> bool:
+        """The decode worker prefills, and holds all of the prompt in its cache but a block's
+        worth: as good as a hand-off. (Short uncached prompts stay disaggregated: see above.)"""
+        return self.prefill is None and self.cached_tokens > 0 and self.tokens_to_prefill <= LOCAL_PREFILL_TOKENS
 
     def headroom(self, ttft_target: float | None, tpot_target: float | None) -> float:
         """Smallest relative slack against the targets (higher is better; < 0 misses one)."""
@@ -167,11 +189,14 @@ class Admission:
                 now: float | None = None, waited_s: float = 0.0) -> Prediction:
         prompt = len(spec.prompt_token_ids)
         now = time.perf_counter() if now is None else now
-        ttft = self._ttft(prompt, prefill, decode)
+        decode_cached = decode.prefix.expected_hit(spec.prompt_token_ids)
+        cached = prefill.prefix.expected_hit(spec.prompt_token_ids) if prefill else decode_cached
+        ttft = self._ttft(prompt - cached, prefill, decode)
         step = self._decode_step(decode, prompt, now)
-        own_prompt = prompt if prefill is None else 0   # prefilled on the decode worker itself
+        own_prompt = prompt - cached if prefill is None else 0   # prefilled on the decode worker itself
         running = self._running_tpot_ratio(decode, step, own_prompt, now) if step is not None else None
-        return Prediction(prefill, decode, None if ttft is None else waited_s + ttft, step, running, waited_s)
+        return Prediction(prefill, decode, None if ttft is None else waited_s + ttft, step, running, waited_s,
+                          prompt, cached, decode_cached)
 
     def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
@@ -283,7 +308,7 @@ class Admission:
         fits_ttft = [p for p in preds if p.fits_ttft(ttft_t)]
         fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and _has_kv_room(p.decode, spec)]
         if fits:
-            pool = [p for p in fits if p.prefill is not None] or fits
+            pool = [p for p in fits if p.prefill is not None or p.cheap_local] or fits
             return min(pool, key=lambda p: (p.ttft_s, -p.headroom(ttft_t, tpot_t)))
         return max(fits_ttft or preds, key=lambda p: p.headroom(ttft_t, tpot_t))
 
@@ -352,9 +377,10 @@ def _within(predicted: float | None, target: float | None, safety: float) -> boo
     return not target or predicted is None or predicted <= target * safety
 
 
-def _load(p: Prediction) -> tuple[int, int, int]:
+def _load(p: Prediction) -> tuple[int, int, int, int]:
     free = p.decode.stats.num_free_blocks if p.decode.stats else 0
-    return (p.prefill.num_prefill_tokens if p.prefill else 0, p.decode.num_inflight, -free)
+    queued = p.prefill.num_prefill_tokens if p.prefill else 0
+    return (queued - p.cached_tokens, p.decode.num_inflight, -p.decode_cached_tokens, -free)
 
 
 def _idle(p: Prediction) -> bool:

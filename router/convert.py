@@ -88,6 +88,9 @@ class RequestTimings:
     kv_handoff: str = ""            # a HandoffOutcome value; "" in colocated mode
     recomputed_on_decode: bool = False
     migrations: int = 0
+    prefill_cached_tokens: int = 0  # prefix caching: not computed by the worker that prefilled
+    decode_cached_tokens: int = 0   # held by the decode worker already: not moved
+    kv_transfer_saved_bytes: int = 0
 
 
 # ---------------------------------------------------------------- request -> engine

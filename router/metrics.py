@@ -27,6 +27,9 @@ Metrics (every name starts with ``pdserve_``):
                                                  aborted, error, rejected, invalid
     admission_decisions_total                    decision: admit, queue, reject; reason
     preemptions_total                            worker      (from WorkerStats deltas)
+    prefix_cache_query_tokens_total,             worker      (from WorkerStats deltas: prompt
+    prefix_cache_hit_tokens_total                             tokens looked up / found cached)
+    kv_transfer_saved_bytes_total                -           (KV the decode worker held already)
     prompt_tokens_total, generation_tokens_total -
     slo_met_requests_total                       -           (goodput = its rate)
   gauges
@@ -175,6 +178,8 @@ class _WorkerSeries:
     free_blocks: Gauge
     step_time: Gauge
     preemptions: Counter
+    prefix_queries: Counter
+    prefix_hits: Counter
 
 
 class RouterMetrics:
@@ -192,7 +197,7 @@ class RouterMetrics:
         self._request_series: dict[str, _RequestSeries] = {}
         self._kv_series: dict[str, tuple[Histogram, Histogram]] = {}
         self._worker_series: dict[tuple[str, str], _WorkerSeries] = {}
-        self._preemptions_seen: dict[str, int] = {}
+        self._totals_seen: dict[tuple[str, str], int] = {}   # (worker, WorkerStats field) -> last total
         self._define_request_metrics()
         self._define_counters()
         self._define_gauges()
@@ -230,6 +235,14 @@ class RouterMetrics:
                                    ["worker"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of served requests.",
                                      registry=r)
+        self.prefix_queries = Counter("pdserve_prefix_cache_query_tokens_total",
+                                      "Prompt tokens a worker looked up in its prefix cache.", ["worker"], registry=r)
+        self.prefix_hits = Counter("pdserve_prefix_cache_hit_tokens_total",
+                                   "Prompt tokens a worker found in its prefix cache (not computed, or not moved).",
+                                   ["worker"], registry=r)
+        self.kv_saved_bytes = Counter("pdserve_kv_transfer_saved_bytes_total",
+                                      "KV bytes not handed off: the decode worker's prefix cache held them.",
+                                      registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
         self.slo_met_requests = Counter("pdserve_slo_met_requests_total",
                                         "Requests that finished within their SLO (goodput = rate).", registry=r)
@@ -317,6 +330,8 @@ class RouterMetrics:
             kv_time, kv_bytes = self._series_for_transport(transport or self.kv_transport)
             kv_time.observe(timings.kv_transfer_s)
             kv_bytes.observe(timings.kv_transfer_bytes)
+        if timings.kv_transfer_saved_bytes > 0:
+            self.kv_saved_bytes.inc(timings.kv_transfer_saved_bytes)
         met = name in SLO_OUTCOMES and slo_met(timings, completion_tokens, ttft_target_s, tpot_target_s)
         if met:
             self.slo_met_requests.inc()
@@ -397,7 +412,7 @@ class RouterMetrics:
             restarts.inc()
 
     def update_worker(self, stats: WorkerStats) -> None:
-        """Fresh stats from one worker: gauges take its values, preemptions count the delta."""
+        """Fresh stats from one worker: gauges take its values, running totals count the delta."""
         s = self._series_for_worker(stats.worker_id, stats.role)
         s.running.set(stats.num_running)
         s.waiting.set(stats.num_waiting)
@@ -406,15 +421,19 @@ class RouterMetrics:
         s.free_blocks.set(stats.num_free_blocks)
         if stats.recent_steps:  # an idle worker reports no steps: keep its last known step time
             s.step_time.set(sum(t.duration_s for t in stats.recent_steps) / len(stats.recent_steps))
-        self._count_preemptions(s, stats)
+        for counter, field in ((s.preemptions, "num_preemptions"), (s.prefix_queries, "prefix_cache_query_tokens"),
+                               (s.prefix_hits, "prefix_cache_hit_tokens")):
+            self._count_total(counter, stats, field)
 
-    def _count_preemptions(self, s: _WorkerSeries, stats: WorkerStats) -> None:
-        seen = self._preemptions_seen.get(stats.worker_id, 0)
+    def _count_total(self, counter: Counter, stats: WorkerStats, field: str) -> None:
+        total = getattr(stats, field)
+        key = (stats.worker_id, field)
+        seen = self._totals_seen.get(key, 0)
         # WorkerStats carries a running total; a smaller one means the worker restarted from 0.
-        delta = stats.num_preemptions - seen if stats.num_preemptions >= seen else stats.num_preemptions
+        delta = total - seen if total >= seen else total
         if delta:
-            s.preemptions.inc(delta)
-        self._preemptions_seen[stats.worker_id] = stats.num_preemptions
+            counter.inc(delta)
+        self._totals_seen[key] = total
 
     def remove_worker(self, worker_id: str) -> None:
         """Drop a departed worker's gauges (a stale gauge would read as a live, idle worker)."""
@@ -423,7 +442,8 @@ class RouterMetrics:
             for gauge in (self.worker_running, self.worker_waiting, self.worker_waiting_tokens,
                           self.worker_kv_usage, self.worker_free_blocks, self.worker_step_time):
                 gauge.remove(wid, role)
-        self._preemptions_seen.pop(worker_id, None)
+        for key in [k for k in self._totals_seen if k[0] == worker_id]:
+            del self._totals_seen[key]
 
     def _series_for_worker(self, worker_id: str, role: str) -> _WorkerSeries:
         s = self._worker_series.get((worker_id, role))
@@ -432,7 +452,8 @@ class RouterMetrics:
                 self.worker_running.labels(worker_id, role), self.worker_waiting.labels(worker_id, role),
                 self.worker_waiting_tokens.labels(worker_id, role), self.worker_kv_usage.labels(worker_id, role),
                 self.worker_free_blocks.labels(worker_id, role), self.worker_step_time.labels(worker_id, role),
-                self.preemptions.labels(worker_id))
+                self.preemptions.labels(worker_id), self.prefix_queries.labels(worker_id),
+                self.prefix_hits.labels(worker_id))
             self._worker_series[(worker_id, role)] = s
         return s
 

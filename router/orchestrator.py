@@ -58,6 +58,7 @@ class RequestTrace:
     handoff: HandoffOutcome | None = None   # None: colocated (no hand-off to make)
     recomputed: bool = False                # the KV did not land: recomputed on the decode worker
     migrations: int = 0
+    local_cached_tokens: int = 0            # prefilled on the decode worker: prompt tokens it found cached
 
     def on_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -86,6 +87,9 @@ class RequestTrace:
             kv_handoff=self.handoff.value if self.handoff else "",
             recomputed_on_decode=self.recomputed,
             migrations=self.migrations,
+            prefill_cached_tokens=p.cached_tokens if p and not self.recomputed else self.local_cached_tokens,
+            decode_cached_tokens=p.decode_cached_tokens if p else 0,
+            kv_transfer_saved_bytes=p.saved_bytes if p else 0,
         )
 
 
@@ -169,9 +173,11 @@ class Orchestrator:
         trace.decode_worker = decode.worker_id
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
-        num_prompt = len(spec.prompt_token_ids)
+        num_prompt = pair.tokens_to_prefill   # the prefix expected cached there costs nothing
         prefiller, prefiller_gen = (prefill, at.prefill_gen) if prefill else (decode, at.decode_gen)
         prefiller.begin_prefill(num_prompt)   # carried until its first token
+        for worker in {prefiller, decode}:    # their caches will hold this prompt's prefix
+            worker.placed_prompt(spec.prompt_token_ids)
         prefill_pending = True
         progress = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s, prefill_mark=decode.prefill_tokens_sent)
         decode.track(spec.req_id, progress)
@@ -190,6 +196,8 @@ class Orchestrator:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if item.num_cached_tokens:
+                    trace.local_cached_tokens = item.num_cached_tokens
                 if prefill_pending and item.token_ids:
                     prefiller.end_prefill(num_prompt, prefiller_gen)
                     prefill_pending = False

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.types import WorkerStats
 from kvtransfer.select import choose_transport
+from router.prefix_index import PrefixIndex
 
 PREFILL_RATE_TAU_S = 60.0   # the prefill load a request decodes under: a minute, not a burst
 MIN_RATE_WINDOW_S = 5.0     # a young estimate divides by at least this much history
@@ -82,6 +83,7 @@ class WorkerHandle:
     restarts: int = 0
     last_failure: str = ""
     pid: int | None = None        # the actor's process (operators and failure tests)
+    prefix: PrefixIndex = field(default_factory=PrefixIndex)   # prompt prefixes its cache probably holds
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
@@ -111,6 +113,7 @@ class WorkerHandle:
         self.generation += 1
         self.restarts += 1
         self.stats = None
+        self.prefix = PrefixIndex(self.prefix.block_size, self.prefix.enabled)   # a fresh pool
         self.num_prefill_tokens = 0
         self.decoding.clear()
         self.state = WorkerState.READY
@@ -118,6 +121,10 @@ class WorkerHandle:
     def observe_stats(self, stats: WorkerStats | None) -> None:
         if stats is not None:
             self.stats = stats
+
+    def placed_prompt(self, token_ids) -> None:
+        """A prompt sent here (to prefill, or to decode): its prefix will be in this worker's cache."""
+        self.prefix.record(token_ids, self.stats.num_total_blocks if self.stats else None)
 
     def track(self, req_id: str, progress: DecodeProgress) -> None:
         """A request sent here to decode: counted until ``untrack``."""

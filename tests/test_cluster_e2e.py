@@ -89,6 +89,16 @@ def test_final_message_carries_usage_and_timings(disagg):
     assert cluster_leaks(disagg) == {}
 
 
+def test_colocated_prefix_cache_reports_cached_tokens(coloc):
+    system = list(range(200, 280))   # 5 blocks of 16
+    with PdserveClient(address(coloc)) as client:
+        first = client.generate_text(token_ids=system + [7, 8, 9], max_tokens=3, ignore_eos=True).timings
+        second = client.generate_text(token_ids=system + [9, 8], max_tokens=3, ignore_eos=True).timings
+    assert first.prefill_cached_tokens == 0 and second.prefill_cached_tokens == 80
+    assert second.decode_cached_tokens == 0 and second.kv_transfer_bytes == 0, "colocated: no hand-off"
+    assert cluster_leaks(coloc) == {}
+
+
 BAD_REQUESTS = [
     ({"token_ids": []}, "token_ids"),
     ({"token_ids": [5] * 600}, "token_ids"),

@@ -195,6 +195,15 @@ def test_serve_flags_reach_the_cluster_config():
     assert (failures.migration_limit, failures.max_worker_restarts, failures.standby_workers) == (0, 5, False)
 
 
+def test_prefix_cache_on_by_default_and_switched_off_by_flag():
+    from deploy.cli import _parser, cluster_config
+
+    on = cluster_config(_parser().parse_args(["serve"]))
+    assert on.prefill_engine.enable_prefix_caching and on.decode_engine.enable_prefix_caching
+    off = cluster_config(_parser().parse_args(["serve", "--no-prefix-cache"]))
+    assert not off.prefill_engine.enable_prefix_caching and not off.decode_engine.enable_prefix_caching
+
+
 # ---------------------------------------------------------------- the router's supervisor
 
 

@@ -131,6 +131,21 @@ def test_worker_gauges_and_preemption_deltas(metrics):
     assert f"pdserve_worker_running_requests{d0}" not in scrape(port)
 
 
+def test_prefix_cache_counters_and_saved_bytes(metrics):
+    import dataclasses
+
+    base = worker_stats("p0", "prefill")
+    metrics.update_worker(dataclasses.replace(base, prefix_cache_query_tokens=1000, prefix_cache_hit_tokens=600))
+    metrics.update_worker(dataclasses.replace(base, prefix_cache_query_tokens=1500, prefix_cache_hit_tokens=800))
+    metrics.update_worker(dataclasses.replace(base, prefix_cache_query_tokens=100, prefix_cache_hit_tokens=0))  # restarted
+    metrics.request_finished(FinishReason.STOP, dataclasses.replace(timings(), kv_transfer_saved_bytes=4096),
+                             10, 5, [0.05] * 4, None, None)
+    s = scrape(metrics.start_http_server(0))
+    assert s['pdserve_prefix_cache_query_tokens_total{worker="p0"}'] == 1600
+    assert s['pdserve_prefix_cache_hit_tokens_total{worker="p0"}'] == 800
+    assert s["pdserve_kv_transfer_saved_bytes_total"] == 4096
+
+
 def test_registries_are_independent():
     a, b = RouterMetrics(), RouterMetrics()
     a.request_rejected("queue_full")

@@ -58,6 +58,29 @@ def test_failed_hand_off_is_recomputed(cluster, small_workload):
     assert cluster_leaks(cluster) == {}
 
 
+@pytest.mark.parametrize("transport", ["shm", "torch_dist", "object_store"])
+def test_shared_prefix_moves_fewer_bytes(cluster, hf_reference, transport):
+    """The decode worker's prefix cache holds the shared system prompt after the first request:
+    the second moves only the blocks after it, whatever the transport."""
+    registry = cluster.cluster.registry
+    registry.force_transport(transport)
+    rng = random.Random(transport)
+    system = [rng.randrange(3, 512) for _ in range(70)]
+    prompts = [system + [rng.randrange(3, 512) for _ in range(n)] for n in (20, 9)]
+    sent = []
+    with PdserveClient(address(cluster)) as client:
+        for p in prompts:
+            result = client.generate_text(token_ids=p, max_tokens=4, ignore_eos=True)
+            assert list(result.token_ids) == hf_greedy(hf_reference, p, 4)
+            sent.append(result.timings)
+    first, second = sent
+    assert 0 < second.kv_transfer_bytes < first.kv_transfer_bytes, f"{transport}: {sent}"
+    assert (first.decode_cached_tokens, second.decode_cached_tokens) == (0, 64), "4 blocks of 16 held by decode"
+    assert second.prefill_cached_tokens == 64 and second.kv_transfer_saved_bytes > 0
+    assert second.kv_transfer_saved_bytes == 4 * second.kv_transfer_bytes, "79 tokens: 4 blocks held, 1 moved"
+    assert cluster_leaks(cluster) == {}
+
+
 def test_dead_decode_worker_in_the_kv_group_is_replaced_and_routed_around(cluster, hf_reference):
     """Runs last in this module: it kills the cluster's decode worker mid-stream while the pair
     moves KV over torch.distributed. The stream migrates (output still equals HF), the worker is

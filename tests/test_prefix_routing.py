@@ -1,0 +1,110 @@
+"""Prefix-aware routing, without Ray: the router's per-worker index of prompt block hashes
+(computed with the engine's own torch-free function), and admission weighing the expected
+cached prefix against load when it predicts TTFT and picks a pair."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from engine.kv_manager import KVCacheManager
+from engine.types import RequestSpec, SamplingParams, SLOTarget
+from router.admission import Admission
+from router.prefix_index import PrefixIndex, prompt_hashes
+from router.registry import WorkerHandle, WorkerRegistry
+from tests.test_admission import decode_steps, prefill_steps, stats
+
+SYSTEM = tuple(range(100, 164))   # 4 blocks of 16
+
+
+def prompt(tail: int, n: int = 20) -> tuple[int, ...]:
+    return SYSTEM + tuple(range(1000 + tail, 1000 + tail + n))
+
+
+def test_router_hashes_are_the_engines():
+    kv = KVCacheManager(16, 16, enable_prefix_caching=True)
+    tokens = prompt(0)
+    kv.find_cached("r", tokens)
+    assert prompt_hashes(tokens, 16) == kv._chains["r"].hashes
+
+
+def test_router_computes_hashes_without_torch():
+    code = "import sys, router.prefix_index as p; p.prompt_hashes(list(range(40)), 16); assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_index_matches_leading_blocks_and_evicts_least_recent_tails():
+    index = PrefixIndex(16, enabled=True)
+    assert index.expected_hit(prompt(0)) == 0
+    index.record(prompt(0))
+    assert index.expected_hit(prompt(0)) == 80, "84 tokens: 5 full blocks, the last token always computed"
+    assert index.expected_hit(prompt(7)) == 64, "the shared system prompt"
+    assert index.expected_hit(tuple(range(5, 90))) == 0
+    index.record(tuple(range(500, 596)), capacity_blocks=8)    # 6 more blocks: 11 > 8
+    assert len(index) == 8
+    assert index.expected_hit(prompt(0)) == 32, "the older prompt lost its tail blocks first"
+    assert PrefixIndex(16, enabled=False).expected_hit(prompt(0)) == 0
+
+
+def test_a_replaced_worker_starts_with_an_empty_index():
+    w = WorkerHandle("d0", "decode", None, "n", "cpu", prefix=PrefixIndex(16, enabled=True))
+    w.placed_prompt(prompt(0))
+    w.replace(None, {"node_id": "n", "device": "cpu"})
+    assert w.prefix.enabled and w.prefix.expected_hit(prompt(0)) == 0
+
+
+def two_prefill_cluster(conditional: bool = False, timings: bool = True) -> tuple[Admission, list[WorkerHandle]]:
+    registry = WorkerRegistry()
+    workers = []
+    for i in range(2):
+        p = WorkerHandle(f"p{i}", "prefill", None, "n", "cpu", stats(f"p{i}", "prefill", prefill_steps()) if timings
+                         else None, prefix=PrefixIndex(16, enabled=True))
+        registry.add(p)
+        workers.append(p)
+    d = WorkerHandle("d0", "decode", None, "n", "cpu", stats("d0", "decode", decode_steps(), running=1) if timings
+                     else None, prefix=PrefixIndex(16, enabled=True))
+    registry.add(d)
+    workers.append(d)
+    admission = Admission(registry, conditional=conditional)
+    for w in registry.all:
+        admission.observe_stats(w)
+    return admission, workers
+
+
+def spec(tokens, ttft=None, tpot=None) -> RequestSpec:
+    return RequestSpec("r", tokens, SamplingParams(max_tokens=16), SLOTarget(ttft, tpot))
+
+
+def test_cached_prefix_lowers_predicted_ttft_and_wins_the_pair():
+    admission, (p0, p1, d0) = two_prefill_cluster()
+    p1.placed_prompt(prompt(0))
+    p1.num_prefill_tokens = 40          # a little busier than p0, but holds 64 of the 84 tokens
+    cold = admission.predict(spec(prompt(5)), p0, d0)
+    warm = admission.predict(spec(prompt(5)), p1, d0)
+    assert warm.cached_tokens == 64 and warm.tokens_to_prefill == 20
+    assert warm.ttft_s < cold.ttft_s
+    decision = admission.decide(spec(prompt(5), ttft=0.5, tpot=0.05))
+    assert decision.action == "admit" and decision.prediction.prefill is p1
+    p1.num_prefill_tokens = 4000        # the hit no longer pays for the queue
+    assert admission.decide(spec(prompt(5), ttft=0.5, tpot=0.05)).prediction.prefill is p0
+
+
+def test_best_effort_weighs_the_hit_against_queued_tokens():
+    admission, (p0, p1, d0) = two_prefill_cluster(timings=False)
+    p1.placed_prompt(prompt(0))
+    p1.num_prefill_tokens = 30
+    assert admission.decide(spec(prompt(5))).prediction.prefill is p1
+    p1.num_prefill_tokens = 100
+    assert admission.decide(spec(prompt(5))).prediction.prefill is p0
+
+
+def test_decode_worker_holding_all_but_the_last_block_skips_the_prefill_worker():
+    admission, (p0, p1, d0) = two_prefill_cluster(conditional=True)
+    turn = prompt(0)
+    d0.placed_prompt(turn)
+    again = turn + (7, 8, 9)             # a retry with a few more tokens: 80 of 87 cached there
+    decision = admission.decide(spec(again, ttft=0.5, tpot=0.05))
+    assert decision.action == "admit" and decision.prediction.prefill is None
+    assert decision.prediction.tokens_to_prefill == 7
+    longer = turn + tuple(range(2000, 2040))
+    assert admission.decide(spec(longer, ttft=0.5, tpot=0.05)).prediction.prefill is not None
