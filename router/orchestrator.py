@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
 from engine.errors import CapacityError
-from engine.types import FinishReason, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
+from engine.types import HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration

@@ -85,17 +85,22 @@ def cluster_leaks(cluster_thread) -> dict:
 PROMTOOL_INSTALL = "apt-get install -y --no-install-recommends prometheus (scripts/install.sh does it)"
 
 
-def require_promtool() -> str:
-    """promtool's path; a missing one fails under CI (it is part of the test contract), skips locally."""
+def require_tool(name: str) -> str:
+    """``name``'s path (Debian's prometheus package: promtool, prometheus); a missing one fails
+    under CI (it is part of the test contract), skips locally."""
     import shutil
 
-    path = shutil.which("promtool")
+    path = shutil.which(name)
     if path is None:
-        msg = f"promtool not on PATH (install: {PROMTOOL_INSTALL})"
+        msg = f"{name} not on PATH (install: {PROMTOOL_INSTALL})"
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+def require_promtool() -> str:
+    return require_tool("promtool")
 
 
 class ByteTokenizer:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -23,7 +21,7 @@ import pytest
 import yaml
 
 from router.client import AsyncPdserveClient
-from tests.conftest import PROMTOOL_INSTALL, cluster_leaks
+from tests.conftest import cluster_leaks, require_tool
 from tests.test_cluster_e2e import address, start_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,13 +29,7 @@ RATE_WINDOW = "30s"   # Grafana's $__rate_interval, wide enough for the whole lo
 
 
 def require_prometheus() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        msg = f"prometheus not on PATH (install: {PROMTOOL_INSTALL})"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return path
+    return require_tool("prometheus")
 
 
 def _free_port() -> int:
