@@ -217,3 +217,36 @@ def test_a_spare_that_died_idle_falls_back_to_a_cold_start(ray_session, workload
         assert cluster_leaks(cluster) == {}
     finally:
         cluster.stop()
+
+
+def test_no_reservation_is_freed_under_a_paused_writer(cluster, long_workload):
+    """The prefill worker is paused (a live writer that cannot answer) while requests reserve
+    blocks on the decode worker, then their clients cancel: the reservations stay held until the
+    prefill worker confirms its aborts (after it resumes), then everything is freed."""
+    prompts, _ = long_workload
+    registry = cluster.cluster.registry
+    prefill, decode = registry.get("prefill-0"), registry.get("decode-0")
+    restarts = prefill.restarts
+
+    async def decode_report():
+        return await decode.actor.leak_report.remote()
+
+    async def cancelled_while_paused():
+        async with AsyncPdserveClient(address(cluster), timeout_s=60) as client:
+            tasks = [asyncio.create_task(client.generate_text(token_ids=p, max_tokens=8, ignore_eos=True))
+                     for p in prompts[:4]]
+            await asyncio.sleep(0.5)   # reserved on the decode worker; the prefill calls wait
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    _kill(prefill.pid, signal.SIGSTOP)
+    try:
+        asyncio.run(cancelled_while_paused())
+        time.sleep(1.0)   # the router's aborts are under way; the prefill worker's cannot finish
+        held = cluster.run(decode_report())
+    finally:
+        _kill(prefill.pid, signal.SIGCONT)
+    assert held["free_blocks"] < held["total_blocks"], "a reservation was freed under a live writer"
+    assert prefill.alive and prefill.restarts == restarts, "a paused worker is not a dead one"
+    assert cluster_leaks(cluster) == {}
