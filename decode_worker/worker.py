@@ -57,7 +57,6 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, Any] = {}
         self._stream: asyncio.Queue[StreamBatch] | None = None
         self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
-        self._fenced: set[str] = set()
         self._spans = RequestSpans()   # each traced request's ``decode`` span (engine/tracing.py)
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int):
@@ -89,12 +88,15 @@ class DecodeWorker(WorkerBase):
             lease_deadline_s=time.time() + RESERVATION_LEASE_S,
             num_cached_tokens=num_cached,
         )
+        # No commit or abort by the end of the lease (the router died, an abort was lost): free it.
+        self.aio.call_later(RESERVATION_LEASE_S, lambda: self._handles.get(spec.req_id) is handle
+                            and asyncio.ensure_future(self.abort(spec.req_id)))
         return handle
 
     async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
         """Receive the KV (per transport) and admit the request; returns the receive seconds."""
         start = time.perf_counter()
-        if self._handles.pop(req_id, None) is None or req_id in self._fenced:
+        if self._handles.pop(req_id, None) is None:   # aborted (perhaps fenced), or its lease ran out
             raise KVTransferError(f"{req_id}: no live reservation here (aborted, or its lease ran out)")
         receiver = self._receiver(handle.transport)
         try:
@@ -103,7 +105,8 @@ class DecodeWorker(WorkerBase):
             else:
                 await asyncio.to_thread(receiver.receive, self.engine.cache, handle, timeout_s=RECEIVE_TIMEOUT_S)
         except Exception as exc:
-            await self.call(lambda e: e.abort(req_id))  # frees the parked reservation
+            # The sender may still be writing (a receive that timed out): fence, never free now.
+            await self._free(req_id, handle, writer_gone=False)
             if isinstance(exc, KVTransferError):
                 raise
             raise KVTransferError(f"{req_id}: receive failed: {exc}") from exc
@@ -130,18 +133,18 @@ class DecodeWorker(WorkerBase):
         """Free the request. ``writer_gone=False``: a prefill worker may still write into its
         reservation, so the blocks stay fenced until the lease ends."""
         self._spans.close(req_id, aborted=True)
-        handle = self._handles.pop(req_id, None)
+        await self._free(req_id, self._handles.pop(req_id, None), writer_gone)
+
+    async def _free(self, req_id: str, handle: KVBlocksHandle | None, writer_gone: bool) -> None:
+        """Free at once, or (a writer may still be busy) once the lease plus the longest
+        transfer have passed: no write can land after that (the prefill worker starts none
+        later than a transfer's length before the lease ends)."""
         remaining = handle.lease_deadline_s - time.time() if handle is not None else 0.0
         if writer_gone or remaining <= 0:
             await self.call(lambda e: e.abort(req_id))
             return
-        logger.warning("%s: aborted while a writer may be alive; blocks fenced for %.0f s", req_id, remaining)
-        self._fenced.add(req_id)
-        self.aio.call_later(remaining, lambda: asyncio.ensure_future(self._unfence(req_id)))
-
-    async def _unfence(self, req_id: str) -> None:
-        await self.call(lambda e: e.abort(req_id))
-        self._fenced.discard(req_id)
+        logger.warning("%s: freed while a writer may be alive; blocks fenced for %.0f s", req_id, remaining)
+        self.aio.call_later(remaining, lambda: asyncio.ensure_future(self.call(lambda e: e.abort(req_id))))
 
     # ---- the batched output stream ----------------------------------------------------------
     def on_step(self, result: StepResult) -> None:

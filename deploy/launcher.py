@@ -42,6 +42,7 @@ from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
 from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router.convert import ServerDefaults
+from router.limits import ServerLimits
 from router.admission import Admission
 from router.health import ServingHealth
 from router.metrics import RouterMetrics
@@ -129,7 +130,9 @@ class Cluster:
         self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.metrics_host)
-        self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg)
+        limits = cfg.defaults.get("limits") or ServerLimits()
+        self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg,
+                                   max_queued=limits.max_queued_requests)
         self.supervisor = Supervisor(self.registry, self._spawn, on_down=self._on_worker_down,
                                      on_ready=self._on_worker_ready, max_restarts=cfg.max_worker_restarts)
         self.streams = DecodeStreams(self.registry, on_stats=self._on_worker_stats, on_lost=self.supervisor.worker_lost)
@@ -329,6 +332,7 @@ class Cluster:
             await _until(deadline, self.http.stop(), "HTTP server")
         if self.server is not None:
             await self.server.stop(grace=min(2.0, self.config.stop_timeout_s))
+            self.servicer.close()   # its tokenizer pool
         if getattr(self, "orchestrator", None):
             await _until(deadline, self.orchestrator.drain_cleanups(), "request cleanups")
         if getattr(self, "streams", None):

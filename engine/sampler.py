@@ -56,7 +56,7 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
         except Exception as exc:  # one bad row fails its request, never the batch
             logger.warning("sampling %s failed: %s", request.req_id, exc)
             failed[row] = f"sampling failed: {type(exc).__name__}"
-    logprobs = _logprobs(logits, tokens) if any(r.sampling.logprobs for r in requests) else None
+    logprobs = _logprobs(logits if all_finite else _finite(logits), tokens) if any(r.sampling.logprobs for r in requests) else None
     token_list = tokens.tolist()
     return [
         RowFailure(failed[i]) if i in failed else
@@ -72,7 +72,8 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    lp = torch.log_softmax(_finite(logits), dim=-1).gather(1, tokens[:, None])[:, 0]
+    """``logits`` finite already."""
+    lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     return torch.nan_to_num(lp, nan=float("-inf"))
 
 

@@ -41,7 +41,10 @@ from kvtransfer.select import make_sender
 logger = logging.getLogger(__name__)
 
 TRANSFER_TIMEOUT_S = 30.0
-LEASE_MARGIN_S = 5.0   # a write must start this long before the reservation's lease ends
+# A write must start this long before the reservation's lease ends: the whole transfer, and a
+# margin for clocks (the lease is wall-clock time) and scheduling, fit before the decode worker
+# may free the blocks.
+LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
 
 
 class PrefillWorker(WorkerBase):
@@ -146,7 +149,7 @@ class PrefillWorker(WorkerBase):
         except PeerLostError as exc:
             logger.warning("KV hand-off of %s: the decode worker died: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
-        except KVTransferError as exc:
+        except Exception as exc:   # KVTransferError, or anything else a send raised: recompute
             logger.warning("KV hand-off of %s failed: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=f"KV transfer failed: {exc}",
                            outcome=HandoffOutcome.TRANSFER_FAILED)
@@ -158,16 +161,16 @@ class PrefillWorker(WorkerBase):
         if self._fail_next_send:
             self._fail_next_send = False
             raise KVTransferError("injected KV send failure")
-        if handle.lease_deadline_s and time.time() > handle.lease_deadline_s - LEASE_MARGIN_S:
-            raise KVTransferError("the decode reservation's lease ran out before the KV was ready")
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, handle.source_blocks(done.block_ids))
         if sender.rendezvous:  # the receiver must be inside receive() while we send
             async with self._transfer_locks.setdefault(decode.peer_id, asyncio.Lock()):  # FIFO per pair
+                _check_lease(handle)   # after the wait for the lock: the write starts now
                 commit = asyncio.ensure_future(decode.commit(done.req_id, done.first_token_id, bound))
                 sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
             await commit
         else:
+            _check_lease(handle)
             sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
             await decode.commit(done.req_id, done.first_token_id, sent.handle)
         return sent.num_bytes
@@ -200,6 +203,11 @@ def _phase_spans(done: PrefillDone) -> None:
     queue_start = compute_start - int(done.queue_s * 1e9)
     for name, start, end in (("prefill.queue", queue_start, compute_start), ("prefill.compute", compute_start, now)):
         tracing.tracer().start_span(name, start_time=start, attributes={"pdserve.tokens": done.num_tokens}).end(end)
+
+
+def _check_lease(handle: KVBlocksHandle) -> None:
+    if handle.lease_deadline_s and time.time() > handle.lease_deadline_s - LEASE_MARGIN_S:
+        raise KVTransferError("the decode reservation's lease ends before a transfer could finish")
 
 
 def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:

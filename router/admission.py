@@ -128,7 +128,8 @@ class Decision:
 
 
 class Admission:
-    def __init__(self, registry: WorkerRegistry, enabled: bool = True, conditional: bool = True) -> None:
+    def __init__(self, registry: WorkerRegistry, enabled: bool = True, conditional: bool = True,
+                 max_queued: int | None = None) -> None:
         self.registry = registry
         self.enabled = enabled
         self.conditional = conditional
@@ -141,7 +142,7 @@ class Admission:
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._waiters = FairWakeup()
         self.num_queued = 0
-        self.max_queued: int | None = None   # a full queue answers RESOURCE_EXHAUSTED at once
+        self.max_queued = max_queued   # a full queue answers RESOURCE_EXHAUSTED at once (None: unbounded)
 
     # ---- inputs ---------------------------------------------------------------------------
     def observe_stats(self, worker: WorkerHandle) -> None:

@@ -19,6 +19,7 @@ from the stream demux; ``get`` by the orchestrator (in that same task); dropped 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import contextvars
 import logging
 from collections import deque
@@ -75,9 +76,10 @@ class DeltaQueue:
     def _take(self) -> QueueItem:
         if isinstance(self._items[0], Exception):
             return self._items.popleft()
-        merged = self._items.popleft()
-        while self._items and isinstance(self._items[0], TokenDelta) and not merged.finished:
-            merged = merge(merged, self._items.popleft())
+        run = [self._items.popleft()]   # one pass: merging two at a time would copy O(k^2) tokens
+        while self._items and isinstance(self._items[0], TokenDelta) and not run[-1].finished:
+            run.append(self._items.popleft())
+        merged = merge(*run)
         self._num_tokens -= len(merged.token_ids)
         return merged
 
@@ -93,7 +95,13 @@ class DeltaQueue:
             self._consumer.cancel(SLOW_READER)
 
 
-def merge(a: TokenDelta, b: TokenDelta) -> TokenDelta:
-    """``b`` after ``a`` as one delta (a request's deltas: same id, only the last may finish)."""
-    logprobs = (a.logprobs or ()) + (b.logprobs or ()) if a.logprobs is not None or b.logprobs is not None else None
-    return TokenDelta(a.req_id, a.token_ids + b.token_ids, b.finish_reason, logprobs, b.error or a.error)
+def merge(*deltas: TokenDelta) -> TokenDelta:
+    """Consecutive deltas of one request as one (only the last may finish)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    first, last = deltas[0], deltas[-1]
+    has_logprobs = any(d.logprobs is not None for d in deltas)
+    logprobs = tuple(itertools.chain.from_iterable(d.logprobs or () for d in deltas)) if has_logprobs else None
+    error = next((d.error for d in reversed(deltas) if d.error), None)
+    return TokenDelta(first.req_id, tuple(itertools.chain.from_iterable(d.token_ids for d in deltas)),
+                      last.finish_reason, logprobs, error)

@@ -71,8 +71,6 @@ class GenerationCore:
         self.metrics = metrics
         self.live = LiveRequests(self.limits.max_concurrent_streams)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize")
-        # The admission queue's cap is a server limit; admission is built before the front doors.
-        orchestrator.admission.max_queued = self.limits.max_queued_requests
 
     # ---- one request ------------------------------------------------------------------------
     def claim(self, request: pb.GenerateRequest | MalformedRequest) -> RequestIdentity:

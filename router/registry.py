@@ -32,7 +32,6 @@ PAIR_FAILURE_LIMIT = 2      # failed hand-offs in a row before a pair gives up o
 
 
 class WorkerState(str, enum.Enum):
-    STARTING = "starting"       # launched, not registered yet
     READY = "ready"             # serving
     RESTARTING = "restarting"   # its actor died; a replacement is on its way
     DEAD = "dead"               # gave up restarting it, or the cluster is stopping
@@ -81,7 +80,6 @@ class WorkerHandle:
     state: WorkerState = WorkerState.READY
     generation: int = 0           # bumped by every replacement: tells an old actor's failures apart
     restarts: int = 0
-    last_failure: str = ""
     pid: int | None = None        # the actor's process (operators and failure tests)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)   # prompt prefixes its cache probably holds
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
@@ -93,13 +91,12 @@ class WorkerHandle:
         """Serving now: the only state requests are sent to."""
         return self.state is WorkerState.READY
 
-    def mark_down(self, generation: int, cause: str = "") -> bool:
+    def mark_down(self, generation: int) -> bool:
         """The actor of ``generation`` died. True when this is news (the caller then gets it
         replaced); False for a stale report or a slot already down."""
         if generation != self.generation or self.state is not WorkerState.READY:
             return False
         self.state = WorkerState.RESTARTING
-        self.last_failure = cause
         return True
 
     def mark_dead(self) -> None:

@@ -66,7 +66,7 @@ class Supervisor:
     def worker_lost(self, lost: WorkerLost) -> None:
         """Any component that saw ``lost.worker``'s actor fail reports it here."""
         worker = lost.worker
-        if self._stopping or not worker.mark_down(lost.generation, lost.cause):
+        if self._stopping or not worker.mark_down(lost.generation):
             return
         logger.error("worker %s (generation %d) lost: %s", worker.worker_id, lost.generation, lost.cause)
         if worker.role != "colocated" and self.registry.dist_ready:

@@ -2,9 +2,9 @@
 
 Admission re-evaluates queued requests when capacity may have changed (every worker report,
 every finished request). Waking every queued request at each report costs O(queue) decisions
-per step; here a report wakes at most ``n`` waiters, oldest first (FIFO: a waiter keeps its place
-from ``enter`` to ``leave`` however often it is woken). A wake that finds a waiter between two
-decisions is kept (its event stays set), so none is lost.
+per step; here a report wakes at most ``n`` waiters, in rotation (oldest first, then each woken
+waiter goes to the back, so every queued request is re-evaluated within len/n reports). A wake
+that finds a waiter between two decisions is kept (its event stays set), so none is lost.
 
 Life cycle per queued request: ``enter`` -> ``wait`` (until woken or timed out) and decide,
 as often as it stays queued -> ``leave`` (admitted, rejected or cancelled).
@@ -42,5 +42,8 @@ class FairWakeup:
         event.clear()
 
     def wake(self, n: int) -> None:
-        for event in itertools.islice(self._waiters.values(), n):
-            event.set()
+        """The ``n`` waiters woken longest ago (oldest first at the start): a waiter woken goes
+        to the back, so waiters that stay queued cannot hold every wake-up for themselves."""
+        for ticket in list(itertools.islice(self._waiters, n)):
+            self._waiters[ticket].set()
+            self._waiters[ticket] = self._waiters.pop(ticket)   # to the back of the rotation

@@ -38,6 +38,17 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) 
     return out[0, len(prompt):].tolist()
 
 
+def greedy_workload(model, seed: int, num: int, prompt_len: tuple[int, int], output_len: tuple[int, int]):
+    """Seeded random prompts (ids in [3, 512)), output lengths and their HF greedy references:
+    (prompts, max_tokens, refs). Draws: every prompt (length, then ids), then every output length."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(*prompt_len))] for _ in range(num)]
+    max_tokens = [rng.randint(*output_len) for _ in prompts]
+    return prompts, max_tokens, [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+
+
 @pytest.fixture(scope="session")
 def hf_reference(tiny_model):
     """A deep copy keeps the reference on transformers' own attention (the engine swaps it)."""

@@ -5,7 +5,6 @@ the right status; every test ends with a cluster-wide leak check."""
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 from deploy.launcher import ClusterConfig, ClusterThread
 from engine.config import EngineConfig
 from router.client import AsyncPdserveClient, PdserveClient
-from tests.conftest import cluster_leaks, hf_greedy
+from tests.conftest import cluster_leaks, greedy_workload
 
 MODEL = {"seed": 0}
 
@@ -50,11 +49,7 @@ def coloc(ray_session):
 
 @pytest.fixture(scope="module")
 def workload(hf_reference):
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 120))] for _ in range(16)]
-    max_tokens = [rng.randint(1, 30) for _ in prompts]
-    refs = [hf_greedy(hf_reference, p, n) for p, n in zip(prompts, max_tokens)]
-    return prompts, max_tokens, refs
+    return greedy_workload(hf_reference, seed=11, num=16, prompt_len=(1, 120), output_len=(1, 30))
 
 
 def address(cluster: ClusterThread) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 
@@ -18,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import ClusterThread
 from router.client import AsyncPdserveClient, PdserveClient
-from tests.conftest import cluster_leaks, hf_greedy
+from tests.conftest import cluster_leaks, greedy_workload, hf_greedy
 from tests.test_cluster_e2e import address, start_cluster
 
 RECOVERY_S = 60.0   # generous for a loaded 2-core CI box; the chaos benchmark measures the real figure
@@ -34,10 +33,7 @@ def cluster(ray_session, request):
 
 @pytest.fixture(scope="module")
 def workload(hf_reference):
-    rng = random.Random(23)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(8, 90))] for _ in range(8)]
-    max_tokens = [rng.randint(40, 80) for _ in prompts]
-    return prompts, max_tokens, [hf_greedy(hf_reference, p, n) for p, n in zip(prompts, max_tokens)]
+    return greedy_workload(hf_reference, seed=23, num=8, prompt_len=(8, 90), output_len=(40, 80))
 
 
 def _kill(pid: int, sig: int = signal.SIGKILL) -> None:

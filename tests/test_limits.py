@@ -201,3 +201,19 @@ def test_wakeup_wakes_the_oldest_few_fifo():
         assert len(wake) == 3
 
     asyncio.run(scenario())
+
+
+def test_wakeup_rotates_so_waiters_that_stay_queued_cannot_starve_later_ones():
+    async def scenario():
+        wake = FairWakeup()
+        tickets = [wake.enter() for _ in range(4)]
+        woken: list[list[int]] = []
+        for _ in range(2):   # two reports, each waking 2: every waiter gets re-evaluated
+            wake.wake(2)
+            woken.append([t for t in tickets if wake._waiters[t].is_set()])
+            for t in tickets:
+                wake._waiters[t].clear()   # they decided again and stayed queued
+        return tickets, woken
+
+    tickets, woken = asyncio.run(scenario())
+    assert woken == [tickets[:2], tickets[2:]]

@@ -133,11 +133,11 @@ def test_a_call_for_a_replaced_generation_is_lost():
 def test_only_the_first_report_of_a_generation_takes_the_slot_down():
     worker = _worker(None)
     worker.decoding["r"] = object()
-    assert worker.mark_down(0, "died") and worker.state is WorkerState.RESTARTING
-    assert not worker.mark_down(0, "died again")
+    assert worker.mark_down(0) and worker.state is WorkerState.RESTARTING
+    assert not worker.mark_down(0)
     worker.replace("new actor", {"node_id": "n", "device": "cpu", "shm_path": "/dev/shm/x", "pid": 7})
     assert worker.alive and worker.generation == 1 and worker.restarts == 1 and not worker.decoding
-    assert not worker.mark_down(0, "a late report about the old actor")
+    assert not worker.mark_down(0)
     assert worker.alive
 
 
@@ -197,13 +197,14 @@ def _layout() -> KVLayout:
     return KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype="float32")
 
 
-def test_prefill_worker_refuses_a_write_after_the_lease():
+@pytest.mark.parametrize("lease_left_s", [1.0, 20.0])   # 20 s: less than a whole transfer may take
+def test_prefill_worker_refuses_a_write_after_the_lease(lease_left_s):
     from prefill_worker.worker import PrefillWorker
 
-    handle = KVBlocksHandle("r", (), (0,), 3, _layout(), "local", lease_deadline_s=time.time() + 1.0)
+    handle = KVBlocksHandle("r", (), (0,), 3, _layout(), "local", lease_deadline_s=time.time() + lease_left_s)
     done = SimpleNamespace(req_id="r", block_ids=(0,), first_token_id=5)
     worker = PrefillWorker.__new__(PrefillWorker)   # only the lease check runs before any send
-    worker._fail_next_send = False
+    worker._fail_next_send, worker._senders = False, {}
     with pytest.raises(KVTransferError, match="lease"):
         asyncio.run(worker._send(done, handle, decode=None))
 

@@ -12,16 +12,13 @@ import pytest
 import ray
 
 from router.client import PdserveClient
-from tests.conftest import cluster_leaks, hf_greedy
+from tests.conftest import cluster_leaks, greedy_workload, hf_greedy
 from tests.test_cluster_e2e import _concurrent, address, start_cluster
 
 
 @pytest.fixture(scope="module")
 def small_workload(hf_reference):
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 100))] for _ in range(8)]
-    max_tokens = [rng.randint(2, 20) for _ in prompts]
-    return prompts, max_tokens, [hf_greedy(hf_reference, p, n) for p, n in zip(prompts, max_tokens)]
+    return greedy_workload(hf_reference, seed=5, num=8, prompt_len=(5, 100), output_len=(2, 20))
 
 
 @pytest.fixture(scope="module")
