@@ -6,6 +6,10 @@ Life cycle: one ``StopTextTrimmer`` per request with stop strings, fed every tex
 by ``GenerationCore``; text that could still be the start of a stop string is held back until
 the next delta decides (at most the longest stop string's length), and flushed when the request
 finishes without one.
+
+Cost: each stop string keeps a Knuth-Morris-Pratt state (the longest end of the text so far that
+begins it), advanced over the new characters only, so a delta costs O(stops x its length)
+amortized whatever the stop strings' lengths — never a rescan of the held text per stop prefix.
 """
 
 from __future__ import annotations
@@ -13,9 +17,41 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+class _PrefixMatcher:
+    """Tracks the longest end of a character stream that is a proper prefix of ``pattern``."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.state = 0                      # characters of pattern matched by the stream's end
+        self._fail = _failure_function(pattern)
+
+    def feed(self, text: str) -> None:
+        pattern, fail, k = self.pattern, self._fail, self.state
+        for ch in text:
+            while k and (k == len(pattern) or pattern[k] != ch):
+                k = fail[k - 1]
+            if pattern[k] == ch:
+                k += 1
+        # A whole match is found by ``str.find`` in the caller; what may still grow is shorter.
+        self.state = fail[k - 1] if k == len(pattern) else k
+
+
+def _failure_function(pattern: str) -> list[int]:
+    """fail[i]: length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    fail, k = [0] * len(pattern), 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class StopTextTrimmer:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
+        self._matchers = [_PrefixMatcher(s) for s in self._stops]
         self._held = ""
         self._stopped = False
 
@@ -27,16 +63,8 @@ class StopTextTrimmer:
         if cut >= 0:
             self._stopped, self._held = True, ""
             return held[:cut]
-        keep = 0 if finished else self._partial_suffix(held)
+        for matcher in self._matchers:
+            matcher.feed(text)
+        keep = 0 if finished else max((m.state for m in self._matchers), default=0)
         self._held = held[len(held) - keep:] if keep else ""
         return held[:len(held) - keep]
-
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest end of ``text`` that begins some stop string."""
-        best = 0
-        for s in self._stops:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
