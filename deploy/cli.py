@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import logging
 import signal
 import sys
@@ -118,40 +119,33 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _limit_flags(g) -> None:
-    from router.limits import SchedulingPolicy, ServerLimits
+    import dataclasses
 
-    d = ServerLimits()
-    for name, kind, help_text in (
-        ("max_stop_strings", int, "stop strings per request"),
-        ("max_stop_string_chars", int, "characters per stop string"),
-        ("max_stop_token_ids", int, "stop token ids per request"),
-        ("max_prompt_bytes", int, "UTF-8 bytes of a text or chat prompt, checked before tokenizing"),
-        ("max_chat_messages", int, "messages per chat prompt"),
-        ("max_receive_message_bytes", int, "gRPC's cap on one incoming message"),
-        ("max_concurrent_streams", int, "live Generate calls; more get RESOURCE_EXHAUSTED at once"),
-        ("max_queued_requests", int, "requests waiting in admission; more get RESOURCE_EXHAUSTED at once"),
-        ("max_pending_tokens", int, "tokens a stream's reader may leave unread before it is cancelled"),
-        ("min_ttft_ms", float, "client TTFT hints are clamped into [min, max]"),
-        ("max_ttft_ms", float, None),
-        ("min_tpot_ms", float, "client TPOT hints are clamped into [min, max]"),
-        ("max_tpot_ms", float, None),
-        ("min_priority", int, "with --scheduling-policy priority: the priorities accepted"),
-        ("max_priority", int, None),
-    ):
-        default = getattr(d, name)
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
-                       help=f"{help_text} (default {default})" if help_text else f"(default {default})")
-    g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=d.scheduling_policy.value,
-                   help="fcfs ignores the client's priority; priority honours it within the range")
+    from router.limits import ServerLimits
+
+    for f in dataclasses.fields(ServerLimits):
+        help_text, flag = f.metadata["help"], "--" + f.name.replace("_", "-")
+        help_text = f"{help_text} (default {_plain(f.default)})" if help_text else f"(default {_plain(f.default)})"
+        if isinstance(f.default, enum.Enum):
+            g.add_argument(flag, choices=[m.value for m in type(f.default)], default=f.default.value, help=help_text)
+        else:
+            g.add_argument(flag, type=type(f.default), default=f.default, help=help_text)
+
+
+def _plain(value):
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def server_limits(args: argparse.Namespace):
     import dataclasses
 
-    from router.limits import SchedulingPolicy, ServerLimits
+    from router.limits import ServerLimits
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits) if f.name != "scheduling_policy"}
-    return ServerLimits(scheduling_policy=SchedulingPolicy(args.scheduling_policy), **values)
+    def value(f):
+        given = getattr(args, f.name)
+        return type(f.default)(given) if isinstance(f.default, enum.Enum) else given
+
+    return ServerLimits(**{f.name: value(f) for f in dataclasses.fields(ServerLimits)})
 
 
 def cluster_config(args: argparse.Namespace):

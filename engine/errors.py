@@ -19,6 +19,12 @@ class InvalidRequestError(PdserveError, ValueError):
         return (type(self), (self.field, self.message))
 
 
+def require(ok: object, field: str, message: str) -> None:
+    """Raise InvalidRequestError(field, message) unless ``ok``: every request check's one form."""
+    if not ok:
+        raise InvalidRequestError(field, message)
+
+
 class CapacityError(PdserveError):
     """No room now or within the request's SLO (maps to RESOURCE_EXHAUSTED)."""
 

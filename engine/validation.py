@@ -10,13 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, require
 from engine.types import RequestSpec, SamplingParams
 
-
-def _require(ok: object, field: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(field, message)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
@@ -29,15 +25,15 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
 def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, prefix: str = "") -> None:
     """``prefix`` + the field name is what the error names (the router passes "sampling.")."""
     s = sampling
-    _require(s.max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {s.max_tokens}")
+    require(s.max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {s.max_tokens}")
     # isfinite also rejects NaN, which would slip past every comparison; inf would turn every
     # logit into 0 / inf sampling.
-    _require(math.isfinite(s.temperature) and s.temperature >= 0, prefix + "temperature",
+    require(math.isfinite(s.temperature) and s.temperature >= 0, prefix + "temperature",
              f"must be a finite number >= 0, got {s.temperature}")
-    _require(not math.isnan(s.top_p) and 0.0 < s.top_p <= 1.0, prefix + "top_p", f"must be in (0, 1], got {s.top_p}")
-    _require(s.top_k >= 0, prefix + "top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
-    _require(s.seed is None or s.seed >= 0, prefix + "seed", f"must be >= 0, got {s.seed}")
-    _require(all(s.stop), prefix + "stop", "stop strings must not be empty")
+    require(not math.isnan(s.top_p) and 0.0 < s.top_p <= 1.0, prefix + "top_p", f"must be in (0, 1], got {s.top_p}")
+    require(s.top_k >= 0, prefix + "top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
+    require(s.seed is None or s.seed >= 0, prefix + "seed", f"must be >= 0, got {s.seed}")
+    require(all(s.stop), prefix + "stop", "stop strings must not be empty")
     if vocab_size is not None:
         check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")
 
@@ -45,13 +41,13 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
 def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int) -> None:
     """Raise InvalidRequestError naming the offending field; return silently when the spec is servable."""
     ids = spec.prompt_token_ids
-    _require(spec.req_id, "request_id", "must not be empty")
-    _require(len(ids) > 0, "prompt", "must not be empty")
-    _require(len(ids) < max_model_len, "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}")
+    require(spec.req_id, "request_id", "must not be empty")
+    require(len(ids) > 0, "prompt", "must not be empty")
+    require(len(ids) < max_model_len, "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}")
     check_token_ids(ids, vocab_size, "prompt_token_ids")
     validate_sampling(spec.sampling, vocab_size)
-    _require(len(ids) + spec.sampling.max_tokens <= max_model_len, "max_tokens",
+    require(len(ids) + spec.sampling.max_tokens <= max_model_len, "max_tokens",
              f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds max_model_len "
              f"{max_model_len} (the model's, or what the worker's KV pool holds)")
     for name, value in (("ttft_ms", spec.slo.ttft_s), ("tpot_ms", spec.slo.tpot_s)):
-        _require(value is None or (math.isfinite(value) and value > 0), name, f"must be > 0, got {value}")
+        require(value is None or (math.isfinite(value) and value > 0), name, f"must be > 0, got {value}")

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, require
 from engine.types import FinishReason, RequestSpec, SamplingParams, SLOTarget, TokenDelta, WorkerStats
 from engine.validation import check_token_ids, validate_sampling, validate_spec
 from protos import pdserve_pb2 as pb
@@ -96,10 +96,6 @@ class RequestTimings:
 # ---------------------------------------------------------------- request -> engine
 
 
-def _require(ok: object, field: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(field, message)
-
 
 def label_from_proto(request: pb.GenerateRequest) -> str | None:
     """The client's request_id, checked; None when unset. A label only: the router runs every
@@ -107,7 +103,7 @@ def label_from_proto(request: pb.GenerateRequest) -> str | None:
     if not request.HasField("request_id"):
         return None
     rid = request.request_id
-    _require(0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id", f"must be 1 to {MAX_REQUEST_ID_LEN} characters")
+    require(0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id", f"must be 1 to {MAX_REQUEST_ID_LEN} characters")
     return rid
 
 
@@ -118,12 +114,12 @@ def req_id_from_proto(request: pb.GenerateRequest) -> str:
 
 
 def chat_from_proto(chat: pb.ChatMessages) -> list[dict[str, str]]:
-    _require(len(chat.messages) > 0, "chat.messages", "no messages")
+    require(len(chat.messages) > 0, "chat.messages", "no messages")
     for i, m in enumerate(chat.messages):
-        _require(m.role, f"chat.messages[{i}].role", "empty role")
-        _require(m.role in CHAT_ROLES, f"chat.messages[{i}].role",
+        require(m.role, f"chat.messages[{i}].role", "empty role")
+        require(m.role in CHAT_ROLES, f"chat.messages[{i}].role",
                  f"unknown role {m.role!r}, expected one of {sorted(CHAT_ROLES)}")
-        _require(m.content, f"chat.messages[{i}].content", "missing content")
+        require(m.content, f"chat.messages[{i}].content", "missing content")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
@@ -131,7 +127,7 @@ def prompt_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list
     """Token ids of the prompt. Length and vocabulary checks are ``spec_from_proto``'s."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
-        _require(request.text, "text", "empty prompt")
+        require(request.text, "text", "empty prompt")
         # encode() adds exactly the special tokens the tokenizer adds by default (Llama's BOS,
         # nothing for SmolLM2): the ids transformers itself would feed the model for this text.
         return list(tokenizer.encode(request.text))
@@ -193,17 +189,17 @@ def spec_from_proto(
     """Validate the request and fill every default: the one place a ``RequestSpec`` is made."""
     field, limit = _prompt_field(request), defaults.max_model_len
     n = len(prompt_token_ids)
-    _require(n, field, "empty prompt")
+    require(n, field, "empty prompt")
     # Length first: a huge prompt is refused before any per-token work (that work runs on the
     # router's event loop for token_ids prompts).
-    _require(n < limit, field, f"prompt has {n} tokens; max_model_len is {limit} and one token must be generated")
+    require(n < limit, field, f"prompt has {n} tokens; max_model_len is {limit} and one token must be generated")
     prompt = tuple(int(t) for t in prompt_token_ids)
     check_token_ids(prompt, defaults.vocab_size, field)
     sampling = sampling_from_proto(request.sampling, defaults)
     room = limit - len(prompt)
     if request.sampling.HasField("max_tokens"):
         # An explicit value is a promise we could not keep: refuse rather than silently cut it.
-        _require(sampling.max_tokens <= room, "sampling.max_tokens",
+        require(sampling.max_tokens <= room, "sampling.max_tokens",
                  f"max_tokens beyond model length: {len(prompt)} prompt + {sampling.max_tokens}"
                  f" > max_model_len {limit}")
     elif sampling.max_tokens > room:

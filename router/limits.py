@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from engine.errors import require
 from protos import pdserve_pb2 as pb
 
 MIB = 1 << 20
@@ -29,26 +29,34 @@ class SchedulingPolicy(str, enum.Enum):
     PRIORITY = "priority"
 
 
+def _limit(default, help_text: str | None = None):
+    """A limit's default and its ``pdserve serve`` help (None: explained by the flag before it)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_prompt_bytes: int = MIB              # UTF-8 bytes of text or of all chat contents, before tokenizing
-    max_chat_messages: int = 512
+    """Each field is a ``--flag`` of ``pdserve serve`` (deploy/cli.py reads the fields and their help)."""
+
+    max_stop_strings: int = _limit(16, "stop strings per request")
+    max_stop_string_chars: int = _limit(256, "characters per stop string")
+    max_stop_token_ids: int = _limit(64, "stop token ids per request")
+    max_prompt_bytes: int = _limit(MIB, "UTF-8 bytes of a text or chat prompt, checked before tokenizing")
+    max_chat_messages: int = _limit(512, "messages per chat prompt")
     # gRPC's own cap on one incoming message: room for a max_prompt_bytes prompt plus its
     # framing, and for token_ids prompts (an id is up to 10 bytes on the wire).
-    max_receive_message_bytes: int = 4 * MIB
-    max_concurrent_streams: int = 256        # live Generate calls; more: RESOURCE_EXHAUSTED at once
-    max_queued_requests: int = 128           # waiting in admission; more: RESOURCE_EXHAUSTED at once
-    max_pending_tokens: int = 4096           # a stream's tokens not yet taken by its reader; more: cancelled
-    min_ttft_ms: float = 10.0                # client SLO hints are clamped into these ranges
-    max_ttft_ms: float = 600_000.0
-    min_tpot_ms: float = 1.0
-    max_tpot_ms: float = 60_000.0
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    min_priority: int = 0                    # with the priority policy: lower runs first
-    max_priority: int = 10
+    max_receive_message_bytes: int = _limit(4 * MIB, "gRPC's cap on one incoming message")
+    max_concurrent_streams: int = _limit(256, "live Generate calls; more get RESOURCE_EXHAUSTED at once")
+    max_queued_requests: int = _limit(128, "requests waiting in admission; more get RESOURCE_EXHAUSTED at once")
+    max_pending_tokens: int = _limit(4096, "tokens a stream's reader may leave unread before it is cancelled")
+    min_ttft_ms: float = _limit(10.0, "client TTFT hints are clamped into [min, max]")
+    max_ttft_ms: float = _limit(600_000.0)
+    min_tpot_ms: float = _limit(1.0, "client TPOT hints are clamped into [min, max]")
+    max_tpot_ms: float = _limit(60_000.0)
+    scheduling_policy: SchedulingPolicy = _limit(
+        SchedulingPolicy.FCFS, "fcfs ignores the client's priority; priority honours it within the range")
+    min_priority: int = _limit(0, "with --scheduling-policy priority: the priorities accepted (lower runs first)")
+    max_priority: int = _limit(10)
 
     def __post_init__(self) -> None:
         if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:
@@ -56,10 +64,6 @@ class ServerLimits:
         if self.min_priority > self.max_priority:
             raise ValueError("priority range must have min <= max")
 
-
-def _require(ok: object, field: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(field, message)
 
 
 def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
@@ -70,24 +74,24 @@ def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
         _check_bytes("text", len(request.text.encode("utf-8")), limits)
     elif kind == "chat":
         n = len(request.chat.messages)
-        _require(n <= limits.max_chat_messages, "chat.messages", f"{n} messages; at most {limits.max_chat_messages}")
+        require(n <= limits.max_chat_messages, "chat.messages", f"{n} messages; at most {limits.max_chat_messages}")
         size = sum(len(m.content.encode("utf-8")) for m in request.chat.messages)   # roles are a fixed set
         _check_bytes("chat", size, limits)
     _check_stops(request.sampling, limits)
 
 
 def _check_bytes(field: str, size: int, limits: ServerLimits) -> None:
-    _require(size <= limits.max_prompt_bytes, field, f"prompt is {size} bytes; at most {limits.max_prompt_bytes}")
+    require(size <= limits.max_prompt_bytes, field, f"prompt is {size} bytes; at most {limits.max_prompt_bytes}")
 
 
 def _check_stops(sampling: pb.SamplingParams, limits: ServerLimits) -> None:
     n = len(sampling.stop)
-    _require(n <= limits.max_stop_strings, "sampling.stop", f"{n} stop strings; at most {limits.max_stop_strings}")
+    require(n <= limits.max_stop_strings, "sampling.stop", f"{n} stop strings; at most {limits.max_stop_strings}")
     for i, s in enumerate(sampling.stop):
-        _require(len(s) <= limits.max_stop_string_chars, f"sampling.stop[{i}]",
+        require(len(s) <= limits.max_stop_string_chars, f"sampling.stop[{i}]",
                  f"{len(s)} characters; at most {limits.max_stop_string_chars}")
     n = len(sampling.stop_token_ids)
-    _require(n <= limits.max_stop_token_ids, "sampling.stop_token_ids",
+    require(n <= limits.max_stop_token_ids, "sampling.stop_token_ids",
              f"{n} stop token ids; at most {limits.max_stop_token_ids}")
 
 
@@ -95,7 +99,7 @@ def clamp_hint_ms(field: str, ms: float, limits: ServerLimits) -> float:
     """A client SLO hint clamped into the server's range (a 1 µs TTFT target would make admission
     reject everything; a week-long one would let a request queue forever). Not a number > 0 is
     the client's mistake."""
-    _require(math.isfinite(ms) and ms > 0, field, f"must be > 0 milliseconds, got {ms}")
+    require(math.isfinite(ms) and ms > 0, field, f"must be > 0 milliseconds, got {ms}")
     low, high = (limits.min_ttft_ms, limits.max_ttft_ms) if field == "ttft_ms" else (limits.min_tpot_ms, limits.max_tpot_ms)
     return min(high, max(low, ms))
 
@@ -108,7 +112,7 @@ def priority_for(request: pb.GenerateRequest, limits: ServerLimits) -> int:
     if not request.HasField("priority"):
         return min(max(0, limits.min_priority), limits.max_priority)
     p = request.priority
-    _require(limits.min_priority <= p <= limits.max_priority, "priority",
+    require(limits.min_priority <= p <= limits.max_priority, "priority",
              f"{p} is outside [{limits.min_priority}, {limits.max_priority}]")
     return p
 
