@@ -49,6 +49,7 @@ With no targets (best effort) or before any step timing arrived, requests are ad
 from __future__ import annotations
 
 import logging
+import enum
 import math
 import time
 from dataclasses import dataclass
@@ -120,11 +121,37 @@ class Prediction:
         return self.ttft_s - self.waited_s <= (target - self.waited_s) * TTFT_SAFETY
 
 
+class Action(enum.Enum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+    REJECT = "reject"
+
+
+class Cause(enum.Enum):
+    """Why a decision was taken; its value is the ``reason`` label of the decisions metric."""
+
+    WITHIN_SLO = "within_slo"          # admitted: both predictions inside their targets
+    IDLE = "idle"                      # admitted: an idle pair is never refused
+    BEST_EFFORT = "best_effort"        # admitted: no targets, or no timings yet
+    ADMISSION_OFF = "admission_off"
+    MIGRATION = "migration"            # a resumed request, placed without an SLO check
+    TTFT = "ttft"                      # rejected: predicted TTFT past its target
+    TPOT = "tpot"                      # queued: predicted TPOT past its target
+    RUNNING_TPOT = "running_tpot"      # queued: a running request's TPOT would suffer
+    KV_FULL = "kv_full"                # queued: no room for the prompt's blocks
+    RESTARTING = "restarting"          # queued: no decode worker up, one is coming back
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
-    action: str                    # "admit" | "queue" | "reject"
-    reason: str
+    action: Action
+    cause: Cause
+    detail: str = ""               # the numbers behind the cause, for error messages
     prediction: Prediction | None = None
+
+    @property
+    def reason(self) -> str:
+        return self.detail or self.cause.value
 
 
 class Admission:
@@ -273,31 +300,31 @@ class Admission:
         """``best_effort``: no SLO check, the least loaded pair (a migrating request was
         admitted once already)."""
         if not self.registry.can_serve and self.registry.recovering("decode"):
-            return Decision("queue", "waiting for a decode worker to restart")
+            return Decision(Action.QUEUE, Cause.RESTARTING, "waiting for a decode worker to restart")
         ttft_t, tpot_t = self._targets(spec)
         preds = self.candidates(spec, now, waited_s)
         disagg = [p for p in preds if p.prefill is not None] or preds
         if best_effort:   # still only where the prompt's blocks fit now, or the reservation fails
             roomy = [p for p in disagg if _has_prompt_room(p.decode, spec)]
             if not roomy:
-                return Decision("queue", "decode KV cache full", min(disagg, key=_load))
-            return Decision("admit", "migration", min(roomy, key=_load))
+                return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", min(disagg, key=_load))
+            return Decision(Action.ADMIT, Cause.MIGRATION, prediction=min(roomy, key=_load))
         if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
             best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
-            return Decision("admit", "best_effort" if self.enabled else "admission_off", best)
+            return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
         best = self._choose(spec, preds, ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
-            return Decision("admit", "idle", best)
+            return Decision(Action.ADMIT, Cause.IDLE, prediction=best)
         if not best.fits_ttft(ttft_t):
             queued = f" ({best.waited_s * 1e3:.0f} ms of it queued)" if best.waited_s else ""
-            return Decision("reject", f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{queued} > target {ttft_t * 1e3:.0f} ms", best)
+            return Decision(Action.REJECT, Cause.TTFT, f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{queued} > target {ttft_t * 1e3:.0f} ms", best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
-            return Decision("queue", f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
+            return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
-            return Decision("queue", f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
+            return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
         if not _has_kv_room(best.decode, spec):
-            return Decision("queue", "decode KV cache full", best)
-        return Decision("admit", "within_slo", best)
+            return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best)
+        return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
 
     @staticmethod
     def _choose(spec: RequestSpec, preds: list[Prediction], ttft_t: float | None, tpot_t: float | None) -> Prediction:
@@ -324,7 +351,7 @@ class Admission:
         decision = self.decide(spec, best_effort=resuming)
         ticket = None
         try:
-            while decision.action == "queue":
+            while decision.action is Action.QUEUE:
                 queue_reason = decision.reason
                 if ticket is None:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
@@ -344,10 +371,10 @@ class Admission:
                 self._waiters.leave(ticket)
                 self._count_queue(-1, metrics)
         queued = ticket is not None
-        if decision.action == "reject":
+        if decision.action is Action.REJECT:
             raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""))
         if metrics is not None:
-            metrics.admission("admit", decision.reason)
+            metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
 
     def _count_queue(self, delta: int, metrics, decision: Decision | None = None) -> None:
@@ -355,7 +382,7 @@ class Admission:
         if metrics is not None:
             metrics.set_queued(self.num_queued)
             if decision is not None:
-                metrics.admission("queue", "tpot" if "TPOT" in decision.reason else "kv_full")
+                metrics.admission(Action.QUEUE.value, decision.cause.value)
 
     @staticmethod
     def _targets(spec: RequestSpec) -> tuple[float | None, float | None]:

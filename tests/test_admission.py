@@ -12,7 +12,7 @@ import pytest
 
 from engine.errors import CapacityError
 from engine.types import RequestSpec, SamplingParams, SLOTarget, StepTiming, WorkerStats
-from router.admission import Admission
+from router.admission import Action, Admission, Cause
 from router.registry import MIN_RATE_WINDOW_S, PREFILL_RATE_TAU_S, DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 
@@ -63,21 +63,21 @@ def spec(prompt=200, ttft=None, tpot=None, priority=0, max_tokens=32) -> Request
 
 
 CASES = [
-    # name, cluster kwargs, spec kwargs, expected action, reason fragment
-    ("best effort", {}, {}, "admit", "best_effort"),
-    ("idle, within targets", {}, {"ttft": 0.5, "tpot": 0.05}, "admit", "within_slo"),
-    ("prefill queue too long", {"prefill_inflight_tokens": 20_000}, {"ttft": 0.5, "tpot": 0.05}, "reject", "TTFT"),
-    ("decode batch too big", {"decode_inflight": 60}, {"ttft": 0.5, "tpot": 0.05}, "queue", "TPOT"),
-    ("decode KV full", {"free_blocks": 5}, {"ttft": 0.5, "tpot": 0.05}, "queue", "KV"),
-    ("TTFT only target", {"prefill_inflight_tokens": 2_000}, {"ttft": 0.5}, "admit", "within_slo"),
-    ("idle pair is never refused", {"decode_running": 0}, {"ttft": 0.001, "tpot": 0.0001}, "admit", "idle"),
+    # name, cluster kwargs, spec kwargs, expected action, cause
+    ("best effort", {}, {}, Action.ADMIT, Cause.BEST_EFFORT),
+    ("idle, within targets", {}, {"ttft": 0.5, "tpot": 0.05}, Action.ADMIT, Cause.WITHIN_SLO),
+    ("prefill queue too long", {"prefill_inflight_tokens": 20_000}, {"ttft": 0.5, "tpot": 0.05}, Action.REJECT, Cause.TTFT),
+    ("decode batch too big", {"decode_inflight": 60}, {"ttft": 0.5, "tpot": 0.05}, Action.QUEUE, Cause.TPOT),
+    ("decode KV full", {"free_blocks": 5}, {"ttft": 0.5, "tpot": 0.05}, Action.QUEUE, Cause.KV_FULL),
+    ("TTFT only target", {"prefill_inflight_tokens": 2_000}, {"ttft": 0.5}, Action.ADMIT, Cause.WITHIN_SLO),
+    ("idle pair is never refused", {"decode_running": 0}, {"ttft": 0.001, "tpot": 0.0001}, Action.ADMIT, Cause.IDLE),
 ]
 
 
-@pytest.mark.parametrize("name, cluster_kw, spec_kw, action, reason", CASES, ids=[c[0] for c in CASES])
-def test_decision_table(name, cluster_kw, spec_kw, action, reason):
+@pytest.mark.parametrize("name, cluster_kw, spec_kw, action, cause", CASES, ids=[c[0] for c in CASES])
+def test_decision_table(name, cluster_kw, spec_kw, action, cause):
     decision = cluster(**cluster_kw).decide(spec(**spec_kw))
-    assert decision.action == action and reason in decision.reason
+    assert decision.action is action and decision.cause is cause
 
 
 def test_predictions_follow_the_fitted_models():
@@ -101,23 +101,23 @@ def test_lower_priority_is_shed_first():
     # Predicted TTFT 0.42 s against a 0.6 s target: fits at priority 0 (0.8 x 0.6 = 0.48), not at
     # priority 2 (targets scaled by 0.7: 0.34).
     admission = cluster(prefill_inflight_tokens=4_000)
-    assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=0)).action == "admit"
-    assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=2)).action == "reject"
+    assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=0)).action is Action.ADMIT
+    assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=2)).action is Action.REJECT
 
 
 def test_pairs_tied_on_ttft_are_chosen_by_headroom():
     admission = cluster(decode_inflight=20, num_decode=2)
     decision = admission.decide(spec(ttft=0.5, tpot=0.05))
-    assert decision.action == "admit" and decision.prediction.decode.worker_id == "d1"
+    assert decision.action is Action.ADMIT and decision.prediction.decode.worker_id == "d1"
 
 
 def test_conditional_disaggregation_prefills_on_decode_only_when_the_prefill_side_misses_ttft():
     admission = cluster(prefill_inflight_tokens=3_000, conditional=True)
     fits = admission.decide(spec(prompt=16, ttft=0.5, tpot=0.05))   # 0.30 s <= 0.8 x 0.5 s
-    assert fits.action == "admit" and fits.prediction.prefill is not None, "decode workers stay clean when they can"
+    assert fits.action is Action.ADMIT and fits.prediction.prefill is not None, "decode workers stay clean when they can"
     admission = cluster(prefill_inflight_tokens=4_500, conditional=True)
     short = admission.decide(spec(prompt=16, ttft=0.5, tpot=0.05))  # 0.45 s > 0.4 s: the prefill side misses
-    assert short.action == "admit" and short.prediction.prefill is None, "short prompt skips the busy prefill worker"
+    assert short.action is Action.ADMIT and short.prediction.prefill is None, "short prompt skips the busy prefill worker"
     admission.handoff_s = 0.0
     long_prompt = cluster(conditional=True).decide(spec(prompt=2000, ttft=0.5, tpot=0.05))
     assert long_prompt.prediction.prefill is not None, "a long prompt would stall the decode batch"
@@ -128,13 +128,13 @@ def test_no_timings_yet_admits_least_loaded():
     registry.add(WorkerHandle("p0", "prefill", None, "n", "cpu"))
     registry.add(WorkerHandle("d0", "decode", None, "n", "cpu"))
     decision = Admission(registry).decide(spec(ttft=0.01, tpot=0.001))
-    assert decision.action == "admit"
+    assert decision.action is Action.ADMIT
 
 
 def test_admission_off_admits_everything():
     admission = cluster(prefill_inflight_tokens=50_000)
     admission.enabled = False
-    assert admission.decide(spec(ttft=0.1, tpot=0.01)).action == "admit"
+    assert admission.decide(spec(ttft=0.1, tpot=0.01)).action is Action.ADMIT
 
 
 def test_queue_waits_for_capacity_then_admits_or_times_out():
@@ -198,9 +198,9 @@ def test_a_prompt_that_would_push_a_running_request_past_its_tpot_waits():
     # makes 50 ms, within 0.9 x its target. A 200-token prompt stalls it 20 ms (50 ms); a
     # 4000-token prompt stalls it 0.4 s (58 ms): past the safety line.
     running(w, "late", started_ago=2.7, tokens=30, max_tokens=64, tpot=0.06)
-    assert admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
+    assert admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0).action is Action.ADMIT
     decision = admission.decide(spec(prompt=4000, ttft=5.0, tpot=0.05), now=100.0)
-    assert decision.action == "queue" and "running request's TPOT" in decision.reason
+    assert decision.action is Action.QUEUE and "running request's TPOT" in decision.reason
     step = decision.prediction.tpot_s
     projected = (2.7 + 4000 * admission.model("c0").seconds_per_prefill_token() + 34 * step) / 63
     assert decision.prediction.running_tpot_ratio == pytest.approx(projected / 0.06, rel=1e-6)
@@ -210,9 +210,9 @@ def test_prompts_already_queued_count_against_running_requests_but_a_lost_one_bl
     admission, w = colocated_worker()
     running(w, "r0", started_ago=2.5, tokens=30, max_tokens=64, tpot=0.06)
     w.begin_prefill(3000, now=100.0)   # 0.3 s of prefill sent there, not yet run: 52 ms projected
-    assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action == "queue"  # 55 ms
+    assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action is Action.QUEUE  # 55 ms
     w.decoding["r0"].first_token_s = 100.0 - 6.0   # now far behind its target: lost either way
-    assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
+    assert admission.decide(spec(prompt=2000, ttft=5.0, tpot=0.05), now=100.0).action is Action.ADMIT
 
 
 def test_a_request_awaiting_its_first_token_is_protected_from_prompts_queued_behind_it():
@@ -223,9 +223,9 @@ def test_a_request_awaiting_its_first_token_is_protected_from_prompts_queued_beh
     admission, w = colocated_worker()
     w.begin_prefill(200, now=100.0)    # request "a": admitted, still in the prefill queue
     w.decoding["a"] = DecodeProgress(64, 0.02, prefill_mark=w.prefill_tokens_sent)
-    assert admission.decide(spec(prompt=100, ttft=5.0, tpot=0.05), now=100.0).action == "admit"
+    assert admission.decide(spec(prompt=100, ttft=5.0, tpot=0.05), now=100.0).action is Action.ADMIT
     decision = admission.decide(spec(prompt=4000, ttft=5.0, tpot=0.05), now=100.0)   # stalls "a" 0.4 s
-    assert decision.action == "queue" and "running request's TPOT" in decision.reason
+    assert decision.action is Action.QUEUE and "running request's TPOT" in decision.reason
     w.begin_prefill(4000, now=100.0)   # sent anyway (say, admission off): "a" now has it behind it
     behind = admission.predict(spec(prompt=100, ttft=5.0, tpot=0.05), None, w, now=100.0)
     assert behind.running_tpot_ratio is None, "past the safety line already: it no longer blocks"
@@ -244,7 +244,7 @@ def test_a_young_prefill_rate_is_not_biased_toward_zero():
 def test_colocated_worker_saturated_by_prefill_queues_new_requests():
     admission, w = colocated_worker([(i, 20_000) for i in range(40, 0, -1)])  # ~1.5 s of prefill per second
     decision = admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0)
-    assert decision.action == "queue" and "TPOT" in decision.reason
+    assert decision.action is Action.QUEUE and "TPOT" in decision.reason
 
 
 def test_time_already_queued_is_not_held_to_the_ttft_margin():
@@ -255,8 +255,8 @@ def test_time_already_queued_is_not_held_to_the_ttft_margin():
     predicted = admission.predict(s, None, w, now=100.0).ttft_s
     waited = 5.0 - predicted / 0.8 - 0.1      # the prediction fits 80% of what is left
     assert waited + predicted > 0.8 * 5.0, "the old rule (80% of the whole target) would reject"
-    assert admission.decide(s, now=100.0, waited_s=waited).action == "admit"
-    assert admission.decide(s, now=100.0, waited_s=waited + 0.2).action == "reject"
+    assert admission.decide(s, now=100.0, waited_s=waited).action is Action.ADMIT
+    assert admission.decide(s, now=100.0, waited_s=waited + 0.2).action is Action.REJECT
 
 
 def test_colocated_pair_choice_balances_prefill_queues():
@@ -269,7 +269,7 @@ def test_colocated_pair_choice_balances_prefill_queues():
     for w in registry.all:
         admission.observe_stats(w)
     decision = admission.decide(spec(prompt=200, ttft=5.0, tpot=0.05), now=100.0)
-    assert decision.action == "admit" and decision.prediction.decode.worker_id == "c1"
+    assert decision.action is Action.ADMIT and decision.prediction.decode.worker_id == "c1"
 
 
 def test_colocated_ttft_counts_prompts_the_router_sent_and_the_worker_has_not_prefilled():
