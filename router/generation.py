@@ -34,7 +34,7 @@ from router import convert, limits as request_limits
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import MAX_PENDING_TOKENS, SLOW_READER, SlowReaderError
 from router.errors import RequestFailedError, status_for
-from router.identity import LiveRequests, RequestIdentity
+from router.identity import DuplicateRequestError, LiveRequests, RequestIdentity
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
 from router.stop_text import StopTextTrimmer
@@ -79,7 +79,12 @@ class GenerationCore:
             raise InvalidRequestError("request", f"not a valid GenerateRequest ({request.error}); "
                                                  "string fields must be valid UTF-8")
         request_limits.check_request(request, self.limits)
-        return self.live.claim(convert.label_from_proto(request))
+        try:
+            return self.live.claim(convert.label_from_proto(request))
+        except (DuplicateRequestError, CapacityError) as exc:   # refused before admission: counted too
+            if self.metrics is not None:
+                self.metrics.request_rejected("duplicate_id" if isinstance(exc, DuplicateRequestError) else "max_streams")
+            raise
 
     def release(self, identity: RequestIdentity | None) -> None:
         if identity is not None:
@@ -111,7 +116,8 @@ class GenerationCore:
         stream_span = None
         detok = self._detokenizer(request, spec)
         trim = StopTextTrimmer(spec.sampling.stop) if spec.sampling.stop else None
-        outcome: FinishReason | str = FinishReason.ABORT  # until the stream says otherwise
+        outcome = FinishReason.ABORT  # until the stream says otherwise
+        rejected = False
         MAX_PENDING_TOKENS.set(self.limits.max_pending_tokens)  # read by the request's DeltaQueue
         try:
             async with contextlib.aclosing(self.orchestrator.generate(spec, trace)) as deltas:
@@ -126,13 +132,13 @@ class GenerationCore:
                         stream_span = tracing.tracer().start_span("stream", context=tracing.trace.set_span_in_context(span))
                     yield self._event(delta, detok, trim, spec, trace)
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
-            outcome = FinishReason.ABORT if isinstance(exc, SlowReaderError) else "rejected"
+            rejected = not isinstance(exc, SlowReaderError)
             raise
         except Exception:
             outcome = FinishReason.ERROR
             raise
         finally:
-            self._record(spec, trace, outcome)
+            self._record(spec, trace, outcome, rejected)
             if stream_span is not None:
                 stream_span.set_attribute("pdserve.completion_tokens", len(trace.token_times))
                 stream_span.end()
@@ -188,10 +194,10 @@ class GenerationCore:
         usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=len(trace.token_times))
         return GenerationEvent(delta, text, usage, trace.timings())
 
-    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason | str) -> None:
+    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason, rejected: bool) -> None:
         if self.metrics is None:
             return
-        if outcome == "rejected":
+        if rejected:
             self.metrics.request_rejected("capacity")
             return
         times = trace.token_times

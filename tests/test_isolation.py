@@ -47,6 +47,10 @@ async def _collect(stream) -> tuple[list[int], set[str]]:
 
 
 def test_live_label_gets_already_exists_and_the_first_is_untouched(cluster, reference):
+    registry = cluster.cluster.metrics.registry
+    duplicates = {"decision": "reject", "reason": "duplicate_id"}
+    before = registry.get_sample_value("pdserve_admission_decisions_total", duplicates) or 0.0
+
     async def scenario():
         async with AsyncPdserveClient(address(cluster)) as a, AsyncPdserveClient(address(cluster)) as b:
             first = a.generate(token_ids=PROMPT, max_tokens=120, ignore_eos=True, request_id="job-1")
@@ -61,6 +65,7 @@ def test_live_label_gets_already_exists_and_the_first_is_untouched(cluster, refe
     assert dup.code() is grpc.StatusCode.ALREADY_EXISTS and "request_id" in dup.details()
     assert tokens == reference and labels == {"job-1"}
     assert again.request_id == "job-1" and again.usage.completion_tokens == 3
+    assert registry.get_sample_value("pdserve_admission_decisions_total", duplicates) == before + 1
     assert cluster_leaks(cluster) == {}
 
 

@@ -88,7 +88,15 @@ def test_max_receive_message_bytes(limited):
     assert past.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def _refusals(cluster, reason: str) -> float:
+    registry = cluster.cluster.metrics.registry
+    return (registry.get_sample_value("pdserve_admission_decisions_total", {"decision": "reject", "reason": reason}) or 0.0,
+            registry.get_sample_value("pdserve_requests_total", {"outcome": "rejected"}) or 0.0)
+
+
 def test_max_concurrent_streams(limited):
+    before = _refusals(limited, "max_streams")
+
     async def scenario():
         async with AsyncPdserveClient(address(limited)) as client:
             streams = [client.generate(token_ids=[9, 10, i + 3], max_tokens=400, ignore_eos=True)
@@ -107,6 +115,7 @@ def test_max_concurrent_streams(limited):
     past, served = asyncio.run(scenario())
     assert past.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_streams" in past.details()
     assert served.usage.completion_tokens == 1
+    assert _refusals(limited, "max_streams") == (before[0] + 1, before[1] + 1), "the refusal is counted"
     assert cluster_leaks(limited) == {}
 
 
