@@ -74,6 +74,8 @@ class EngineLoop:
         self._fail_pending()
 
     def _apply(self, calls) -> None:
+        if not calls:   # nothing changed: the last step's stats stand (computed once per turn)
+            return
         outcomes = []
         for fn, future in calls:
             try:
