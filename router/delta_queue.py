@@ -54,9 +54,6 @@ class DeltaQueue:
     def num_pending_tokens(self) -> int:
         return self._num_tokens
 
-    def qsize(self) -> int:
-        return len(self._items)
-
     def put_nowait(self, item: QueueItem) -> None:
         if self.overflowed:
             return
