@@ -71,12 +71,8 @@ class PdserveServicer(pb_grpc.PdserveServicer):
 
     def __init__(self, orchestrator: Orchestrator, tokenizer: Any | None, defaults: ServerDefaults,
                  info: ServerInfo, metrics: RouterMetrics | None = None) -> None:
-        self.core = GenerationCore(orchestrator, tokenizer, defaults, metrics)
-        self.orchestrator = orchestrator
-        self.defaults = defaults
-        self.limits = defaults.limits
+        self.core = GenerationCore(orchestrator, tokenizer, defaults, metrics)   # owns what both doors share
         self.info = info
-        self.metrics = metrics
 
     @property
     def live(self):
@@ -120,7 +116,7 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         try:
             statuses = await self._fresh_statuses()
             return convert.server_info_to_proto(
-                self.defaults, model=self.info.model, block_size=self.info.block_size, mode=self.info.mode,
+                self.core.defaults, model=self.info.model, block_size=self.info.block_size, mode=self.info.mode,
                 statuses=statuses)
         except Exception as exc:
             await self._abort(context, exc, None)
@@ -129,12 +125,12 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         """Every worker's state and its stats now (blocks released between steps included), not
         the last ones seen with a step; a worker that does not answer in time shows its last
         report, one that is down none."""
-        workers = self.orchestrator.registry.all
+        workers = self.core.orchestrator.registry.all
         fresh = await asyncio.gather(*(self._stats_of(w) for w in workers))
-        if self.metrics is not None:   # the KV gauges too (a prefill worker reports only with results)
+        if self.core.metrics is not None:   # the KV gauges too (a prefill worker reports only with results)
             for stats in fresh:
                 if stats is not None:
-                    self.metrics.update_worker(stats)
+                    self.core.metrics.update_worker(stats)
         return [convert.WorkerStatus(w.worker_id, w.role, w.state.value, w.restarts, stats)
                 for w, stats in zip(workers, fresh)]
 
@@ -182,7 +178,7 @@ async def start_server(servicer: PdserveServicer, host: str, port: int,
     security = security or ServerSecurity()
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", servicer.limits.max_receive_message_bytes),
+        ("grpc.max_receive_message_length", servicer.core.limits.max_receive_message_bytes),
     ], interceptors=security.interceptors())
     _add_servicer(servicer, server)
     health = health or ServingHealth()
