@@ -56,20 +56,21 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
 
-    def _forward(self, input_ids, position_ids, logits_indices, metadata) -> torch.Tensor:
-        return self.execute(ModelInputs(input_ids, position_ids, logits_indices, metadata, 0))
-
     @torch.inference_mode()
     def execute(self, inputs: ModelInputs | GraphInputs) -> torch.Tensor:
         if isinstance(inputs, GraphInputs):
             return self.graphs.run(inputs)
+        return self._forward(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
+
+    def _forward(self, input_ids, position_ids, logits_indices, metadata: AttentionMetadata) -> torch.Tensor:
+        """The model on packed tokens (the graph pool's captured body calls it too)."""
         with skinny_linear.active(self.skinny), self._sdpa_backends():
             logits = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.position_ids,
-                logits_to_keep=inputs.logits_indices,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                logits_to_keep=logits_indices,
                 use_cache=False,
-                pdserve_attn=inputs.metadata,
+                pdserve_attn=metadata,
             ).logits
         return logits[0]
 
