@@ -301,3 +301,17 @@ def test_serve_flags_enforce_eager_and_dtype():
     assert default.decode_engine.decode_graphs is GraphMode.AUTO and default.decode_engine.dtype == "auto"
     eager = cluster_config(_parser().parse_args(["serve", "--enforce-eager", "--dtype", "float32"]))
     assert eager.decode_engine.decode_graphs is GraphMode.EAGER and eager.decode_engine.dtype == "float32"
+
+
+def test_the_forward_has_no_host_sync_in_transformers_mask_code(tiny_model, monkeypatch):
+    """transformers' packed-sequence check calls ``.all()`` on a GPU tensor (a host sync, fatal
+    while capturing); with no mask function registered for the paged attention it never runs."""
+    import transformers.masking_utils as masking
+
+    calls = []
+    check = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or check(*a, **k))
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=16, decode_graphs=UNCAPTURED))
+    engine.generate([RequestSpec("a", (5, 6, 7), SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert engine.runner.graphs.num_replays == 3 and calls == []
+    assert_no_leaks(engine)
