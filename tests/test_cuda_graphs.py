@@ -221,9 +221,15 @@ class StepSpy:
 
 
 def test_padded_rows_write_only_the_null_block(tiny_model):
-    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64, block_size=4, decode_graphs=UNCAPTURED))
+    check_padded_rows_write_only_the_null_block(
+        LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64, block_size=4, decode_graphs=UNCAPTURED)))
+
+
+def check_padded_rows_write_only_the_null_block(engine: LLMEngine) -> None:
+    """Three requests, so decode steps are padded to 4 rows; after each, the KV cache differs only
+    in the real rows' slots and the null block (test_cuda.py runs it on captured graphs)."""
     spy = StepSpy(engine)
-    prompts = [[5, 6, 7], list(range(10, 31)), [9] * 9]   # 3 requests: decode steps padded to 4 rows
+    prompts = [[5, 6, 7], list(range(10, 31)), [9] * 9]
     run_staggered(engine, prompts, [6, 6, 6])
     graph_steps = [s for s in spy.steps if isinstance(s[1], GraphInputs)]
     assert any(inputs.batch > inputs.num_rows for _, inputs, *_ in graph_steps)
