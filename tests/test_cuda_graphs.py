@@ -17,6 +17,7 @@ The GPU side (capture, replay == eager == HF) is in test_cuda.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -149,6 +150,69 @@ def test_a_smaller_step_after_a_larger_one_leaves_no_stale_row():
     assert (inputs.batch, inputs.width) == (1, 4)
     table = small.block_tables["q0"]
     assert pool._rows[0, : TABLE + 4].tolist() == [101, 1, table[0] * BLOCK + 1, 2, table[0], 39, 39, 39]
+
+
+class RecordingGraphs:
+    """Stands in for torch.cuda's graph API on CPU (tests only): ``graph(...)`` runs its body
+    eagerly and records which graph it captured with which pool; ``replay`` records the call."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+        self.pool = object()
+        outer = self
+
+        class Graph:
+            def replay(self) -> None:
+                outer.events.append(("replay", self))
+
+        self.CUDAGraph = Graph
+
+    def graph(self, graph, pool=None, capture_error_mode="global"):
+        self.events.append(("capture", (graph, pool, capture_error_mode)))
+        return contextlib.nullcontext()
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", self.CUDAGraph)
+        monkeypatch.setattr(torch.cuda, "graph", self.graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: self.pool)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_capture_bookkeeping(tiny_model, monkeypatch):
+    """Every key once, largest batch and widest table first, all in one pool; one warm-up per
+    batch size, before its captures; capture runs write only the null block; a step replays the
+    graph of its padded key and returns the real rows of the static logits."""
+    fake = RecordingGraphs()
+    fake.install(monkeypatch)
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=10))
+    kv_cache = engine.cache
+    runner_forward = engine.runner._forward
+    runs: list[int] = []   # batch of each forward
+
+    def forward(input_ids, *args):
+        runs.append(input_ids.shape[1])
+        return runner_forward(input_ids, *args)
+
+    kv_cache.normal_()   # any write shows, even of the zeros the padding token (id 0) may project to
+    before = kv_cache.clone()
+    plan = GraphPlan(capture=True, batch_sizes=(1, 2, 4, 8, 16), widths=(4, 8), null_block=63)
+    pool = DecodeGraphPool(plan, forward, kv_cache, 4)
+    pool.capture()
+    captures = [e[1] for e in fake.events if e[0] == "capture"]
+    assert pool.num_graphs == len(plan.keys) == len(captures)
+    assert all(p is fake.pool and mode == "thread_local" for _, p, mode in captures)
+    order = list(pool._graphs)
+    assert order == [(b, w) for b in (16, 8, 4, 2, 1) for w in (8, 4)]
+    assert runs == [b for b in (16, 8, 4, 2, 1) for _ in range(3)], "a warm-up, then 2 captures"
+    changed = (before != kv_cache).flatten(start_dim=3).any(dim=-1).any(dim=0).any(dim=0)   # [blocks]
+    assert changed.nonzero().flatten().tolist() == [63], "capture runs write the null block only"
+
+    kv = KVCacheManager(63, 4)
+    inputs = pool.prepare(decode_step(kv, [3, 9, 30]), kv.block_tables)
+    assert (inputs.batch, inputs.width) == (4, 8)
+    logits = pool.run(inputs)
+    assert fake.events[-1] == ("replay", pool._graphs[(4, 8)]) and pool.num_replays == 1
+    assert logits.data_ptr() == pool._logits.data_ptr() and logits.shape[0] == 3
 
 
 # ---- fallbacks ----------------------------------------------------------------------------------
