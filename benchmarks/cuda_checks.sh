@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The CUDA path on one GPU, checked then measured: the GPU tests (engine on cuda vs HF generate,
-# a one-GPU cluster handing KV over by CUDA IPC, the IPC round trip), then bench_engine (W64
-# throughput vs HF, fp32 and bf16) and bench_disagg_overhead (in-process vs disaggregated vs
-# colocated, one request at a time) on the GPU. Results land in OUT_DIR.
+# The CUDA path on one GPU, checked then measured: the GPU tests (engine on cuda vs HF generate
+# with decode steps as CUDA graphs and eager, graph replay vs eager logits, a one-GPU cluster
+# handing KV over by CUDA IPC, the IPC round trip) and the decode-graph CPU-side tests, then
+# bench_engine (W64 throughput vs HF, fp32 and bf16, CUDA graphs vs eager interleaved in the same
+# run, with the targets: >= 5,000 out tok/s, decode step at batch 64 <= 5 ms) and
+# bench_disagg_overhead (in-process vs disaggregated vs colocated, one request at a time) on the
+# GPU. Results land in OUT_DIR.
 #
 #   bash benchmarks/cuda_checks.sh [OUT_DIR] [MODEL]
 #
@@ -19,10 +22,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 status=0   # a failed test still lets the benchmarks run; the script's exit status reports it
 t="timeout ${STAGE_TIMEOUT_S:-1800}"
-$t python3 -m pytest -q -p no:cacheprovider --timeout 120 tests/test_cuda.py tests/test_gpu_placement.py \
+$t python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_cuda_graphs.py tests/test_gpu_placement.py \
   "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes" 2>&1 | tee "$out/tests.txt" || status=1
 for dtype in float32 bfloat16; do
   $t python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
+    --decode-graphs both --rounds 2 \
     --out "$out/engine_w64_$dtype.txt"
 done
 $t python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"

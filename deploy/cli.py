@@ -87,7 +87,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda, or auto: cuda when the Ray cluster has GPUs (one per worker, or a share)")
     p.add_argument("--gpus-per-worker", type=float, default=None,
                    help="GPU share of each worker (default: one each if enough, else an even split)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto",
+                   help="weights and KV cache: auto (bfloat16 on a GPU, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (by default a GPU replays them as CUDA graphs)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -150,13 +153,14 @@ def server_limits(args: argparse.Namespace):
 
 def cluster_config(args: argparse.Namespace):
     from deploy.launcher import ClusterConfig
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, GraphMode
     from engine.tracing import TracingConfig
 
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
-                            dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_cache)
+                            dtype=args.dtype, device=args.device, enable_prefix_caching=not args.no_prefix_cache,
+                            decode_graphs=GraphMode.EAGER if args.enforce_eager else GraphMode.AUTO)
 
     defaults = {"max_tokens": args.default_max_tokens}
     limits = server_limits(args)

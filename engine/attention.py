@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from engine import paged_kernel
 
@@ -122,11 +121,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, block_ids)
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Masks are built per request from block tables; transformers must not build a dense one."""
-    return None
-
-
 def register() -> None:
+    """Masks are built per request from block tables, so no mask function is registered: for an
+    attention without one, transformers builds no mask and skips its packed-sequence check, whose
+    ``.all()`` is a host sync every forward (a CUDA graph capture fails on it where transformers does
+    not skip it while capturing)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,4 +1,10 @@
-"""Engine configuration: the knobs of one worker's engine, fixed at start-up."""
+"""Engine configuration: the knobs of one worker's engine, fixed at start-up.
+
+The dtype rule lives here, once: ``dtype="auto"`` is bfloat16 on CUDA and float32 elsewhere,
+decided as soon as the device is known (a config built with ``device="auto"`` keeps ``"auto"``
+until the launcher picks the device with ``dataclasses.replace``, which decides it then).
+Exactness runs ask for float32 explicitly.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +25,25 @@ class EngineRole(str, enum.Enum):
     DECODE = "decode"
 
 
+class GraphMode(str, enum.Enum):
+    """How decode-only steps run (engine.cuda_graphs); prefill and mixed steps are always eager.
+
+    AUTO: CUDA graphs on CUDA, eager elsewhere.
+    EAGER: every step eager (vLLM's ``--enforce-eager``).
+    UNCAPTURED: the graphs' fixed-shape static-buffer path, run without capture on any device
+      (the CPU tests run the replayed code through it; a debugging aid on a GPU).
+    """
+
+    AUTO = "auto"
+    EAGER = "eager"
+    UNCAPTURED = "uncaptured"
+
+
+def default_dtype(device: str) -> str:
+    """What ``dtype="auto"`` means on ``device``."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     block_size: int = 16
@@ -28,7 +53,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.25
-    dtype: str = "float32"
+    dtype: str = "auto"                 # "auto": default_dtype(device); else a torch dtype name
     device: str = "cpu"
     num_threads: int | None = None      # torch intra-op threads; None leaves the process setting alone
     role: EngineRole = EngineRole.COLOCATED
@@ -36,8 +61,13 @@ class EngineConfig:
     kv_cache_shm_path: str | None = None  # back the KV pool with a /dev/shm file (decode workers, for kvtransfer)
     num_recent_steps: int = 64          # step timings kept for stats
     enable_prefix_caching: bool = True  # share the KV of full blocks of common prefixes (engine.kv_manager)
+    decode_graphs: GraphMode = GraphMode.AUTO
+    cuda_graph_max_context: int = 2048  # longer decode contexts run eager (vLLM's max_seq_len_to_capture)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         self.role = EngineRole(self.role)
+        self.decode_graphs = GraphMode(self.decode_graphs)
+        if self.dtype == "auto" and self.device != "auto":
+            self.dtype = default_dtype(self.device)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import kv_cache
+from engine import cuda_graphs, kv_cache
 from engine.config import EngineConfig, EngineRole
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
@@ -73,6 +73,8 @@ class LLMEngine:
                  block_hash_fn: HashFn = default_block_hash):
         """``block_hash_fn``: the prefix cache's block hash (tests inject colliding ones)."""
         self.config = config = config or EngineConfig()
+        if config.device == "auto":
+            raise ValueError("the engine needs a decided device ('cpu', 'cuda'); the launcher resolves 'auto'")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
@@ -81,8 +83,10 @@ class LLMEngine:
         if cache is None:
             cache = kv_cache.allocate(self.layout, kv_cache.num_blocks_for(self.layout, config), config.device)
         self.cache = cache
-        self.kv = KVCacheManager(cache.shape[2], config.block_size, config.enable_prefix_caching, block_hash_fn)
-        self.pool_tokens = cache.shape[2] * config.block_size
+        _check_dtype(loaded.model, self.layout.dtype)
+        num_blocks = cache.shape[2] - cuda_graphs.reserved_blocks(config, cache.shape[2])
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, block_hash_fn)
+        self.pool_tokens = num_blocks * config.block_size
         # A request must fit the pool on its own: preempting the others could never make room
         # for a larger one, which would be preempted and rescheduled forever. So, as vLLM caps
         # max_model_len to what its KV cache holds, a worker serves at most the pool's tokens;
@@ -91,11 +95,15 @@ class LLMEngine:
             loaded.max_model_len, self.pool_tokens)
         stop = StopChecker(loaded.eos_token_ids, loaded.max_model_len, loaded.tokenizer)
         self.scheduler = Scheduler(config, self.kv, stop)
-        self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group)
+        self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group,
+                                  cuda_graphs.plan_for(config, cache.shape[2], self.max_model_len))
         self._seeds: dict[str, int] = {}
         self._last_num_kv_tokens = 0
         self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)
-        logger.info("engine ready: role=%s, %d KV blocks of %d tokens", config.role.value, cache.shape[2], config.block_size)
+        graphs = self.runner.graphs
+        logger.info("engine ready: role=%s, %d KV blocks of %d tokens, %s", config.role.value, num_blocks,
+                    config.block_size, f"{graphs.num_graphs} decode graphs captured in {graphs.capture_s:.1f} s"
+                    if graphs is not None else "decode steps eager")
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
@@ -285,6 +293,14 @@ class LLMEngine:
             for delta in self.step().deltas:
                 outputs.setdefault(delta.req_id, []).extend(delta.token_ids)
         return outputs
+
+
+def _check_dtype(model: torch.nn.Module, kv_dtype: str) -> None:
+    """The KV cache holds what the model's projections produce: one dtype for both."""
+    model_dtype = next(model.parameters()).dtype
+    if model_dtype != getattr(torch, kv_dtype):
+        raise ValueError(f"the model's weights are {model_dtype} but the engine's dtype is {kv_dtype}: "
+                         "load the model in the engine's dtype")
 
 
 def _describe(exc: BaseException) -> str:

@@ -4,7 +4,8 @@ Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, 
 slot mapping and attention metadata; ``execute`` runs the transformers model through the
 paged attention registered in ``engine.attention`` (few-row linears on ``engine.skinny_linear``)
 and returns logits only at the positions that sample (each request's last scheduled token when it
-reaches its last known token).
+reaches its last known token). With decode graphs on (``engine.cuda_graphs``), a decode-only step
+is loaded into the graph pool's static buffer instead and replayed; every other step runs here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import attention, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.kv_manager import KVCacheManager
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -34,7 +36,8 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv: KVCacheManager, decode_group: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv: KVCacheManager, decode_group: int,
+                 graph_plan: GraphPlan | None = None) -> None:
         attention.register()
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         self.model = model
@@ -49,16 +52,25 @@ class ModelRunner:
         self.skinny = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and skinny_linear.enabled()
         if self.skinny:
             skinny_linear.install(model)
+        self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
+        if self.graphs is not None:
+            self.graphs.capture()   # last: the model must be ready to run
 
     @torch.inference_mode()
-    def execute(self, inputs: ModelInputs) -> torch.Tensor:
+    def execute(self, inputs: ModelInputs | GraphInputs) -> torch.Tensor:
+        if isinstance(inputs, GraphInputs):
+            return self.graphs.run(inputs)
+        return self._forward(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
+
+    def _forward(self, input_ids, position_ids, logits_indices, metadata: AttentionMetadata) -> torch.Tensor:
+        """The model on packed tokens (the graph pool's captured body calls it too)."""
         with skinny_linear.active(self.skinny), self._sdpa_backends():
             logits = self.model(
-                input_ids=inputs.input_ids,
-                position_ids=inputs.position_ids,
-                logits_to_keep=inputs.logits_indices,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                logits_to_keep=logits_indices,
                 use_cache=False,
-                pdserve_attn=inputs.metadata,
+                pdserve_attn=metadata,
             ).logits
         return logits[0]
 
@@ -70,7 +82,10 @@ class ModelRunner:
             return contextlib.nullcontext()
         return sdpa_kernel(_CUDA_SDPA_BACKENDS)
 
-    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+    def prepare(self, out: SchedulerOutput) -> ModelInputs | GraphInputs:
+        graph_inputs = self.graphs.prepare(out, self.kv.block_tables) if self.graphs is not None else None
+        if isinstance(graph_inputs, GraphInputs):
+            return graph_inputs
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

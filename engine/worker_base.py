@@ -44,7 +44,7 @@ def load_for(spec: WorkerSpec):
 
     if spec.random_model is not None:
         loaded = random_model(**spec.random_model)
-        loaded.model.to(spec.engine.device)
+        loaded.model.to(device=spec.engine.device, dtype=getattr(torch, spec.engine.dtype))
         return loaded
     return load_model(spec.model, dtype=spec.engine.dtype, device=spec.engine.device)
 
