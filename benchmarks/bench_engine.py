@@ -8,7 +8,12 @@ from this machine's measured fp32 GEMM throughput and memory bandwidth. Also: pd
 step at batch 64 against its GEMM-bound time, and the engine's own per-step overhead
 (scheduling, input preparation, sampling = step time outside the model forward).
 
-    python -m benchmarks.bench_engine [--num-requests 64] [--skip-generate-batch] [--out FILE]
+    python -m benchmarks.bench_engine [--num-requests 64] [--skip-generate-batch] [--skip-static] [--out FILE]
+
+``--skip-generate-batch`` leaves out the slowest row (~10 min): pdserve, HF static and the
+ceiling then take ~5 min. Also reported: the split of the engine's step time between steps with
+prompt tokens and decode-only steps, and one 512-token prompt's prefill alone against its
+ceiling (the TTFT floor).
 
 On a GPU (``--device cuda [--dtype bfloat16] [--model DIR]``) the rows are the same but the
 ceiling (a CPU model of this machine) is left out; CUDA timings synchronize at every step,
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.baselines import hf_generate_batch, hf_static_batches
-from benchmarks.ceiling import decode_step_bound, measure_machine, w64_ceiling
+from benchmarks.ceiling import ModelShape, decode_step_bound, measure_machine, prefill_flops, w64_ceiling
 from benchmarks.workload import make_w64, summarize
 from engine.config import EngineConfig, GraphMode
 from engine.engine import LLMEngine
@@ -48,6 +53,8 @@ class EngineRun:
     decode64_kv: int              # its KV tokens (for the bound)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     graphs: str = "eager"         # decode graphs: captured count and time, replays, fallbacks
+    prefill_steps_s: float = 0.0  # steps that ran prompt tokens (decodes may ride along)
+    decode_steps_s: float = 0.0   # decode-only steps
 
     @property
     def output_tok_s(self) -> float:
@@ -67,8 +74,10 @@ def run_engine(loaded, workload, budget: int, device: str = "cpu", dtype: str = 
     steps = _all_steps(engine)
     full = sorted((s.duration_s, s.num_kv_tokens) for s in steps if s.num_seqs == 64 and s.num_prefill_tokens == 0)
     mid = full[len(full) // 2] if full else (None, 0)
+    prefill_s = sum(s.duration_s for s in steps if s.num_prefill_tokens)
     return EngineRun(wall, sum(len(o) for o in outputs.values()), forward[0], sum(s.duration_s for s in steps),
-                     mid[0] * 1e3 if mid[0] else None, mid[1], outputs, _graphs_summary(engine))
+                     mid[0] * 1e3 if mid[0] else None, mid[1], outputs, _graphs_summary(engine),
+                     prefill_s, sum(s.duration_s for s in steps) - prefill_s)
 
 
 def _graphs_summary(engine: LLMEngine) -> str:
@@ -93,6 +102,21 @@ def engine_rows(loaded, workload, args) -> list[tuple[str, EngineRun]]:
     if len(chosen) == 1:
         return [("pdserve engine", best[chosen[0]])]
     return [("pdserve engine, CUDA graphs", best[GraphMode.AUTO]), ("pdserve engine, eager", best[GraphMode.EAGER])]
+
+
+def time_prefill(loaded, prompt_len: int, repeats: int = 3, device: str = "cpu", dtype: str = "float32") -> float:
+    """Best-of-``repeats`` time to first token of one ``prompt_len``-token prompt alone in the engine
+    (one prefill step: the budget holds the whole prompt; no prefix cache, so every run computes it)."""
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=max(prompt_len, 512),
+                                            device=device, dtype=dtype, enable_prefix_caching=False))
+    prompt = tuple(make_w64(1, seed=99, prompt_range=(prompt_len, prompt_len))[0].prompt_token_ids)
+    best = float("inf")
+    for i in range(repeats + 1):   # the first run warms up
+        spec = RequestSpec(f"ttft{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        engine.generate([spec])
+        best = min(best, time.perf_counter() - start) if i else best
+    return best
 
 
 def _time_forward(engine: LLMEngine) -> list[float]:
@@ -138,19 +162,26 @@ def main() -> None:
     parser.add_argument("--decode-graphs", choices=("auto", "eager", "both"), default="auto",
                         help="decode steps as CUDA graphs on a GPU (auto), never (eager), or both side by side")
     parser.add_argument("--rounds", type=int, default=2, help="with --decode-graphs both: interleaved rounds")
+    parser.add_argument("--prefill-len", type=int, default=512, help="prompt of the lone-prefill (TTFT) row")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="time with this process's CPU time instead of the wall clock: with --threads 1 on a "
+                             "busy shared machine it leaves out the time other processes held the core (A/B only)")
     parser.add_argument("--out", default="benchmarks/results/engine_w64.txt")
     args = parser.parse_args()
     if args.decode_graphs == "both" and not args.device.startswith("cuda"):
         parser.error("--decode-graphs both compares CUDA graphs with eager: it needs --device cuda")
     torch.set_num_threads(args.threads)
+    if args.cpu_clock:
+        time.perf_counter = time.process_time   # every timer below (engine steps, peaks, baselines) reads it
+    load = os.getloadavg()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     workload = make_w64(num_requests=args.num_requests)
     on_cpu = args.device == "cpu"
     peaks = measure_machine(loaded.model.config, num_threads=args.threads) if on_cpu else None
     ceiling = w64_ceiling(loaded.model.config, workload, peaks) if on_cpu else None
-    load = os.getloadavg()
     engines = engine_rows(loaded, workload, args)
     ours = engines[0][1]
+    ttft = time_prefill(loaded, args.prefill_len, device=args.device, dtype=args.dtype)
     rows = [(name, run.output_tok_s, run.wall_s) for name, run in engines]
     if not args.skip_static:
         static = hf_static_batches(loaded.model, workload, batch_size=16)
@@ -160,7 +191,7 @@ def main() -> None:
         rows.append(("transformers generate_batch", cb.output_tok_s, cb.wall_s))
     if ceiling is not None:
         rows.append(("machine ceiling (GEMM + bandwidth)", ceiling.output_tok_s, ceiling.total_s))
-    text = report(args, workload, peaks, ceiling, ours, rows, loaded, load)
+    text = report(args, workload, peaks, ceiling, ours, rows, loaded, ttft, load)
     if len(engines) > 1 or ours.graphs != "eager":
         text += "\n" + graphs_report(engines)
     print(text)
@@ -190,11 +221,14 @@ def graphs_report(engines: list[tuple[str, EngineRun]]) -> str:
     return "\n".join(lines)
 
 
-def report(args, workload, peaks, ceiling, ours: EngineRun, rows, loaded, load=None) -> str:
+def report(args, workload, peaks, ceiling, ours: EngineRun, rows, loaded, ttft_s: float, load) -> str:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
-    load_text = f", load avg at start {', '.join(f'{x:.2f}' for x in load)}" if load else ""
+    end_load = os.getloadavg()
+    clock = "CPU time of this process (--cpu-clock)" if args.cpu_clock else "wall"
     lines = [f"bench_engine  {datetime.datetime.now().isoformat(timespec='seconds')}",
-             f"machine: {device}, {torch.get_num_threads()} torch threads, torch {torch.__version__}{load_text}",
+             f"machine: {device}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; clock: {clock}",
+             f"load avg (1, 5, 15 min) at start {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; "
+             f"at end {end_load[0]:.2f}, {end_load[1]:.2f}, {end_load[2]:.2f}",
              f"model: {loaded.name} {args.dtype} on {args.device}; workload: {summarize(workload)}"]
     if peaks is not None:
         lines.append(f"peaks: GEMM {peaks.gemm_flops / 1e9:.1f} GFLOP/s, read {peaks.read_bytes_s / 1e9:.1f} GB/s")
@@ -205,16 +239,21 @@ def report(args, workload, peaks, ceiling, ours: EngineRun, rows, loaded, load=N
         vs_ceiling = f"{tok_s / ceiling.output_tok_s:>11.0%}" if ceiling else f"{'-':>11}"
         lines.append(f"{name:<38}{tok_s:>10.1f}{wall:>9.1f}{vs_static:>14}{vs_ceiling}")
     overhead = 1 - ours.forward_s / ours.step_s
+    lines.append(f"\nengine step time: {ours.prefill_steps_s:.1f} s in steps with prompt tokens, "
+                 f"{ours.decode_steps_s:.1f} s in decode-only steps")
     if ceiling is None:
         lines.append(f"\nengine per-step overhead (scheduling, inputs, sampling): {overhead:.1%} of step time")
         if ours.decode64_ms:
             lines.append(f"decode step at batch 64 (KV {ours.decode64_kv} tokens): {ours.decode64_ms:.2f} ms")
         return "\n".join(lines)
-    lines.append(f"\nceiling breakdown: prefill {ceiling.prefill_s:.1f} s + decode {ceiling.decode_s:.1f} s")
+    lines.append(f"ceiling breakdown: prefill {ceiling.prefill_s:.1f} s + decode {ceiling.decode_s:.1f} s")
     if ours.decode64_ms:
         bound = decode_step_bound(loaded.model.config, 64, peaks)
         lines.append(f"decode step at batch 64 (KV {ours.decode64_kv} tokens): {ours.decode64_ms:.1f} ms vs GEMM-bound "
-                     f"{bound.gemm_s * 1e3:.1f} ms = {ours.decode64_ms / (bound.gemm_s * 1e3):.2f}x (target <= 1.25x)")
+                     f"{bound.gemm_s * 1e3:.1f} ms = {ours.decode64_ms / (bound.gemm_s * 1e3):.2f}x (target <= 1.5x)")
+    floor = prefill_flops(ModelShape.from_config(loaded.model.config), args.prefill_len) / peaks.gemm_flops
+    lines.append(f"prefill of one {args.prefill_len}-token prompt (TTFT, best of 3): {ttft_s * 1e3:.0f} ms vs ceiling "
+                 f"{floor * 1e3:.0f} ms = {floor / ttft_s:.0%} of the ceiling (target >= 80%)")
     lines.append(f"engine per-step overhead (scheduling, inputs, sampling): {overhead:.1%} of step time (target < 10%)")
     lines.append(f"target: pdserve >= 70% of ceiling: {'PASS' if ours.output_tok_s >= 0.7 * ceiling.output_tok_s else 'MISS'}")
     return "\n".join(lines)

@@ -2,10 +2,11 @@
 
 Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, position ids,
 slot mapping and attention metadata; ``execute`` runs the transformers model through the
-paged attention registered in ``engine.attention`` (few-row linears on ``engine.skinny_linear``)
-and returns logits only at the positions that sample (each request's last scheduled token when it
-reaches its last known token). With decode graphs on (``engine.cuda_graphs``), a decode-only step
-is loaded into the graph pool's static buffer instead and replayed; every other step runs here.
+paged attention registered in ``engine.attention`` (q/k/v and gate/up projections fused by
+``engine.fused_linear``, few-row linears on ``engine.skinny_linear``) and returns logits only at
+the positions that sample (each request's last scheduled token when it reaches its last known token).
+With decode graphs on (``engine.cuda_graphs``), a decode-only step is loaded into the graph pool's
+static buffer instead and replayed; every other step runs here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import attention, paged_kernel, skinny_linear
+from engine import attention, fused_linear, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.kv_manager import KVCacheManager
@@ -48,6 +49,10 @@ class ModelRunner:
         self.device = kv_cache.device
         if self.device.type == "cpu":
             paged_kernel.available()  # build or load the kernels now, not during the first decode step
+        # One GEMM per q/k/v and per gate/up group (CPU: not yet measured on GPUs).
+        self.fused = self.device.type == "cpu" and fused_linear.enabled()
+        if self.fused:
+            fused_linear.install(model)
         # Decode steps' few-row linears on the skinny kernel (float32 CPU with AVX-512 only).
         self.skinny = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and skinny_linear.enabled()
         if self.skinny:
@@ -64,7 +69,7 @@ class ModelRunner:
 
     def _forward(self, input_ids, position_ids, logits_indices, metadata: AttentionMetadata) -> torch.Tensor:
         """The model on packed tokens (the graph pool's captured body calls it too)."""
-        with skinny_linear.active(self.skinny), self._sdpa_backends():
+        with skinny_linear.active(self.skinny), fused_linear.active(self.fused), self._sdpa_backends():
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

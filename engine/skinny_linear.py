@@ -14,20 +14,18 @@ Off with ``PDSERVE_LINEAR=torch``, on machines without AVX-512, or when the kern
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.thread_switch import ThreadSwitch
 
 ENV_VAR = "PDSERVE_LINEAR"   # "torch": every linear on torch (comparison, tests)
 MAX_ROWS = 32                # beyond, MKL catches up (benchmarks/results/linear.txt: 1.14x at 32, 1.00x at 64)
 
-_state = threading.local()
+active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.thread_switch)
 
 
 def enabled() -> bool:
@@ -45,17 +43,23 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, on the kernel inside ``active()`` for at most MAX_ROWS rows. The weight must
+    have passed ``_eligible``'s checks (float32, contiguous, CPU) for the kernel to be used."""
+    # Cheap checks first: this runs ~200 times per step. The kernel records no autograd.
+    in_features = weight.shape[1]
+    if x.numel() <= MAX_ROWS * in_features and bias is None and active.on \
+            and x.dtype == torch.float32 and x.is_contiguous() and not torch.is_grad_enabled():
+        rows = x.view(-1, in_features)
+        return skinny_linear(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
 class SkinnyLinear(torch.nn.Linear):
     """An ``nn.Linear`` that, inside ``active()``, sends inputs of at most MAX_ROWS rows to the kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Cheap checks first: this runs ~200 times per step. The weight's own checks (float32,
-        # contiguous, CPU, no bias) were made once by install(). The kernel records no autograd.
-        if x.numel() <= MAX_ROWS * self.in_features and getattr(_state, "on", False) \
-                and x.dtype == torch.float32 and x.is_contiguous() and not torch.is_grad_enabled():
-            rows = x.view(-1, self.in_features)
-            return skinny_linear(rows, self.weight).view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def _eligible(module: torch.nn.Module) -> bool:
@@ -73,13 +77,3 @@ def install(model: torch.nn.Module) -> int:
         m.__class__ = SkinnyLinear   # keeps parameters, buffers and hooks: only forward changes
     return len(linears)
 
-
-@contextlib.contextmanager
-def active(on: bool = True) -> Iterator[None]:
-    """SkinnyLinear modules use the kernel within this block (on this thread), if ``on``."""
-    previous = getattr(_state, "on", False)
-    _state.on = on
-    try:
-        yield
-    finally:
-        _state.on = previous

@@ -96,7 +96,7 @@ def test_dispatch_only_inside_active_and_for_few_rows(kernel, monkeypatch):
         assert inside.shape == (1, 3, 96) and rel_err(inside, want) < 1e-5
         assert torch.equal(big, F.linear(many, model[0].weight))
         assert torch.equal(nested_off, outside)
-    assert not getattr(skinny_linear._state, "on", False), "active() restores the previous state"
+    assert not skinny_linear.active.on, "active() restores the previous state"
 
 
 def test_install_keeps_tied_weights_and_copies_stay_plain(kernel, tiny_model, monkeypatch):
