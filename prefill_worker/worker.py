@@ -93,10 +93,11 @@ class PrefillWorker(WorkerBase):
                 result = _ended_at_prefill(outcome)
             else:
                 _phase_spans(outcome)
-                with tracing.tracer().start_as_current_span("kv_handoff") as span:
+                with tracing.current_child("kv_handoff") as span:   # None: untraced
                     result = await self._hand_off(outcome, handle, decode)
-                    span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
-                                         result.transport, "pdserve.kv.outcome": result.outcome.value})
+                    if span is not None:
+                        span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
+                                             result.transport, "pdserve.kv.outcome": result.outcome.value})
             return dataclasses.replace(result, stats=self.stats())
         finally:
             self._waiters.pop(req_id, None)

@@ -20,6 +20,7 @@ import urllib.request
 import openai
 import pytest
 
+from engine import tracing
 from router.client import PdserveClient
 from router.openai_api.app import ApiConfig, build_app
 from router.openai_api.server import HttpServer
@@ -297,3 +298,23 @@ def test_bearer_token_required_except_health(cluster, authed_port):
     assert done.usage.completion_tokens == 2
     health = urllib.request.urlopen(f"http://127.0.0.1:{authed_port}/health", timeout=10)
     assert health.status == 200
+
+
+class _NoSpans:
+    """A tracer no request may touch while tracing is off."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"tracing is off, yet the request path called tracer().{name}")
+
+
+def test_untraced_requests_make_no_span(cluster, model_name, monkeypatch):
+    """Tracing off (no endpoint): the router's request path never reaches the tracer, so not
+    even OpenTelemetry's no-op span or a context is made (the workers trace only requests that
+    carry a traceparent, and these carry none)."""
+    assert not tracing.enabled()
+    monkeypatch.setitem(tracing._state, "tracer", _NoSpans())
+    whole = client_for(cluster).completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=3,
+                                                   extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 3
+    assert len(grpc_ids(cluster, token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True)) == 3
+    assert cluster_leaks(cluster) == {}
