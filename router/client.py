@@ -23,8 +23,9 @@ from typing import Any
 from engine.types import FinishReason
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.channel import ClientSecurity, PemSource, open_channel
+from router.channel import ClientSecurity, open_channel
 from router.convert import RequestTimings, Usage, finish_reason_from_proto, timings_from_proto, usage_from_proto
+from router.pem import PemSource
 
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 ChatInput = Sequence[Mapping[str, str] | tuple[str, str] | pb.ChatMessage]

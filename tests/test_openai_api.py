@@ -22,12 +22,13 @@ import pytest
 
 from engine import tracing
 from router.client import PdserveClient
-from router.openai_api.app import ApiConfig, build_app
-from router.openai_api.server import HttpServer
+from router.openai_api.server import openai_server
+from router.security import ServerSecurity
 from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy
 from tests.test_cluster_e2e import address, start_cluster
 
 TOKEN = "http-test-token"
+SERVED_NAME = "tiny-llama"   # --served-model-name
 BASE = 0x4E00
 
 
@@ -44,7 +45,7 @@ def ids_of(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    cluster = start_cluster("disaggregated", http_port=0)
+    cluster = start_cluster("disaggregated", http_port=0, served_model_name=SERVED_NAME)
     cluster.cluster.servicer.tokenizer = ExactTokenizer()
     yield cluster
     cluster.stop()
@@ -71,6 +72,8 @@ def grpc_ids(cluster, **kwargs) -> list[int]:
 def test_models_and_health(cluster, model_name):
     models = client_for(cluster).models.list().data
     assert [m.id for m in models] == [model_name] and models[0].owned_by == "pdserve"
+    with PdserveClient(address(cluster)) as client:   # --served-model-name names it on both doors
+        assert model_name == SERVED_NAME == client.server_info().model
     root = base_url(cluster).removesuffix("/v1")
     assert json.load(urllib.request.urlopen(root + "/health", timeout=10)) == {"status": "serving"}
     cluster.run(cluster.cluster.health.update(False))   # what the supervisor does when nothing can serve
@@ -276,10 +279,9 @@ def test_non_streaming_disconnect_cancels_too(cluster, model_name):
 
 @pytest.fixture(scope="module")
 def authed_port(cluster):
-    """A second HTTP server on the same cluster, with a token (the same app a --auth-token-file serve builds)."""
-    core = cluster.cluster.servicer.core
-    app = build_app(core, cluster.cluster.health, ApiConfig("tiny", 4096, auth_token=TOKEN))
-    server = HttpServer(app, "127.0.0.1", 0)
+    """A second HTTP server on the same cluster, with a token (as a --auth-token-file serve builds it)."""
+    server = openai_server(cluster.cluster.servicer.core, cluster.cluster.health, "tiny", 4096, "127.0.0.1", 0,
+                           ServerSecurity(auth_token=TOKEN))
     port = cluster.run(server.start())
     yield port
     cluster.run(server.stop())
