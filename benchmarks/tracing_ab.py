@@ -49,8 +49,8 @@ class Load:
 
 
 MODELS = {   # serve flags, the load
-    "smollm2": (["--kv-cache-gib", "0.5"], Load(64, 32, 32, 6, (1000, 40000))),
-    "tiny": (["--random-model", "--kv-cache-gib", "0.1"], Load(64, 64, 32, 8, (3, 500))),
+    "smollm2": (["--kv-cache-gib", "0.5"], Load(64, 32, 32, 8, (1000, 40000))),
+    "tiny": (["--random-model", "--kv-cache-gib", "0.1"], Load(64, 64, 32, 10, (3, 500))),
 }
 QUICK = {"smollm2": Load(8, 8, 16, 1, (1000, 40000)), "tiny": Load(8, 8, 16, 1, (3, 500))}
 

@@ -214,8 +214,10 @@ def _check_lease(handle: KVBlocksHandle) -> None:
 def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
     first = delta.token_ids[0] if delta.token_ids else None
     logprob = delta.logprobs[0] if delta.logprobs else None
+    top = delta.top_logprobs[0] if delta.top_logprobs else None
     outcome = HandoffOutcome.ABORTED if delta.finish_reason is FinishReason.ABORT else HandoffOutcome.ENDED_AT_PREFILL
-    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome)
+    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome,
+                         first_top_logprobs=top)
 
 
 def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,
@@ -226,6 +228,7 @@ def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 
         first_token_id=done.first_token_id,
         finish_reason=reason,
         first_logprob=done.first_logprob,
+        first_top_logprobs=done.first_top_logprobs,
         error=error,
         queue_s=done.queue_s,
         prefill_s=done.prefill_s,

@@ -42,6 +42,7 @@ class GenerationResult:
     usage: Usage | None = None
     timings: RequestTimings | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # with sampling top_logprobs
     error: str = ""
     num_messages: int = 0
 
@@ -50,6 +51,7 @@ class GenerationResult:
         self.token_ids.extend(resp.token_ids)
         self.text += resp.text
         self.logprobs.extend(resp.logprobs)
+        self.top_logprobs.extend(list(zip(top.token_ids, top.logprobs)) for top in resp.top_logprobs)
         self.num_messages += 1
         self.finish_reason = finish_reason_from_proto(resp.finish_reason) or self.finish_reason
         self.error = resp.error or self.error

@@ -43,6 +43,10 @@ def ids_of(text: str) -> list[int]:
     return [ord(c) - BASE for c in text]
 
 
+def text_of(token_id: int) -> str:
+    return chr(BASE + token_id)
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_session):
     cluster = start_cluster("disaggregated", http_port=0, served_model_name=SERVED_NAME)
@@ -160,6 +164,38 @@ def test_logprobs_as_openai_defines_them(cluster, model_name):
         model=model_name, prompt="hi", max_tokens=2).choices[0].logprobs is None
 
 
+def test_top_logprobs_as_openai_defines_them_and_as_grpc_gives_them(cluster, model_name):
+    """Chat ``top_logprobs`` N and completions ``logprobs`` N: the N most likely tokens at each
+    position, most likely first, the same over HTTP (streamed or not) as over gRPC, the first
+    position's included (it comes from the prefill worker, the rest from the decode worker);
+    greedy's pick is the most likely token."""
+    client, prompt, n = client_for(cluster), [9, 10, 11, 12], 3
+    with PdserveClient(address(cluster)) as grpc_client:
+        via_grpc = grpc_client.generate_text(token_ids=prompt, max_tokens=5, ignore_eos=True, logprobs=True,
+                                             top_logprobs=n)
+    assert len(via_grpc.top_logprobs) == 5 and all(len(top) == n for top in via_grpc.top_logprobs)
+    assert [top[0][0] for top in via_grpc.top_logprobs] == via_grpc.token_ids   # greedy: the first is the pick
+    assert all(a[1] >= b[1] for top in via_grpc.top_logprobs for a, b in zip(top, top[1:]))
+    expected = [[(text_of(t), pytest.approx(v)) for t, v in top] for top in via_grpc.top_logprobs]
+
+    comp = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, logprobs=n,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert [list(d.items()) for d in lp.top_logprobs] == expected   # the pick is among the N here
+    assert lp.token_logprobs == pytest.approx(via_grpc.logprobs)
+
+    for stream in (False, True):
+        out = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=5, logprobs=True, top_logprobs=n, stream=stream,
+                                             extra_body={"ignore_eos": True})
+        entries = [e for c in out for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])] \
+            if stream else out.choices[0].logprobs.content
+        assert len(entries) == 5 and all(len(e.top_logprobs) == n for e in entries)
+        assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+                   and bytes(e.top_logprobs[1].bytes).decode() == e.top_logprobs[1].token for e in entries)
+    assert cluster_leaks(cluster) == {}
+
+
 def _error(call) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as err:
         call()
@@ -170,7 +206,8 @@ def _error(call) -> openai.APIStatusError:
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(n=2), "n"),
-    (dict(logprobs=True, top_logprobs=3), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),   # needs logprobs, as OpenAI's
     (dict(max_completion_tokens=10**6), "max_completion_tokens"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (dict(messages=[]), "messages"),
@@ -191,7 +228,7 @@ def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
     assert err.status_code == 400 and err.body["param"] == "prompt"
     err = _error(lambda: client.completions.create(model=model_name, prompt=["a", "b"], max_tokens=2))
     assert err.status_code == 400 and "batch" in err.body["message"]
-    err = _error(lambda: client.completions.create(model=model_name, prompt="x", logprobs=2))
+    err = _error(lambda: client.completions.create(model=model_name, prompt="x", logprobs=21))
     assert err.status_code == 400 and err.body["param"] == "logprobs"
     err = _error(lambda: client.completions.create(model="gpt-4o", prompt="x"))
     assert isinstance(err, openai.NotFoundError) and err.body["param"] == "model"
