@@ -144,7 +144,11 @@ async def _round(address: str, load: Load, seed: int) -> list[list[float]]:
 
 def _measure(server: Server, load: Load, seed: int) -> dict:
     cpu = server.cpu_s()
-    results = asyncio.run(_round(server.address, load, seed))
+    try:
+        results = asyncio.run(_round(server.address, load, seed))
+    except Exception:
+        print(f"{server.name}'s output:\n{''.join(server.output[-60:])}", file=sys.stderr)
+        raise
     cpu = server.cpu_s() - cpu
     return {"tpot_ms": 1e3 * statistics.median(_tpot(t) for t in results),
             "cpu_ms_per_request": 1e3 * cpu / load.streams}

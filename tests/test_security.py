@@ -233,7 +233,7 @@ def tls_context(tmp_path, ca: bytes | None, client: Pem | None = None) -> ssl.SS
 
 def http_client(url: str, verify: ssl.SSLContext | bool = True, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=30,
-                         http_client=httpx2.Client(verify=verify, timeout=30))
+                         http_client=openai.DefaultHttpxClient(verify=verify))   # as in the README
 
 
 def completes(client: openai.OpenAI) -> bool:
