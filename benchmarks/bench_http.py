@@ -6,10 +6,15 @@
   2. streaming CPU at 64 concurrent streams: this process's CPU seconds (the router and the
      load generator share it, as in ``pdserve bench --launch``) per streamed token, gRPC vs
      HTTP (SSE), and the clients' median TPOT;
-  3. tracing on vs off: a second cluster with every process exporting spans (JSON lines: the
-     export included), the same 64 gRPC streams, median TPOT (target: within 2 % of off).
+  3. tracing on vs off as deployed: two ``pdserve serve`` processes side by side, one with
+     ``--otlp-traces-endpoint`` (OTLP/HTTP, batched export in every process) pointed at a local
+     sink that counts and discards spans (``otlp_sink.py``), one without; the same 64 gRPC
+     streams alternate between them round by round; TPOT (target: within 2 % of off) and the
+     CPU seconds of each cluster's router and workers per request. On SmolLM2 (the real model)
+     and on the tiny random Llama for reference (``tracing_ab.py``).
 
 Usage: python benchmarks/bench_http.py [--out benchmarks/results/http_tracing.txt] [--quick]
+                                       [--parts doors,tracing] [--models smollm2,tiny]
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,18 +35,17 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 import aiohttp  # noqa: E402
 
+from benchmarks import tracing_ab  # noqa: E402
 from deploy.launcher import ClusterConfig, ClusterThread  # noqa: E402
-from engine import tracing  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from router.client import AsyncPdserveClient  # noqa: E402
 
 
-def start(trace_path: str | None) -> ClusterThread:
+def start() -> ClusterThread:
     config = ClusterConfig(mode="disaggregated", random_model={"seed": 0}, port=0, http_port=0, standby_workers=False,
                            cpus_per_worker=0.5, threads_per_worker=1,
                            prefill_engine=EngineConfig(num_kv_blocks=512, max_num_batched_tokens=512),
-                           decode_engine=EngineConfig(num_kv_blocks=1024, max_num_seqs=128),
-                           tracing=tracing.TracingConfig(jsonl_path=trace_path) if trace_path else None)
+                           decode_engine=EngineConfig(num_kv_blocks=1024, max_num_seqs=128))
     cluster = ClusterThread(config)
     cluster.start()
     return cluster
@@ -121,48 +124,45 @@ async def streams(cluster, door: str, num: int, max_tokens: int) -> dict:
             "tpot_ms": 1e3 * statistics.median(tpot(t) for _, t in results)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/http_tracing.txt"))
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    n, num, max_tokens, rounds = (10, 8, 8, 1) if args.quick else (60, 64, 64, 3)
-    lines = [f"bench_http.py ({'quick' if args.quick else 'full'}): tiny random Llama, disaggregated, "
-             f"{os.cpu_count()} cores; router and load generator in one process"]
-    cluster = start(None)
+def doors(quick: bool) -> list[str]:
+    n, num, max_tokens, rounds = (10, 8, 8, 1) if quick else (60, 64, 64, 3)
+    lines = [f"HTTP vs gRPC: tiny random Llama, disaggregated, {os.cpu_count()} cores, load average "
+             f"{tracing_ab.load_average()}; router and load generator in one process"]
+    cluster = start()
     try:
         o = cluster.run(overhead(cluster, n), 600)
         lines.append(f"per-request (1 token, sequential, median of {n}): gRPC {o['grpc_ms']:.2f} ms, "
                      f"HTTP {o['http_ms']:.2f} ms (one write per request, new connection), HTTP overhead "
                      f"{o['http_ms'] - o['grpc_ms']:+.2f} ms; aiohttp keep-alive client {o['aiohttp_ms']:.2f} ms "
                      "(headers and body in two segments: ~40 ms of delayed ACK, the client's)")
-        off = []
         for _ in range(rounds):   # alternate doors: the machine's drift hits both alike
             for door in ("grpc", "http"):
                 r = cluster.run(streams(cluster, door, num, max_tokens), 600)
-                off.append(r) if door == "grpc" else None
                 lines.append(f"{num} streams x {max_tokens} tokens, {door:4}: {r['cpu_us_per_token']:.0f} us CPU/token "
                              f"({r['cpu_s']:.2f} s CPU, {r['wall_s']:.2f} s wall), TPOT p50 {r['tpot_ms']:.2f} ms")
     finally:
         cluster.stop()
-    with tempfile.TemporaryDirectory() as tmp:
-        traced = start(str(Path(tmp) / "spans.jsonl"))
-        try:
-            on = [traced.run(streams(traced, "grpc", num, max_tokens), 600) for _ in range(rounds)]
-            num_spans = len((Path(tmp) / "spans.jsonl").read_text().splitlines())
-        finally:
-            traced.stop()
-    t_off = statistics.median(r["tpot_ms"] for r in off)
-    t_on = statistics.median(r["tpot_ms"] for r in on)
-    lines.append(f"tracing (gRPC, {num} streams, median of {rounds} rounds): TPOT off {t_off:.2f} ms, on {t_on:.2f} ms "
-                 f"({100 * (t_on / t_off - 1):+.1f} %, target <= +2 %: {'PASS' if t_on <= 1.02 * t_off else 'MISS'}); "
-                 f"{num_spans} spans exported; CPU/token off "
-                 f"{statistics.median(r['cpu_us_per_token'] for r in off):.0f} us, on "
-                 f"{statistics.median(r['cpu_us_per_token'] for r in on):.0f} us")
+    lines.append(f"load average at the end: {tracing_ab.load_average()}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/http_tracing.txt"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", default="doors,tracing", help="comma-separated: doors, tracing")
+    parser.add_argument("--models", default="smollm2,tiny", help="the tracing part's models: smollm2, tiny")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    lines = [f"bench_http.py ({'quick' if args.quick else 'full'}, parts {args.parts})"]
+    if "doors" in parts:
+        lines += doors(args.quick)
+    if "tracing" in parts:
+        for model in args.models.split(","):
+            lines += tracing_ab.run(model, args.quick)
     text = "\n".join(lines) + "\n"
     print(text, end="")
     Path(args.out).write_text(text)
-    print(json.dumps({"overhead": o}), file=sys.stderr)
     return 0
 
 

@@ -74,7 +74,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-host", default=None, help="the HTTP API's bind address (default: --host)")
     p.add_argument("--no-http", action="store_true", help="serve gRPC only, no OpenAI-compatible HTTP API")
     p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the HTTP API (/v1/models; requests must name it)")
+                   help="the model's name in the HTTP API (/v1/models; requests must name it) and in gRPC's "
+                        "ServerInfo (default: SmolLM2-135M-Instruct for the embedded model, else the "
+                        "--model file's stem or directory's name)")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="export OpenTelemetry traces (router and workers) over OTLP/HTTP to this endpoint, "
                         "e.g. http://127.0.0.1:4318 (default: tracing off, no cost)")

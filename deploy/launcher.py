@@ -92,7 +92,7 @@ class ClusterConfig:
     stop_timeout_s: float = 30.0         # stop()'s graceful phases share this; then workers are killed regardless
     http_port: int | None = None         # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None         # its bind address; None: ``host``
-    served_model_name: str | None = None  # the model's name in the HTTP API; None: the worker's model name
+    served_model_name: str | None = None  # the model's name (HTTP API, ServerInfo); None: its clean name (model_name)
     tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
 
 
@@ -119,9 +119,10 @@ class Cluster:
         reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
         tracing.configure(cfg.tracing, "pdserve-router")
         self._init_ray()
-        model_dir = None
+        model_dir, name = None, None
         if cfg.random_model is None:
-            model_dir = await _prepare_model_remote(cfg.model)
+            prepared = await _prepare_model_remote(cfg.model)
+            model_dir, name = prepared.path, prepared.name
             from deploy.model_prep import load_tokenizer
 
             self.tokenizer = load_tokenizer(model_dir)
@@ -143,16 +144,17 @@ class Cluster:
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
                                          on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit)
         info = infos[0]
+        name = cfg.served_model_name or name or info["model"]   # what gRPC's ServerInfo and /v1/models say
         # The longest request every worker can hold (each caps it to its KV pool).
         max_model_len = min(i["max_model_len"] for i in infos)
         defaults = ServerDefaults(max_model_len=max_model_len, vocab_size=info["vocab_size"], **cfg.defaults)
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
-                                   ServerInfo(info["model"], cfg.mode, info["block_size"]), self.metrics)
+                                   ServerInfo(name, cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer
         self.server, self.port = await start_server(servicer, cfg.host, cfg.port, cfg.security, self.health,
                                                     serving=self.registry.can_serve)
         if cfg.http_port is not None:
-            await self._start_http(servicer, cfg.served_model_name or info["model"], max_model_len)
+            await self._start_http(servicer, name, max_model_len)
         if self._standby_recipes:
             self.standby = StandbyPool(self._make_standby)
             self.standby.fill(set(self._standby_recipes))
@@ -161,13 +163,11 @@ class Cluster:
     async def _start_http(self, servicer: PdserveServicer, model: str, max_model_len: int) -> None:
         """The OpenAI-compatible API over the gRPC servicer's own request path (same limits,
         identity, admission, metrics, token and TLS). Imported here: FastAPI only when served."""
-        from router.openai_api.app import ApiConfig, build_app
-        from router.openai_api.server import HttpServer
+        from router.openai_api.server import openai_server
 
         cfg = self.config
-        token = cfg.security.auth_token if cfg.security else None
-        app = build_app(servicer.core, self.health, ApiConfig(model, max_model_len, token))
-        self.http = HttpServer(app, cfg.http_host or cfg.host, cfg.http_port, cfg.security)
+        self.http = openai_server(servicer.core, self.health, model, max_model_len, cfg.http_host or cfg.host,
+                                  cfg.http_port, cfg.security)
         self.http_port = await self.http.start()
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
@@ -353,7 +353,7 @@ class Cluster:
         reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)
 
 
-async def _prepare_model_remote(source: str | None) -> str:
+async def _prepare_model_remote(source: str | None):
     from deploy.model_prep import prepare_model
 
     return await prepare_model.remote(source)

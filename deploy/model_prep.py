@@ -6,15 +6,23 @@ Runs inside a Ray task so the driver (router) process never imports torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import ray
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedModel:
+    path: str   # the HF directory every worker loads (a GGUF's converted cache)
+    name: str   # the model's clean name (engine.model_loader.model_name)
+
+
 @ray.remote(num_cpus=0)
-def prepare_model(source: str | None) -> str:
-    from engine.model_loader import ensure_converted, resolve_source
+def prepare_model(source: str | None) -> PreparedModel:
+    from engine.model_loader import ensure_converted, model_name, resolve_source
 
     path, is_gguf = resolve_source(source)
-    return str(ensure_converted(path) if is_gguf else path)
+    return PreparedModel(str(ensure_converted(path) if is_gguf else path), model_name(source, path, is_gguf))
 
 
 def load_tokenizer(model_dir: str):

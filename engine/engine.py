@@ -37,7 +37,7 @@ from engine.request import Request
 from engine.sampler import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import StopChecker
-from engine.types import FinishReason, KVLayout, RequestSpec, StepTiming, TokenDelta, WorkerStats
+from engine.types import FinishReason, KVLayout, RequestSpec, StepTiming, TokenDelta, TopLogprobs, WorkerStats
 from engine.validation import validate_spec
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class PrefillDone:
     num_tokens: int            # prompt tokens whose KV is in the blocks
     first_token_id: int
     first_logprob: float | None
+    first_top_logprobs: TopLogprobs | None
     queue_s: float             # added -> first scheduled
     prefill_s: float           # first scheduled -> first token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
@@ -175,7 +176,7 @@ class LLMEngine:
             result.timing = self._record_timing(out, time.perf_counter() - start)
         return result
 
-    def _run(self, out: SchedulerOutput, result: StepResult) -> dict[str, tuple[int, float | None]]:
+    def _run(self, out: SchedulerOutput, result: StepResult) -> dict[str, tuple]:
         """Forward and sample ``out``; a row that cannot be sampled fails its request alone.
         Nothing here changes a request's progress, so a failed call can be retried."""
         inputs = self.runner.prepare(out)
@@ -190,11 +191,11 @@ class LLMEngine:
                 sampled[request.req_id] = outcome
         return sampled
 
-    def _run_one_by_one(self, out: SchedulerOutput, result: StepResult) -> dict[str, tuple[int, float | None]]:
+    def _run_one_by_one(self, out: SchedulerOutput, result: StepResult) -> dict[str, tuple]:
         """Each request alone, so only the one whose forward fails is failed. Re-running the
         forward rewrites the same KV slots with the same values: progress only advances in
         ``update_from_output``, after this."""
-        sampled: dict[str, tuple[int, float | None]] = {}
+        sampled: dict[str, tuple] = {}
         for s in out.scheduled:
             try:
                 sampled.update(self._run(SchedulerOutput([s], s.num_new_tokens), result))
@@ -224,6 +225,7 @@ class LLMEngine:
             num_tokens=r.num_prompt_tokens,
             first_token_id=r.output_token_ids[0],
             first_logprob=r.output_logprobs[0] if r.output_logprobs else None,
+            first_top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
             queue_s=scheduled - r.added_s,
             prefill_s=time.perf_counter() - scheduled,
             num_cached_tokens=r.num_cached_tokens,
@@ -238,10 +240,12 @@ class LLMEngine:
     def _delta(self, request: Request, error: str | None = None) -> TokenDelta:
         first = request.num_reported_tokens == 0 and bool(request.output_token_ids)
         new = tuple(request.output_token_ids[request.num_reported_tokens :])
-        logprobs = tuple(request.output_logprobs[request.num_reported_tokens :]) if request.sampling.logprobs else None
+        done = request.num_reported_tokens
+        logprobs = tuple(request.output_logprobs[done:]) if request.sampling.logprobs else None
+        tops = tuple(request.output_top_logprobs[done:]) if request.output_top_logprobs else None
         request.num_reported_tokens = len(request.output_token_ids)
         reason = request.finish_reason if request.is_finished else None
-        return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0)
+        return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0, tops)
 
     def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
         timing = StepTiming(

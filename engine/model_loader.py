@@ -109,6 +109,15 @@ def gguf_cache_path(gguf: Path, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / f"{gguf.stem}-{digest}"
 
 
+def model_name(source: str | os.PathLike[str] | None, path: Path, is_gguf: bool) -> str:
+    """The model's clean name (what the API serves it as, unless ``--served-model-name``): the
+    default's own name, a GGUF file's stem, an HF directory's name; never the conversion cache's
+    hashed directory."""
+    if source in (None, "default"):
+        return DEFAULT_NAME
+    return path.stem if is_gguf else path.name
+
+
 def load_model(
     source: str | os.PathLike[str] | None = None,
     dtype: str = "float32",
@@ -117,7 +126,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer for serving (eval mode, no grads, SDPA attention)."""
     path, is_gguf = resolve_source(source)
-    name = DEFAULT_NAME if source in (None, "default") else path.stem if is_gguf else path.name
+    name = model_name(source, path, is_gguf)
     model_dir = ensure_converted(path, cache_dir) if is_gguf else path
     logger.info("loading %s from %s (%s, %s)", name, model_dir, dtype, device)
     model = AutoModelForCausalLM.from_pretrained(

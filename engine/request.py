@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.types import FinishReason, RequestSpec, SamplingParams
+from engine.types import FinishReason, RequestSpec, SamplingParams, TopLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +28,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)   # with sampling.top_logprobs
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -76,11 +77,13 @@ class Request:
         start = max(len(self.all_token_ids) - n, self.num_prompt_tokens - self.spec.num_generated)
         return self.all_token_ids[start:]
 
-    def append_output(self, token_id: int, logprob: float | None) -> None:
+    def append_output(self, token_id: int, logprob: float | None, top: TopLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first: priority, then arrival (FCFS)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.types import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ class RowFailure:
     message: str
 
 
-Sampled = tuple[int, float | None] | RowFailure
+# (token id, its logprob when requested, the position's top logprobs when requested)
+Sampled = tuple[int, float | None, TopLogprobs | None] | RowFailure
 
 
 def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[Sampled]:
@@ -58,11 +60,13 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
         except Exception as exc:  # one bad row fails its request, never the batch
             logger.warning("sampling %s failed: %s", request.req_id, exc)
             failed[row] = f"sampling failed: {type(exc).__name__}"
-    logprobs = _logprobs(logits if all_finite else _finite(logits), tokens) if any(r.sampling.logprobs for r in requests) else None
+    logprobs, tops = None, [None] * len(requests)
+    if any(r.sampling.logprobs for r in requests):
+        logprobs, tops = _logprobs(logits if all_finite else _finite(logits), tokens, requests)
     token_list = tokens.tolist()
     return [
         RowFailure(failed[i]) if i in failed else
-        (token_list[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None)
+        (token_list[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None, tops[i])
         for i, r in enumerate(requests)
     ]
 
@@ -73,10 +77,21 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x, nan=info.min, posinf=info.max, neginf=info.min)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``logits`` finite already."""
-    lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return torch.nan_to_num(lp, nan=float("-inf"))
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+              requests: list[Request]) -> tuple[list[float], list[TopLogprobs | None]]:
+    """The sampled tokens' logprobs, and each row's ``top_logprobs`` most likely tokens (one
+    ``topk`` over the batch's log-softmax, which the sampled logprobs need anyway). ``logits``
+    finite already."""
+    lp = torch.nan_to_num(torch.log_softmax(logits, dim=-1), nan=float("-inf"))
+    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    k = max(r.sampling.top_logprobs if r.sampling.logprobs else 0 for r in requests)
+    if not k:
+        return chosen, [None] * len(requests)
+    values, indices = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    tops = [tuple(zip(indices[i][:n], values[i][:n])) if (n := r.sampling.top_logprobs) and r.sampling.logprobs
+            else None for i, r in enumerate(requests)]
+    return chosen, tops
 
 
 def _sample_row(row: torch.Tensor, request: Request, seed: int) -> int:

@@ -27,7 +27,7 @@ from engine.config import EngineConfig, EngineRole
 from engine.kv_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.stop import StopChecker
-from engine.types import FinishReason
+from engine.types import FinishReason, TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,11 @@ class Scheduler:
         self.kv.cache_computed(req_id, request.all_token_ids, request.num_computed_tokens)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        # The prefill worker already delivered the first token and its logprob; a placeholder
-        # keeps output_logprobs aligned with output_token_ids (deltas slice both alike).
-        self._append_token(request, first_token_id, math.nan if request.sampling.logprobs else None)
+        # The prefill worker already delivered the first token and its logprobs; placeholders
+        # keep output_logprobs / output_top_logprobs aligned with output_token_ids (deltas slice
+        # them alike).
+        self._append_token(request, first_token_id, math.nan if request.sampling.logprobs else None,
+                           () if request.sampling.logprobs and request.sampling.top_logprobs else None)
         request.num_reported_tokens = 1  # the prefill worker already delivered the first token
         return request
 
@@ -184,22 +186,24 @@ class Scheduler:
 
     # ---- after the forward ------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]
+        self, out: SchedulerOutput, sampled: dict[str, tuple]
     ) -> list[Request]:
-        """Advance every scheduled request; return those that finished this step."""
+        """Advance every scheduled request; return those that finished this step. ``sampled``:
+        req id -> (token id, logprob or None[, top logprobs or None])."""
         finished = []
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed(request.req_id, request.all_token_ids, request.num_computed_tokens)
             if s.sample:
-                token_id, logprob = sampled[request.req_id]
-                if self._append_token(request, token_id, logprob):
+                token_id, logprob, *top = sampled[request.req_id]
+                if self._append_token(request, token_id, logprob, top[0] if top else None):
                     finished.append(request)
         return finished
 
-    def _append_token(self, request: Request, token_id: int, logprob: float | None) -> bool:
-        request.append_output(token_id, logprob)
+    def _append_token(self, request: Request, token_id: int, logprob: float | None,
+                      top: TopLogprobs | None = None) -> bool:
+        request.append_output(token_id, logprob, top)
         reason = self.stop.check(request)
         if reason is None and self.config.role is EngineRole.PREFILL:
             self._hold(request)

@@ -8,16 +8,23 @@ the decode worker's ``decode`` (KV commit to the request's last token). Each pro
 own spans.
 
 Life cycle: ``configure(config, service)`` once per process (the router in ``Cluster.start``,
-each worker in its constructor); without an endpoint nothing is configured and ``tracer()`` is
-OpenTelemetry's no-op tracer: its spans are invalid, so ``traceparent_of`` gives None, specs
-carry none and the workers do nothing per request. ``reset()`` flushes and goes back to no-op
-(``Cluster.stop``). Exporters: OTLP over HTTP (``--otlp-traces-endpoint``, vLLM's flag name) and
-a JSON-lines file (``jsonl_path``: tests, and a look without a collector), one line per span,
-appended with one ``write`` so several processes can share the file.
+each worker in its constructor); without an endpoint nothing is configured, ``enabled()`` is
+False and no span object is ever made: the router starts no span (``start``, ``child`` give
+None and a shared null context), specs carry no traceparent, and the workers, which trace a
+request only under its traceparent (``context_of``, ``current_child``), do nothing per request.
+``reset()`` flushes and goes back to off (``Cluster.stop``).
+
+Exporters: OTLP over HTTP (``--otlp-traces-endpoint``, vLLM's flag name) behind a
+``BatchSpanProcessor`` in every process: ending a span only queues it, a background thread
+encodes and sends batches, so the request path never waits on the export. A JSON-lines file
+(``jsonl_path``: tests, and a look without a collector) is written synchronously, one line per
+span with one ``write`` so several processes can share the file: for tests, not for production.
+Spans are per request and per phase, never per token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -44,8 +51,41 @@ class TracingConfig:
 _state: dict = {"tracer": _NOOP, "provider": None}
 
 
+_NULL = contextlib.nullcontext()   # reusable: what ``child`` / ``current_child`` give when off
+
+
 def tracer() -> trace.Tracer:
     return _state["tracer"]
+
+
+def enabled() -> bool:
+    return _state["provider"] is not None
+
+
+def start(name: str, **attributes) -> trace.Span | None:
+    """A root span (the router's ``request``); None when tracing is off."""
+    if not enabled():
+        return None
+    return tracer().start_span(name, kind=trace.SpanKind.SERVER, attributes=_attrs(attributes))
+
+
+def child(parent: trace.Span | None, name: str):
+    """A span under ``parent`` (a context manager that ends it); with no parent, a null context."""
+    if parent is None:
+        return _NULL
+    return tracer().start_span(name, context=trace.set_span_in_context(parent))
+
+
+def current_child(name: str):
+    """A context manager: a span under the current one when it records (a worker's traced
+    request), yielded; else nothing (yields None)."""
+    if not trace.get_current_span().is_recording():
+        return _NULL
+    return tracer().start_as_current_span(name)
+
+
+def _attrs(attributes: dict) -> dict:
+    return {f"pdserve.{k}": v for k, v in attributes.items()}
 
 
 def configure(config: TracingConfig | None, service: str) -> None:
@@ -141,11 +181,11 @@ class RequestSpans:
         parent = context_of(traceparent or self._parents.pop(req_id, None))
         if parent is not None and req_id not in self._open:
             self._open[req_id] = tracer().start_span(name, context=parent, kind=trace.SpanKind.SERVER,
-                                                     attributes={f"pdserve.{k}": v for k, v in attributes.items()})
+                                                     attributes=_attrs(attributes))
 
     def close(self, req_id: str, **attributes) -> None:
         self._parents.pop(req_id, None)
         span = self._open.pop(req_id, None)
         if span is not None:
-            span.set_attributes({f"pdserve.{k}": v for k, v in attributes.items()})
+            span.set_attributes(_attrs(attributes))
             span.end()

@@ -23,6 +23,10 @@ class FinishReason(str, enum.Enum):
 GREEDY_TEMPERATURE = 1e-5
 
 
+MAX_TOP_LOGPROBS = 20   # OpenAI's bound on top_logprobs
+TopLogprobs = tuple[tuple[int, float], ...]   # one position's (token id, logprob), most likely first
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling. Defaults are semantic: temperature 0 (below ``GREEDY_TEMPERATURE``) means greedy."""
@@ -36,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0       # with logprobs: also the N most likely tokens at each position (<= MAX_TOP_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +82,7 @@ class TokenDelta:
     error: str | None = None    # set with FinishReason.ERROR
     # On a request's first token when this engine prefilled it: prompt tokens it found cached.
     num_cached_tokens: int = 0
+    top_logprobs: tuple[TopLogprobs, ...] | None = None   # one per token id when sampling.top_logprobs > 0
 
     @property
     def finished(self) -> bool:
@@ -185,6 +191,7 @@ class PrefillResult:
     cached_tokens: int = 0         # prompt tokens the prefill worker found in its prefix cache
     decode_cached_tokens: int = 0  # prompt tokens whose KV the decode worker held already
     saved_bytes: int = 0           # KV bytes not moved thanks to that
+    first_top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
 
 
 @dataclass(frozen=True, slots=True)

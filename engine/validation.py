@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 
 from engine.errors import InvalidRequestError, require
-from engine.types import RequestSpec, SamplingParams
+from engine.types import MAX_TOP_LOGPROBS, RequestSpec, SamplingParams
 
 
 
@@ -33,6 +33,9 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
     require(not math.isnan(s.top_p) and 0.0 < s.top_p <= 1.0, prefix + "top_p", f"must be in (0, 1], got {s.top_p}")
     require(s.top_k >= 0, prefix + "top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
     require(s.seed is None or s.seed >= 0, prefix + "seed", f"must be >= 0, got {s.seed}")
+    require(0 <= s.top_logprobs <= MAX_TOP_LOGPROBS, prefix + "top_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+    require(s.logprobs or not s.top_logprobs, prefix + "top_logprobs", "needs logprobs")
     require(all(s.stop), prefix + "stop", "stop strings must not be empty")
     if vocab_size is not None:
         check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")

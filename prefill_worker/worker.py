@@ -93,10 +93,11 @@ class PrefillWorker(WorkerBase):
                 result = _ended_at_prefill(outcome)
             else:
                 _phase_spans(outcome)
-                with tracing.tracer().start_as_current_span("kv_handoff") as span:
+                with tracing.current_child("kv_handoff") as span:   # None: untraced
                     result = await self._hand_off(outcome, handle, decode)
-                    span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
-                                         result.transport, "pdserve.kv.outcome": result.outcome.value})
+                    if span is not None:
+                        span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
+                                             result.transport, "pdserve.kv.outcome": result.outcome.value})
             return dataclasses.replace(result, stats=self.stats())
         finally:
             self._waiters.pop(req_id, None)
@@ -213,8 +214,10 @@ def _check_lease(handle: KVBlocksHandle) -> None:
 def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
     first = delta.token_ids[0] if delta.token_ids else None
     logprob = delta.logprobs[0] if delta.logprobs else None
+    top = delta.top_logprobs[0] if delta.top_logprobs else None
     outcome = HandoffOutcome.ABORTED if delta.finish_reason is FinishReason.ABORT else HandoffOutcome.ENDED_AT_PREFILL
-    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome)
+    return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome,
+                         first_top_logprobs=top)
 
 
 def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,
@@ -225,6 +228,7 @@ def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 
         first_token_id=done.first_token_id,
         finish_reason=reason,
         first_logprob=done.first_logprob,
+        first_top_logprobs=done.first_top_logprobs,
         error=error,
         queue_s=done.queue_s,
         prefill_s=done.prefill_s,

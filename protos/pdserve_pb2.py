@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xac\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x08H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xf8\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x07ttft_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x15\n\x08priority\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\n\n\x08_ttft_msB\n\n\x08_tpot_msB\x0b\n\t_priorityB\x16\n\x14_skip_special_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf9\x02\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x19\n\x11prefill_worker_id\x18\t \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\n \x01(\t\x12\x12\n\nkv_handoff\x18\x0b \x01(\t\x12\x1c\n\x14recomputed_on_decode\x18\x0c \x01(\x08\x12\x12\n\nmigrations\x18\r \x01(\r\x12\x1d\n\x15prefill_cached_tokens\x18\x0e \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x0f \x01(\r\x12\x1f\n\x17kv_transfer_saved_bytes\x18\x10 \x01(\x04\"\xe1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\x13\n\x11ServerInfoRequest\"\xdf\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\r\n\x05state\x18\x08 \x01(\t\x12\x10\n\x08restarts\x18\t \x01(\r\"Q\n\x0bSLODefaults\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"!\n\x05Range\x12\x0b\n\x03min\x18\x01 \x01(\x01\x12\x0b\n\x03max\x18\x02 \x01(\x01\"\x92\x04\n\x06Limits\x12\x19\n\x11max_prompt_tokens\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x04 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x05 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\x06 \x01(\r\x12\x18\n\x10max_prompt_bytes\x18\x07 \x01(\x04\x12\x19\n\x11max_chat_messages\x18\x08 \x01(\r\x12!\n\x19max_receive_message_bytes\x18\t \x01(\x04\x12\x1e\n\x16max_concurrent_streams\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x1a\n\x12max_pending_tokens\x18\x0c \x01(\r\x12(\n\rttft_ms_range\x18\r \x01(\x0b\x32\x11.pdserve.v1.Range\x12(\n\rtpot_ms_range\x18\x0e \x01(\x0b\x32\x11.pdserve.v1.Range\x12\x37\n\x11scheduling_policy\x18\x0f \x01(\x0e\x32\x1c.pdserve.v1.SchedulingPolicy\x12\x14\n\x0cmin_priority\x18\x10 \x01(\x05\x12\x14\n\x0cmax_priority\x18\x11 \x01(\x05\"\x84\x02\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12%\n\x04mode\x18\x05 \x01(\x0e\x32\x17.pdserve.v1.ServingMode\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12,\n\x0b\x64\x65\x66\x61ult_slo\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.SLODefaults\x12\"\n\x06limits\x18\x08 \x01(\x0b\x32\x12.pdserve.v1.Limits*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*g\n\x0bServingMode\x12\x1c\n\x18SERVING_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x01\x12\x1a\n\x16SERVING_MODE_COLOCATED\x10\x02*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*q\n\x10SchedulingPolicy\x12!\n\x1dSCHEDULING_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULING_POLICY_FCFS\x10\x01\x12\x1e\n\x1aSCHEDULING_POLICY_PRIORITY\x10\x02\x32\x9f\x01\n\x07Pdserve\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nServerInfo\x12\x1d.pdserve.v1.ServerInfoRequest\x1a\x1e.pdserve.v1.ServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd8\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0f\n\r_top_logprobs\"\xf8\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x07ttft_ms\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x15\n\x08priority\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\n\n\x08_ttft_msB\n\n\x08_tpot_msB\x0b\n\t_priorityB\x16\n\x14_skip_special_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xf9\x02\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x19\n\x11prefill_worker_id\x18\t \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\n \x01(\t\x12\x12\n\nkv_handoff\x18\x0b \x01(\t\x12\x1c\n\x14recomputed_on_decode\x18\x0c \x01(\x08\x12\x12\n\nmigrations\x18\r \x01(\r\x12\x1d\n\x15prefill_cached_tokens\x18\x0e \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x0f \x01(\r\x12\x1f\n\x17kv_transfer_saved_bytes\x18\x10 \x01(\x04\"\x90\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12-\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x13\n\x11ServerInfoRequest\"\xdf\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\r\n\x05state\x18\x08 \x01(\t\x12\x10\n\x08restarts\x18\t \x01(\r\"Q\n\x0bSLODefaults\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"!\n\x05Range\x12\x0b\n\x03min\x18\x01 \x01(\x01\x12\x0b\n\x03max\x18\x02 \x01(\x01\"\x92\x04\n\x06Limits\x12\x19\n\x11max_prompt_tokens\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x03 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x04 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x05 \x01(\r\x12\x1a\n\x12max_stop_token_ids\x18\x06 \x01(\r\x12\x18\n\x10max_prompt_bytes\x18\x07 \x01(\x04\x12\x19\n\x11max_chat_messages\x18\x08 \x01(\r\x12!\n\x19max_receive_message_bytes\x18\t \x01(\x04\x12\x1e\n\x16max_concurrent_streams\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x1a\n\x12max_pending_tokens\x18\x0c \x01(\r\x12(\n\rttft_ms_range\x18\r \x01(\x0b\x32\x11.pdserve.v1.Range\x12(\n\rtpot_ms_range\x18\x0e \x01(\x0b\x32\x11.pdserve.v1.Range\x12\x37\n\x11scheduling_policy\x18\x0f \x01(\x0e\x32\x1c.pdserve.v1.SchedulingPolicy\x12\x14\n\x0cmin_priority\x18\x10 \x01(\x05\x12\x14\n\x0cmax_priority\x18\x11 \x01(\x05\"\x84\x02\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12%\n\x04mode\x18\x05 \x01(\x0e\x32\x17.pdserve.v1.ServingMode\x12\'\n\x07workers\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12,\n\x0b\x64\x65\x66\x61ult_slo\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.SLODefaults\x12\"\n\x06limits\x18\x08 \x01(\x0b\x32\x12.pdserve.v1.Limits*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*g\n\x0bServingMode\x12\x1c\n\x18SERVING_MODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSERVING_MODE_DISAGGREGATED\x10\x01\x12\x1a\n\x16SERVING_MODE_COLOCATED\x10\x02*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*q\n\x10SchedulingPolicy\x12!\n\x1dSCHEDULING_POLICY_UNSPECIFIED\x10\x00\x12\x1a\n\x16SCHEDULING_POLICY_FCFS\x10\x01\x12\x1e\n\x1aSCHEDULING_POLICY_PRIORITY\x10\x02\x32\x9f\x01\n\x07Pdserve\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nServerInfo\x12\x1d.pdserve.v1.ServerInfoRequest\x1a\x1e.pdserve.v1.ServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2670
-  _globals['_FINISHREASON']._serialized_end=2815
-  _globals['_SERVINGMODE']._serialized_start=2817
-  _globals['_SERVINGMODE']._serialized_end=2920
-  _globals['_WORKERROLE']._serialized_start=2922
-  _globals['_WORKERROLE']._serialized_end=3039
-  _globals['_SCHEDULINGPOLICY']._serialized_start=3041
-  _globals['_SCHEDULINGPOLICY']._serialized_end=3154
+  _globals['_FINISHREASON']._serialized_start=2813
+  _globals['_FINISHREASON']._serialized_end=2958
+  _globals['_SERVINGMODE']._serialized_start=2960
+  _globals['_SERVINGMODE']._serialized_end=3063
+  _globals['_WORKERROLE']._serialized_start=3065
+  _globals['_WORKERROLE']._serialized_end=3182
+  _globals['_SCHEDULINGPOLICY']._serialized_start=3184
+  _globals['_SCHEDULINGPOLICY']._serialized_end=3297
   _globals['_CHATMESSAGE']._serialized_start=29
   _globals['_CHATMESSAGE']._serialized_end=73
   _globals['_CHATMESSAGES']._serialized_start=75
@@ -46,27 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=134
   _globals['_TOKENIDS']._serialized_end=157
   _globals['_SAMPLINGPARAMS']._serialized_start=160
-  _globals['_SAMPLINGPARAMS']._serialized_end=460
-  _globals['_GENERATEREQUEST']._serialized_start=463
-  _globals['_GENERATEREQUEST']._serialized_end=839
-  _globals['_USAGE']._serialized_start=841
-  _globals['_USAGE']._serialized_end=898
-  _globals['_TIMINGS']._serialized_start=901
-  _globals['_TIMINGS']._serialized_end=1278
-  _globals['_GENERATERESPONSE']._serialized_start=1281
-  _globals['_GENERATERESPONSE']._serialized_end=1506
-  _globals['_SERVERINFOREQUEST']._serialized_start=1508
-  _globals['_SERVERINFOREQUEST']._serialized_end=1527
-  _globals['_WORKERINFO']._serialized_start=1530
-  _globals['_WORKERINFO']._serialized_end=1753
-  _globals['_SLODEFAULTS']._serialized_start=1755
-  _globals['_SLODEFAULTS']._serialized_end=1836
-  _globals['_RANGE']._serialized_start=1838
-  _globals['_RANGE']._serialized_end=1871
-  _globals['_LIMITS']._serialized_start=1874
-  _globals['_LIMITS']._serialized_end=2404
-  _globals['_SERVERINFORESPONSE']._serialized_start=2407
-  _globals['_SERVERINFORESPONSE']._serialized_end=2667
-  _globals['_PDSERVE']._serialized_start=3157
-  _globals['_PDSERVE']._serialized_end=3316
+  _globals['_SAMPLINGPARAMS']._serialized_end=504
+  _globals['_GENERATEREQUEST']._serialized_start=507
+  _globals['_GENERATEREQUEST']._serialized_end=883
+  _globals['_USAGE']._serialized_start=885
+  _globals['_USAGE']._serialized_end=942
+  _globals['_TIMINGS']._serialized_start=945
+  _globals['_TIMINGS']._serialized_end=1322
+  _globals['_GENERATERESPONSE']._serialized_start=1325
+  _globals['_GENERATERESPONSE']._serialized_end=1597
+  _globals['_TOPLOGPROBS']._serialized_start=1599
+  _globals['_TOPLOGPROBS']._serialized_end=1649
+  _globals['_SERVERINFOREQUEST']._serialized_start=1651
+  _globals['_SERVERINFOREQUEST']._serialized_end=1670
+  _globals['_WORKERINFO']._serialized_start=1673
+  _globals['_WORKERINFO']._serialized_end=1896
+  _globals['_SLODEFAULTS']._serialized_start=1898
+  _globals['_SLODEFAULTS']._serialized_end=1979
+  _globals['_RANGE']._serialized_start=1981
+  _globals['_RANGE']._serialized_end=2014
+  _globals['_LIMITS']._serialized_start=2017
+  _globals['_LIMITS']._serialized_end=2547
+  _globals['_SERVERINFORESPONSE']._serialized_start=2550
+  _globals['_SERVERINFORESPONSE']._serialized_end=2810
+  _globals['_PDSERVE']._serialized_start=3300
+  _globals['_PDSERVE']._serialized_end=3459
 # @@protoc_insertion_point(module_scope)

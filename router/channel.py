@@ -8,23 +8,14 @@ and ``open_channel`` makes a sync or ``grpc.aio`` channel from it; the clients i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc import aio
 
-PemSource = str | os.PathLike | bytes   # a file path, or the PEM bytes themselves
-
-
-def _pem(source: PemSource | None) -> bytes | None:
-    if source is None or isinstance(source, bytes):
-        return source
-    return Path(source).read_bytes()
-
+from router.pem import PemSource, read_pem
 
 @dataclass(frozen=True, slots=True)
 class ClientSecurity:
@@ -42,7 +33,7 @@ class ClientSecurity:
     def of(cls, *, tls: bool = False, tls_ca: PemSource | None = None, tls_cert: PemSource | None = None,
            tls_key: PemSource | None = None, auth_token: str | None = None) -> ClientSecurity:
         """Any certificate or key implies TLS."""
-        ca, cert, key = _pem(tls_ca), _pem(tls_cert), _pem(tls_key)
+        ca, cert, key = read_pem(tls_ca), read_pem(tls_cert), read_pem(tls_key)
         secure = tls or any(x is not None for x in (ca, cert, key))
         return cls(secure, ca, cert, key, auth_token or None)
 

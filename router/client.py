@@ -23,8 +23,9 @@ from typing import Any
 from engine.types import FinishReason
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.channel import ClientSecurity, PemSource, open_channel
+from router.channel import ClientSecurity, open_channel
 from router.convert import RequestTimings, Usage, finish_reason_from_proto, timings_from_proto, usage_from_proto
+from router.pem import PemSource
 
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 ChatInput = Sequence[Mapping[str, str] | tuple[str, str] | pb.ChatMessage]
@@ -41,6 +42,7 @@ class GenerationResult:
     usage: Usage | None = None
     timings: RequestTimings | None = None
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # with sampling top_logprobs
     error: str = ""
     num_messages: int = 0
 
@@ -49,6 +51,7 @@ class GenerationResult:
         self.token_ids.extend(resp.token_ids)
         self.text += resp.text
         self.logprobs.extend(resp.logprobs)
+        self.top_logprobs.extend(list(zip(top.token_ids, top.logprobs)) for top in resp.top_logprobs)
         self.num_messages += 1
         self.finish_reason = finish_reason_from_proto(resp.finish_reason) or self.finish_reason
         self.error = resp.error or self.error

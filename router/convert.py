@@ -168,6 +168,7 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=get("ignore_eos", False),
         logprobs=get("logprobs", False),
+        top_logprobs=get("top_logprobs", 0),
     )
     validate_sampling(sp, defaults.vocab_size, prefix="sampling.")
     return sp
@@ -267,6 +268,8 @@ def delta_to_proto(
         finish_reason=finish_reason_to_proto(delta.finish_reason),
         logprobs=delta.logprobs or (),
         error=delta.error or "",
+        top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                      for top in delta.top_logprobs or ()],
     )
     if usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens))

@@ -97,8 +97,15 @@ def merge(*deltas: TokenDelta) -> TokenDelta:
     if len(deltas) == 1:
         return deltas[0]
     first, last = deltas[0], deltas[-1]
-    has_logprobs = any(d.logprobs is not None for d in deltas)
-    logprobs = tuple(itertools.chain.from_iterable(d.logprobs or () for d in deltas)) if has_logprobs else None
     error = next((d.error for d in reversed(deltas) if d.error), None)
     return TokenDelta(first.req_id, tuple(itertools.chain.from_iterable(d.token_ids for d in deltas)),
-                      last.finish_reason, logprobs, error)
+                      last.finish_reason, _joined(d.logprobs for d in deltas), error,
+                      top_logprobs=_joined(d.top_logprobs for d in deltas))
+
+
+def _joined(parts) -> tuple | None:
+    """Per-token lists of consecutive deltas as one; None when none of them had one."""
+    parts = list(parts)
+    if all(p is None for p in parts):
+        return None
+    return tuple(itertools.chain.from_iterable(p or () for p in parts))

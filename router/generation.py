@@ -93,13 +93,13 @@ class GenerationCore:
     async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity,
                      door: str = "grpc") -> AsyncIterator[GenerationEvent]:
         """``door`` names the front door ("grpc", "http") on the request's trace span."""
-        span = tracing.tracer().start_span("request", kind=tracing.trace.SpanKind.SERVER,
-                                           attributes={"pdserve.door": door, "pdserve.req_id": identity.req_id})
+        span = tracing.start("request", door=door, req_id=identity.req_id)   # None: tracing off
         outcome: FinishReason | str = "unfinished"
         try:
-            with tracing.tracer().start_span("tokenize", context=tracing.trace.set_span_in_context(span)):
+            with tracing.child(span, "tokenize"):
                 spec = await self.spec(request, identity.req_id)
-            spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span)) if span.is_recording() else spec
+            if span is not None:
+                spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span))
             async with contextlib.aclosing(self._stream(spec, request, span)) as events:
                 async for event in events:
                     outcome = event.delta.finish_reason or outcome
@@ -108,8 +108,9 @@ class GenerationCore:
             outcome = type(exc).__name__
             raise
         finally:
-            span.set_attribute("pdserve.outcome", getattr(outcome, "value", outcome))
-            span.end()
+            if span is not None:
+                span.set_attribute("pdserve.outcome", getattr(outcome, "value", outcome))
+                span.end()
 
     async def _stream(self, spec: RequestSpec, request: pb.GenerateRequest, span) -> AsyncIterator[GenerationEvent]:
         trace = RequestTrace()
@@ -128,8 +129,8 @@ class GenerationCore:
                         raise RequestFailedError(delta.error or "the worker failed the request")
                     if delta.finished:
                         outcome = delta.finish_reason
-                    if stream_span is None and span.is_recording():   # first token: streaming begins
-                        stream_span = tracing.tracer().start_span("stream", context=tracing.trace.set_span_in_context(span))
+                    if stream_span is None and span is not None:   # first token: streaming begins
+                        stream_span = tracing.child(span, "stream")
                     yield self._event(delta, detok, trim, spec, trace)
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
             rejected = not isinstance(exc, SlowReaderError)

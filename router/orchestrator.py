@@ -266,7 +266,8 @@ class Orchestrator:
             case HandoffOutcome.ENDED_AT_PREFILL | HandoffOutcome.ABORTED:
                 await call(decode, "abort", spec.req_id, generation=at.decode_gen)  # the unused reservation
         return TokenDelta(spec.req_id, _first(result), result.finish_reason,
-                          (result.first_logprob,) if result.first_logprob is not None else None, result.error)
+                          (result.first_logprob,) if result.first_logprob is not None else None, result.error,
+                          top_logprobs=(result.first_top_logprobs,) if result.first_top_logprobs is not None else None)
 
     @staticmethod
     async def _reservation_error(at: _Attempt, handle_ref) -> None:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import grpc
 
+from router.pem import read_pem
+
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 
 
@@ -43,10 +45,6 @@ def token_from(path: str | os.PathLike | None, env: Mapping[str, str] = os.envir
     if path:
         return read_token(path)
     return env.get(AUTH_TOKEN_ENV, "").strip() or None
-
-
-def _read(path: str | os.PathLike | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +65,8 @@ class ServerSecurity:
     @classmethod
     def from_files(cls, tls_cert=None, tls_key=None, tls_client_ca=None, auth_token_file=None,
                    env: Mapping[str, str] = os.environ) -> ServerSecurity:
-        return cls(_read(tls_cert), _read(tls_key), _read(tls_client_ca), token_from(auth_token_file, env))
+        return cls(read_pem(tls_cert or None), read_pem(tls_key or None), read_pem(tls_client_ca or None),
+                   token_from(auth_token_file, env))
 
     @property
     def tls(self) -> bool:

@@ -109,6 +109,43 @@ def test_logprobs_reported_per_token(engine):
     assert_no_leaks(engine)
 
 
+def test_top_logprobs_are_the_models_most_likely_tokens(engine, hf_reference):
+    """Per position: the N most likely tokens with their logprobs, most likely first, equal to
+    HF's log-softmax over the same sequence (float32); greedy's pick is the first of them."""
+    import torch
+
+    prompt, n = (3, 4, 5), 5
+    engine.add_request(RequestSpec("t", prompt, SamplingParams(max_tokens=6, logprobs=True, top_logprobs=n,
+                                                               ignore_eos=True)))
+    engine.add_request(RequestSpec("plain", prompt, SamplingParams(max_tokens=6, logprobs=True, ignore_eos=True)))
+    deltas = []
+    while engine.has_work():
+        deltas.extend(engine.step().deltas)
+    tokens = [t for d in deltas if d.req_id == "t" for t in d.token_ids]
+    logprobs = [lp for d in deltas if d.req_id == "t" for lp in d.logprobs]
+    tops = [top for d in deltas if d.req_id == "t" for top in d.top_logprobs]
+    assert all(d.top_logprobs is None for d in deltas if d.req_id == "plain")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_reference(torch.tensor([list(prompt) + tokens])).logits[0].float(), dim=-1)
+    assert len(tops) == len(tokens) == 6
+    for i, (token, lp, top) in enumerate(zip(tokens, logprobs, tops)):
+        row = ref[len(prompt) - 1 + i]
+        values, ids = torch.topk(row, n)
+        assert [t for t, _ in top] == ids.tolist() and top[0][0] == token
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4) and lp == pytest.approx(top[0][1])
+    assert_no_leaks(engine)
+
+
+def test_top_logprobs_bounds():
+    from engine.validation import validate_sampling
+
+    for bad in (dict(logprobs=True, top_logprobs=21), dict(logprobs=True, top_logprobs=-1), dict(top_logprobs=2)):
+        with pytest.raises(InvalidRequestError) as err:
+            validate_sampling(SamplingParams(**bad), prefix="sampling.")
+        assert err.value.field == "sampling.top_logprobs"
+    validate_sampling(SamplingParams(logprobs=True, top_logprobs=20))
+
+
 def test_abort_mid_stream_reports_abort(engine):
     engine.add_request(RequestSpec("a", (3, 4, 5), SamplingParams(max_tokens=100, ignore_eos=True)))
     engine.step()

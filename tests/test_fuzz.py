@@ -72,6 +72,7 @@ def requests(draw) -> pb.GenerateRequest:
         "temperature": weird_floats, "top_p": weird_floats,
         "top_k": st.one_of(st.integers(-2, 5), st.just(10**6)),
         "seed": st.integers(-1, 2**40), "ignore_eos": st.booleans(), "logprobs": st.booleans(),
+        "top_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1)),
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):
@@ -112,6 +113,8 @@ def valid_requests(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         s.seed = draw(st.integers(0, 2**62))
     s.ignore_eos, s.logprobs = draw(st.booleans()), draw(st.booleans())
+    if s.logprobs:
+        s.top_logprobs = draw(st.sampled_from([0, 1, 5, 20]))
     s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=3)))
     if draw(st.booleans()):

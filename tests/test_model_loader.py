@@ -17,6 +17,7 @@ from engine.model_loader import (
     ensure_converted,
     gguf_cache_path,
     load_model,
+    model_name,
     random_model,
     resolve_source,
 )
@@ -88,6 +89,10 @@ def test_resolve_source_kinds(tmp_path: Path) -> None:
     assert resolve_source(hf_dir) == (hf_dir, False)
     with pytest.raises(FileNotFoundError):
         resolve_source(tmp_path / "missing")
+    # the name it is served as: the file's stem, the directory's name, the default's own
+    assert model_name(str(gguf), *resolve_source(str(gguf))) == "m"
+    assert model_name(hf_dir, *resolve_source(hf_dir)) == "hf"
+    assert model_name(None, gguf, True) == model_name("default", gguf, True) == "SmolLM2-135M-Instruct"
 
 
 def test_default_source_is_the_wheel_gguf() -> None:

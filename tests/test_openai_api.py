@@ -20,13 +20,15 @@ import urllib.request
 import openai
 import pytest
 
+from engine import tracing
 from router.client import PdserveClient
-from router.openai_api.app import ApiConfig, build_app
-from router.openai_api.server import HttpServer
+from router.openai_api.server import openai_server
+from router.security import ServerSecurity
 from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy
 from tests.test_cluster_e2e import address, start_cluster
 
 TOKEN = "http-test-token"
+SERVED_NAME = "tiny-llama"   # --served-model-name
 BASE = 0x4E00
 
 
@@ -41,9 +43,13 @@ def ids_of(text: str) -> list[int]:
     return [ord(c) - BASE for c in text]
 
 
+def text_of(token_id: int) -> str:
+    return chr(BASE + token_id)
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_session):
-    cluster = start_cluster("disaggregated", http_port=0)
+    cluster = start_cluster("disaggregated", http_port=0, served_model_name=SERVED_NAME)
     cluster.cluster.servicer.tokenizer = ExactTokenizer()
     yield cluster
     cluster.stop()
@@ -70,6 +76,8 @@ def grpc_ids(cluster, **kwargs) -> list[int]:
 def test_models_and_health(cluster, model_name):
     models = client_for(cluster).models.list().data
     assert [m.id for m in models] == [model_name] and models[0].owned_by == "pdserve"
+    with PdserveClient(address(cluster)) as client:   # --served-model-name names it on both doors
+        assert model_name == SERVED_NAME == client.server_info().model
     root = base_url(cluster).removesuffix("/v1")
     assert json.load(urllib.request.urlopen(root + "/health", timeout=10)) == {"status": "serving"}
     cluster.run(cluster.cluster.health.update(False))   # what the supervisor does when nothing can serve
@@ -156,6 +164,38 @@ def test_logprobs_as_openai_defines_them(cluster, model_name):
         model=model_name, prompt="hi", max_tokens=2).choices[0].logprobs is None
 
 
+def test_top_logprobs_as_openai_defines_them_and_as_grpc_gives_them(cluster, model_name):
+    """Chat ``top_logprobs`` N and completions ``logprobs`` N: the N most likely tokens at each
+    position, most likely first, the same over HTTP (streamed or not) as over gRPC, the first
+    position's included (it comes from the prefill worker, the rest from the decode worker);
+    greedy's pick is the most likely token."""
+    client, prompt, n = client_for(cluster), [9, 10, 11, 12], 3
+    with PdserveClient(address(cluster)) as grpc_client:
+        via_grpc = grpc_client.generate_text(token_ids=prompt, max_tokens=5, ignore_eos=True, logprobs=True,
+                                             top_logprobs=n)
+    assert len(via_grpc.top_logprobs) == 5 and all(len(top) == n for top in via_grpc.top_logprobs)
+    assert [top[0][0] for top in via_grpc.top_logprobs] == via_grpc.token_ids   # greedy: the first is the pick
+    assert all(a[1] >= b[1] for top in via_grpc.top_logprobs for a, b in zip(top, top[1:]))
+    expected = [[(text_of(t), pytest.approx(v)) for t, v in top] for top in via_grpc.top_logprobs]
+
+    comp = client.completions.create(model=model_name, prompt=prompt, max_tokens=5, logprobs=n,
+                                     extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert [list(d.items()) for d in lp.top_logprobs] == expected   # the pick is among the N here
+    assert lp.token_logprobs == pytest.approx(via_grpc.logprobs)
+
+    for stream in (False, True):
+        out = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=5, logprobs=True, top_logprobs=n, stream=stream,
+                                             extra_body={"ignore_eos": True})
+        entries = [e for c in out for e in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])] \
+            if stream else out.choices[0].logprobs.content
+        assert len(entries) == 5 and all(len(e.top_logprobs) == n for e in entries)
+        assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+                   and bytes(e.top_logprobs[1].bytes).decode() == e.top_logprobs[1].token for e in entries)
+    assert cluster_leaks(cluster) == {}
+
+
 def _error(call) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as err:
         call()
@@ -166,7 +206,8 @@ def _error(call) -> openai.APIStatusError:
     (dict(temperature=-1.0), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(n=2), "n"),
-    (dict(logprobs=True, top_logprobs=3), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),   # needs logprobs, as OpenAI's
     (dict(max_completion_tokens=10**6), "max_completion_tokens"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (dict(messages=[]), "messages"),
@@ -187,7 +228,7 @@ def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
     assert err.status_code == 400 and err.body["param"] == "prompt"
     err = _error(lambda: client.completions.create(model=model_name, prompt=["a", "b"], max_tokens=2))
     assert err.status_code == 400 and "batch" in err.body["message"]
-    err = _error(lambda: client.completions.create(model=model_name, prompt="x", logprobs=2))
+    err = _error(lambda: client.completions.create(model=model_name, prompt="x", logprobs=21))
     assert err.status_code == 400 and err.body["param"] == "logprobs"
     err = _error(lambda: client.completions.create(model="gpt-4o", prompt="x"))
     assert isinstance(err, openai.NotFoundError) and err.body["param"] == "model"
@@ -275,10 +316,9 @@ def test_non_streaming_disconnect_cancels_too(cluster, model_name):
 
 @pytest.fixture(scope="module")
 def authed_port(cluster):
-    """A second HTTP server on the same cluster, with a token (the same app a --auth-token-file serve builds)."""
-    core = cluster.cluster.servicer.core
-    app = build_app(core, cluster.cluster.health, ApiConfig("tiny", 4096, auth_token=TOKEN))
-    server = HttpServer(app, "127.0.0.1", 0)
+    """A second HTTP server on the same cluster, with a token (as a --auth-token-file serve builds it)."""
+    server = openai_server(cluster.cluster.servicer.core, cluster.cluster.health, "tiny", 4096, "127.0.0.1", 0,
+                           ServerSecurity(auth_token=TOKEN))
     port = cluster.run(server.start())
     yield port
     cluster.run(server.stop())
@@ -297,3 +337,23 @@ def test_bearer_token_required_except_health(cluster, authed_port):
     assert done.usage.completion_tokens == 2
     health = urllib.request.urlopen(f"http://127.0.0.1:{authed_port}/health", timeout=10)
     assert health.status == 200
+
+
+class _NoSpans:
+    """A tracer no request may touch while tracing is off."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"tracing is off, yet the request path called tracer().{name}")
+
+
+def test_untraced_requests_make_no_span(cluster, model_name, monkeypatch):
+    """Tracing off (no endpoint): the router's request path never reaches the tracer, so not
+    even OpenTelemetry's no-op span or a context is made (the workers trace only requests that
+    carry a traceparent, and these carry none)."""
+    assert not tracing.enabled()
+    monkeypatch.setitem(tracing._state, "tracer", _NoSpans())
+    whole = client_for(cluster).completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=3,
+                                                   extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 3
+    assert len(grpc_ids(cluster, token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True)) == 3
+    assert cluster_leaks(cluster) == {}

@@ -25,12 +25,12 @@ def test_chat_body_becomes_the_generate_request_grpc_would_send():
     req = parse(ChatCompletionRequest, {
         "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 4, "stop": "x",
-        "logprobs": True, "top_logprobs": 0, "user": "ignored", "top_k": 5, "ignore_eos": True, "ttft_ms": 100})
+        "logprobs": True, "top_logprobs": 3, "user": "ignored", "top_k": 5, "ignore_eos": True, "ttft_ms": 100})
     msg = chat_request(req, "label-1")
     assert msg.request_id == "label-1" and msg.chat.messages[0].content == "ab"
     s = msg.sampling
-    assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop), s.logprobs, s.top_k, s.ignore_eos) == \
-        (7, 0.5, 0.9, 4, ["x"], True, 5, True)
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop), s.logprobs, s.top_logprobs, s.top_k,
+            s.ignore_eos) == (7, 0.5, 0.9, 4, ["x"], True, 3, 5, True)
     assert msg.ttft_ms == 100 and not msg.HasField("priority")
 
 
@@ -41,6 +41,10 @@ def test_unset_parameters_stay_unset_so_the_server_defaults_apply():
         assert not msg.sampling.HasField(name), name
     assert completion_request(parse(CompletionRequest, {"prompt": ["one"]}), None).text == "one"
     assert completion_request(parse(CompletionRequest, {"prompt": "x", "logprobs": 0}), None).sampling.logprobs
+    two = completion_request(parse(CompletionRequest, {"prompt": "x", "logprobs": 2}), None).sampling
+    assert two.logprobs and two.top_logprobs == 2   # completions' logprobs N: the top-N count
+    assert param_for("sampling.top_logprobs", chat=False) == "logprobs"
+    assert param_for("sampling.top_logprobs", chat=True) == "top_logprobs"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -50,7 +54,6 @@ def test_unset_parameters_stay_unset_so_the_server_defaults_apply():
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
-    ({"prompt": "x", "logprobs": 1}, "logprobs"),
     ({"prompt": ["a", "b"]}, "prompt"),
 ])
 def test_unsupported_completion_parameters_are_named(body, param):
@@ -100,8 +103,8 @@ def test_router_errors_become_openai_statuses(caplog):
     assert set(body) == {"message", "type", "param", "code"} and body["code"] == grpc.StatusCode.INTERNAL.name.lower()
 
 
-def _event(ids, text, finish=None, logprobs=None, usage=None):
-    return GenerationEvent(TokenDelta("r", tuple(ids), finish, logprobs), text, usage)
+def _event(ids, text, finish=None, logprobs=None, usage=None, tops=None):
+    return GenerationEvent(TokenDelta("r", tuple(ids), finish, logprobs, top_logprobs=tops), text, usage)
 
 
 def test_chat_chunks_role_first_finish_last_usage_after():
@@ -131,6 +134,22 @@ def test_whole_completion_with_logprobs():
     chat = ResponseFormat(True, "c", "m", logprobs=True).whole([_event([9], "x", FinishReason.STOP, (-0.1,), Usage(1, 1))])
     assert chat["choices"][0]["logprobs"]["content"] == [
         {"token": "token_id:9", "logprob": -0.1, "bytes": list(b"token_id:9"), "top_logprobs": []}]
+
+
+def test_top_logprobs_shapes():
+    """Completions: N most likely plus the sampled token (up to N + 1 entries); chat: the N most
+    likely as entries of their own."""
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(96 + i) for i in ids)
+
+    tops = (((1, -0.1), (2, -2.5)), ((4, -0.3), (5, -1.5)))   # the second pick (3) is not among its top 2
+    events = [_event([1, 3], "ac", FinishReason.LENGTH, (-0.1, -2.0), Usage(1, 2), tops)]
+    comp = ResponseFormat(False, "c", "m", logprobs=True, tokenizer=Tok()).whole(events)["choices"][0]["logprobs"]
+    assert comp["top_logprobs"] == [{"a": -0.1, "b": -2.5}, {"d": -0.3, "e": -1.5, "c": -2.0}]
+    chat = ResponseFormat(True, "c", "m", logprobs=True, tokenizer=Tok()).chunk(events[0])["choices"][0]["logprobs"]
+    assert chat["content"][1] == {"token": "c", "logprob": -2.0, "bytes": [99], "top_logprobs": [
+        {"token": "d", "logprob": -0.3, "bytes": [100]}, {"token": "e", "logprob": -1.5, "bytes": [101]}]}
 
 
 def test_stop_strings_are_trimmed_from_streamed_text():

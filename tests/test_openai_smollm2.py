@@ -33,10 +33,12 @@ def test_chat_over_http_equals_grpc_and_stop_strings_stop(smol_cluster):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
                            max_retries=0, timeout=120)
     model = client.models.list().data[0].id
+    assert model == "SmolLM2-135M-Instruct", "the default served name is the model's, not its cache directory's"
     whole = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
     assert whole.choices[0].message.content == "The capital of France is Paris."
     with PdserveClient(f"127.0.0.1:{smol_cluster.cluster.port}") as grpc_client:
         via_grpc = grpc_client.generate_text(chat=QUESTION, max_tokens=24, temperature=0)
+        assert grpc_client.server_info().model == model
     assert via_grpc.text == whole.choices[0].message.content
     assert via_grpc.usage.completion_tokens == whole.usage.completion_tokens
     assert via_grpc.usage.prompt_tokens == whole.usage.prompt_tokens

@@ -52,10 +52,11 @@ def test_sampling_never_returns_nan_or_an_impossible_token(params, kind):
         logits[:, 8] = -math.inf
     if kind == "with_nan":
         logits[:, 3] = math.nan
-    requests = [_request(f"r{i}", logprobs=True, seed=i, **params) for i in range(4)]
+    requests = [_request(f"r{i}", logprobs=True, top_logprobs=i, seed=i, **params) for i in range(4)]
     out = sample(logits, requests, {r.req_id: i for i, r in enumerate(requests)})
-    for (token, logprob), row in zip(out, logits):
+    for i, ((token, logprob, top), row) in enumerate(zip(out, logits)):
         assert 0 <= token < VOCAB and logprob is not None and not math.isnan(logprob)
+        assert (top is None) if i == 0 else (len(top) == i and not any(math.isnan(v) for _, v in top))
         if params.get("top_p", 1.0) < 1e-6 or params.get("top_k") == 1 or params["temperature"] < GREEDY_TEMPERATURE:
             finite = torch.nan_to_num(row, nan=-math.inf)
             assert token == int(finite.argmax())

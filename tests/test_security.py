@@ -1,7 +1,10 @@
 """The router's transport security over a real cluster (tiny random Llama, real Ray actors):
 TLS serves, mTLS refuses a client without a certificate (or with one from another CA) and
 serves one with, a wrong or missing bearer token gets UNAUTHENTICATED, the right one is served,
-and grpc.health.v1 stays open. Certificates are made here with ``cryptography``.
+and grpc.health.v1 stays open. The OpenAI-compatible HTTP port under the same settings, driven
+by the official ``openai`` client over ``httpx``: HTTPS with the router's certificate, mTLS
+with the same client CA, the same bearer token (401), ``/health`` open. Certificates are made
+here with ``cryptography``.
 
 One cluster for the module; each test restarts only its gRPC server with the settings under
 test (the workers take seconds to start, a server milliseconds). Every test ends with the
@@ -11,11 +14,17 @@ cluster-wide leak check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
+import ssl
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
+import httpx2
+import openai
+import psutil
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -25,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.auth import AuthResult, BearerTokenAuth
 from router.client import AsyncPdserveClient, PdserveClient
+from router.openai_api.server import openai_server
 from router.security import ServerSecurity, read_token, token_from
 from router.server import start_server
 from tests.conftest import cluster_leaks
@@ -193,6 +203,84 @@ def test_mtls_and_token_together(cluster, pki):
     token_ids, max_model_len = asyncio.run(aio_client())
     assert len(token_ids) == 3 and max_model_len > 0
     assert cluster_leaks(cluster) == {}
+
+
+# ---------------------------------------------------------------- the HTTP API, same settings
+
+
+@contextlib.contextmanager
+def http_with(cluster, security: ServerSecurity) -> Iterator[int]:
+    """An OpenAI-compatible HTTP server on the cluster's request path under ``security``, as
+    ``pdserve serve`` builds it from the same flags; yields its port."""
+    c = cluster.cluster
+    server = openai_server(c.servicer.core, c.health, "tiny", 4096, "127.0.0.1", 0, security)
+    port = cluster.run(server.start())
+    try:
+        yield port
+    finally:
+        cluster.run(server.stop())
+
+
+def tls_context(tmp_path, ca: bytes | None, client: Pem | None = None) -> ssl.SSLContext:
+    """What an HTTPS client trusts (``ca``; None: the system's roots) and presents (``client``)."""
+    context = ssl.create_default_context(cadata=ca.decode() if ca else None)
+    if client is not None:
+        (tmp_path / "c.pem").write_bytes(client.cert)
+        (tmp_path / "c.key").write_bytes(client.key)
+        context.load_cert_chain(tmp_path / "c.pem", tmp_path / "c.key")
+    return context
+
+
+def http_client(url: str, verify: ssl.SSLContext | bool = True, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=30,
+                         http_client=openai.DefaultHttpxClient(verify=verify))   # as in the README
+
+
+def completes(client: openai.OpenAI) -> bool:
+    done = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=3, extra_body={"ignore_eos": True})
+    return done.usage.completion_tokens == 3
+
+
+def test_http_tls_serves_https_and_refuses_plaintext_and_unknown_cas(cluster, pki, tmp_path):
+    with http_with(cluster, ServerSecurity(pki.server.cert, pki.server.key)) as port:
+        trusting = tls_context(tmp_path, pki.ca.cert)
+        assert completes(http_client(f"https://127.0.0.1:{port}/v1", trusting))
+        assert completes(http_client(f"https://localhost:{port}/v1", trusting))   # its certificate names both
+        with pytest.raises(openai.APIConnectionError):   # plaintext to a TLS port: no HTTP answer
+            http_client(f"http://127.0.0.1:{port}/v1").models.list()
+        with pytest.raises(openai.APIConnectionError):   # a client that does not trust our CA
+            http_client(f"https://127.0.0.1:{port}/v1", tls_context(tmp_path, pki.rogue_client.cert)).models.list()
+    assert cluster_leaks(cluster) == {}
+
+
+def test_http_mtls_and_token_as_on_the_grpc_port(cluster, pki, tmp_path):
+    security = ServerSecurity(pki.server.cert, pki.server.key, pki.ca.cert, auth_token=TOKEN)
+    with http_with(cluster, security) as port:
+        url = f"https://127.0.0.1:{port}/v1"
+        for presented in (None, pki.rogue_client):   # no client certificate, or one another CA signed
+            with pytest.raises(openai.APIConnectionError):
+                http_client(url, tls_context(tmp_path, pki.ca.cert, presented), api_key=TOKEN).models.list()
+        with_cert = tls_context(tmp_path, pki.ca.cert, pki.client)
+        with pytest.raises(openai.AuthenticationError):   # the certificate alone is not enough
+            http_client(url, with_cert, api_key="wrong-token").models.list()
+        assert completes(http_client(url, with_cert, api_key=TOKEN))
+        health = httpx2.get(f"https://127.0.0.1:{port}/health", verify=with_cert, timeout=30)
+        assert health.status_code == 200   # open without a token, as grpc.health.v1
+    assert cluster_leaks(cluster) == {}
+
+
+def test_http_tls_setup_failure_leaves_no_socket(cluster, pki):
+    """A certificate that does not load fails the start before a socket is bound."""
+    bad = ServerSecurity(pki.server.cert, pki.rogue_client.key)   # a key that is not the certificate's
+    server = openai_server(cluster.cluster.servicer.core, cluster.cluster.health, "tiny", 4096, "127.0.0.1", 0, bad)
+    listening = set(_listening())
+    with pytest.raises(ssl.SSLError):
+        cluster.run(server.start())
+    assert server.port is None and set(_listening()) == listening
+
+
+def _listening() -> list[tuple]:
+    return [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
 
 
 # ---------------------------------------------------------------- without a cluster

@@ -3,7 +3,10 @@ Llama, real Ray actors). The router and each worker export their own spans; here
 appends them to one JSON-lines file (``TracingConfig.jsonl_path``), which the test reads: one
 trace per request, with the router's ``request`` span as the root, the prefill worker's
 ``prefill`` (queue, compute, KV hand-off with bytes and transport) and the decode worker's
-``decode`` parented on it across the Ray calls. Without a tracing config nothing is traced.
+``decode`` parented on it across the Ray calls. The same spans also go out over OTLP/HTTP
+(``--otlp-traces-endpoint``: the batched exporter every process runs in a deployment) to a
+local sink that decodes them: each request's trace arrives from all three processes. Without a
+tracing config nothing is traced.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import defaultdict
 import openai
 import pytest
 
+from benchmarks.otlp_sink import OtlpSink
 from engine import tracing
 from router.client import PdserveClient
 from tests.conftest import cluster_leaks
@@ -22,7 +26,9 @@ from tests.test_cluster_e2e import address, start_cluster
 
 
 def test_untraced_by_default_costs_nothing():
-    assert tracing.tracer() is tracing._NOOP
+    assert tracing.tracer() is tracing._NOOP and not tracing.enabled()
+    assert tracing.start("request", door="grpc") is None
+    assert tracing.child(None, "tokenize") is tracing._NULL and tracing.current_child("kv_handoff") is tracing._NULL
     span = tracing.tracer().start_span("request")
     assert not span.is_recording() and tracing.traceparent_of(span) is None and tracing.context_of(None) is None
     spans = tracing.RequestSpans()
@@ -34,12 +40,20 @@ def test_untraced_by_default_costs_nothing():
 
 
 @pytest.fixture(scope="module")
-def traced(ray_session, tmp_path_factory):
+def sink():
+    sink = OtlpSink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture(scope="module")
+def traced(ray_session, tmp_path_factory, sink):
     path = tmp_path_factory.mktemp("traces") / "spans.jsonl"
-    cluster = start_cluster("disaggregated", http_port=0, tracing=tracing.TracingConfig(jsonl_path=str(path)))
+    config = tracing.TracingConfig(jsonl_path=str(path), otlp_endpoint=sink.url)
+    cluster = start_cluster("disaggregated", http_port=0, tracing=config)
     yield cluster, path
     cluster.stop()
-    assert tracing.tracer() is tracing._NOOP, "stop() puts the no-op tracer back"
+    assert tracing.tracer() is tracing._NOOP and not tracing.enabled(), "stop() turns tracing off"
 
 
 def _spans(path) -> list[dict]:
@@ -60,7 +74,7 @@ def _traces(path, num_requests: int, timeout_s: float = 20.0) -> dict[str, list[
         time.sleep(0.1)
 
 
-def test_one_trace_per_request_across_router_prefill_and_decode(traced):
+def test_one_trace_per_request_across_router_prefill_and_decode(traced, sink):
     cluster, path = traced
     with PdserveClient(address(cluster)) as client:
         client.generate_text(token_ids=list(range(3, 60)), max_tokens=6, ignore_eos=True)
@@ -90,6 +104,11 @@ def test_one_trace_per_request_across_router_prefill_and_decode(traced):
         assert root["start_ns"] <= by_name["prefill"]["start_ns"] <= by_name["decode"]["start_ns"] <= root["end_ns"]
     assert doors == {"grpc", "http"}
     assert cluster_leaks(cluster) == {}
+    services = {"pdserve-router", "pdserve-prefill-worker", "pdserve-decode-worker"}
+    deadline = time.monotonic() + 20   # the batch processors send every 5 s
+    while time.monotonic() < deadline and not all(sink.traces().get(t) == services for t in traces):
+        time.sleep(0.2)
+    assert {t: sink.traces().get(t) for t in traces} == {t: services for t in traces}, "OTLP export"
 
 
 def test_an_aborted_request_ends_its_decode_span(traced):

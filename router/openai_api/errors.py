@@ -74,7 +74,3 @@ def not_found(message: str, param: str | None = None) -> ApiError:
 def too_large(size: int, limit: int) -> ApiError:
     return ApiError(413, f"request body is over {limit} bytes (max_receive_message_bytes)",
                     "invalid_request_error", None, "request_too_large")
-
-
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, "service_unavailable", None, "unavailable")

@@ -4,8 +4,10 @@ messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the cl
 
 What is refused here (a 400 naming the parameter): ``n`` / ``best_of`` > 1, ``echo``,
 ``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
-text, ``top_logprobs`` / completions ``logprobs`` > 0 (the engine returns the sampled token's
-logprob only: 0 is served), a batch of prompts, content parts that are not text. A parameter
+text, a batch of prompts, content parts that are not text. Logprobs as OpenAI defines them:
+chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
+logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
+request's ``sampling.top_logprobs``). A parameter
 left out takes the server's default, as over gRPC (temperature: greedy; max_tokens: the
 server's ``--default-max-tokens``), so the same request gives the same tokens on both doors.
 """
@@ -57,8 +59,6 @@ def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRe
     _refuse(not req.tools, "tools", "tool calling is not supported")
     fmt = (req.response_format or {}).get("type", "text")
     _refuse(fmt == "text", "response_format", f"only type 'text' is supported, got {fmt!r}")
-    _refuse(not req.top_logprobs, "top_logprobs",
-            "only 0 is supported: this server returns the sampled token's logprob only")
     msg = _common(req, label)
     msg.chat.messages.extend(_message(m, i) for i, m in enumerate(req.messages))
     if not req.messages:
@@ -68,6 +68,8 @@ def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRe
         msg.sampling.max_tokens = max_tokens
     if req.logprobs:
         msg.sampling.logprobs = True
+    if req.top_logprobs:   # without logprobs: refused by the shared validation ("needs logprobs")
+        msg.sampling.top_logprobs = req.top_logprobs
     return msg
 
 
@@ -85,8 +87,6 @@ def completion_request(req: CompletionRequest, label: str | None) -> pb.Generate
     _refuse(not req.echo, "echo", "echo is not supported")
     _refuse(req.suffix is None, "suffix", "suffix is not supported")
     _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
-    _refuse(not req.logprobs, "logprobs",
-            "only 0 is supported: this server returns the sampled token's logprob only")
     msg = _common(req, label)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -98,8 +98,9 @@ def completion_request(req: CompletionRequest, label: str | None) -> pb.Generate
         msg.token_ids.ids.extend(prompt)
     if req.max_tokens is not None:
         msg.sampling.max_tokens = req.max_tokens
-    if req.logprobs is not None:
+    if req.logprobs is not None:   # logprobs N: the sampled token's, and the N most likely
         msg.sampling.logprobs = True
+        msg.sampling.top_logprobs = req.logprobs
     return msg
 
 
@@ -132,6 +133,8 @@ def param_for(field: str, *, chat: bool, max_tokens_name: str = "max_tokens") ->
     a name that is already OpenAI's stays as it is."""
     if field == "sampling.max_tokens":
         return max_tokens_name
+    if field == "sampling.top_logprobs" and not chat:
+        return "logprobs"   # completions' logprobs N is the top-N count
     if field.startswith("sampling."):
         return field.removeprefix("sampling.")
     if field == "chat" or field.startswith("chat."):

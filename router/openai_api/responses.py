@@ -5,10 +5,11 @@
 The first chat chunk carries ``role: assistant``; the finishing event's chunk carries the
 finish reason; with ``stream_options.include_usage`` every chunk has ``usage: null`` and one
 last chunk with no choices carries the usage. A logprob entry's ``token`` is the token's own
-text (``token_id:<id>`` when the model has no tokenizer, vLLM's spelling), and since only the
-sampled token's logprob exists, chat ``top_logprobs`` lists are empty and completions'
-``top_logprobs`` hold the sampled token alone (OpenAI: "the logprob of the sampled token is
-always returned").
+text (``token_id:<id>`` when the model has no tokenizer, vLLM's spelling). Chat: each token's
+entry lists the position's ``top_logprobs`` (N most likely, most likely first; empty for N = 0).
+Completions: each position's ``top_logprobs`` maps token text to logprob for the N most likely
+and the sampled token (OpenAI: "the logprob of the sampled token is always returned", so up to
+N + 1 entries).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import FinishReason
+from engine.types import FinishReason, TopLogprobs
 from router.convert import Usage
 from router.generation import GenerationEvent
 
@@ -66,7 +67,7 @@ class ResponseFormat:
             self._role_sent = True
         else:
             choice["text"] = event.text
-        choice["logprobs"] = self._logprobs(delta.token_ids, delta.logprobs) if self.logprobs else None
+        choice["logprobs"] = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs) if self.logprobs else None
         choice["finish_reason"] = finish
         out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         if self.include_usage:
@@ -83,28 +84,36 @@ class ResponseFormat:
         last = events[-1]
         token_ids = [t for e in events for t in e.delta.token_ids]
         lps = [lp for e in events for lp in (e.delta.logprobs or ())]
+        tops = [top for e in events for top in (e.delta.top_logprobs or ())]
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self._logprobs(token_ids, lps) if self.logprobs else None
+        choice["logprobs"] = self._logprobs(token_ids, lps, tops) if self.logprobs else None
         choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
         return self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
 
     # ---- logprobs --------------------------------------------------------------------------
-    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> dict:
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                  tops: Sequence[TopLogprobs] | None) -> dict:
         tokens = [self._token_text(t) for t in token_ids]
         values = list(logprobs or ())
+        tops = list(tops) if tops else [()] * len(tokens)
         if self.chat:
-            return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
-                                for tok, lp in zip(tokens, values)]}
+            return {"content": [self._entry(tok, lp) | {"top_logprobs": [self._entry(self._token_text(t), v)
+                                                                        for t, v in top]}
+                                for tok, lp, top in zip(tokens, values, tops)]}
         offsets, at = [], 0
         for tok in tokens:
             offsets.append(at)
             at += len(tok)
-        return {"tokens": tokens, "token_logprobs": values,
-                "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, values)], "text_offset": offsets}
+        top_maps = [{self._token_text(t): v for t, v in top} | {tok: lp} for tok, lp, top in zip(tokens, values, tops)]
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
+
+    @staticmethod
+    def _entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

@@ -1,11 +1,13 @@
 """uvicorn inside the router's own event loop: the HTTP API shares the orchestrator, admission
 and metrics with gRPC because it runs in the same loop, not beside it.
 
-Life cycle: ``HttpServer.start`` binds the socket itself (so port 0 gives a free port known at
-once, without waiting for uvicorn to report), builds the TLS context from the router's
-``ServerSecurity`` when it has a certificate, and runs ``uvicorn.Server.serve`` as a task;
-``stop`` asks it to exit (open streams get ``GRACE_S`` to finish, then are cancelled, which
-aborts their requests) and awaits the task. uvicorn's own signal handling is turned off: pdserve
+Life cycle: ``HttpServer.start`` builds the TLS context from the router's ``ServerSecurity``
+when it has a certificate (the same certificate, client CA for mTLS, and bearer token as the
+gRPC port; a bad one fails here, before any socket exists), binds the socket itself (so port 0
+gives a free port known at once, without waiting for uvicorn to report), and runs
+``uvicorn.Server.serve`` as a task, which owns the socket from then on (closed when the task
+ends, however it ends); ``stop`` asks it to exit (open streams get ``GRACE_S`` to finish, then
+are cancelled, which aborts their requests) and waits for the task. uvicorn's own signal handling is turned off: pdserve
 serve owns SIGINT / SIGTERM. uvicorn wakes every 0.1 s to check for exit (its design, not ours).
 """
 
@@ -31,6 +33,18 @@ class _EmbeddedServer(uvicorn.Server):
         yield   # the process's signals are pdserve's (deploy/cli.py), not uvicorn's
 
 
+def openai_server(core, health, model: str, max_model_len: int, host: str, port: int,
+                  security: ServerSecurity | None = None) -> HttpServer:
+    """The OpenAI-compatible API over ``core`` (the gRPC servicer's own request path: limits,
+    identity, admission, metrics) under the router's ``security``: its certificate (TLS), client
+    CA (mTLS) and bearer token, all as on the gRPC port. Start it with ``start()``."""
+    from router.openai_api.app import ApiConfig, build_app
+
+    security = security or ServerSecurity()
+    app = build_app(core, health, ApiConfig(model, max_model_len, security.auth_token))
+    return HttpServer(app, host, port, security)
+
+
 class HttpServer:
     def __init__(self, app, host: str, port: int, security: ServerSecurity | None = None) -> None:
         self.app, self.host, self.requested_port = app, host, port
@@ -40,25 +54,31 @@ class HttpServer:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:
+        ssl_context = self.security.ssl_context()   # first: a bad certificate fails before a socket exists
         sock = _bind(self.host, self.requested_port)
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=GRACE_S, server_header=False)
-        config.load()
-        config.ssl = self.security.ssl_context()
-        self._server = _EmbeddedServer(config)
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]), name="pdserve-http")
-        self._task.add_done_callback(_log_exit)
-        logger.info("OpenAI-compatible HTTP API on %s://%s:%d (%s)", "https" if config.ssl else "http",
+        try:
+            self.port = sock.getsockname()[1]
+            config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=GRACE_S, server_header=False)
+            config.load()
+            config.ssl = ssl_context
+            self._server = _EmbeddedServer(config)
+            self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]), name="pdserve-http")
+        except BaseException:
+            sock.close()
+            raise
+        self._task.add_done_callback(lambda task: _on_exit(task, sock))
+        logger.info("OpenAI-compatible HTTP API on %s://%s:%d (%s)", "https" if ssl_context else "http",
                     self.host, self.port, self.security.describe())
         return self.port
 
     async def stop(self) -> None:
+        """Returns once the server task has ended; a cancel of the caller propagates (the server
+        task goes on to its end regardless)."""
         if self._server is None or self._task is None:
             return
         self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await asyncio.wait([self._task])
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -70,6 +90,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _log_exit(task: asyncio.Task) -> None:
+def _on_exit(task: asyncio.Task, sock: socket.socket) -> None:
+    sock.close()   # uvicorn closes the servers it made on it; the socket itself is ours
     if not task.cancelled() and task.exception() is not None:
         logger.error("HTTP server failed: %s", task.exception(), exc_info=task.exception())
