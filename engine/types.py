@@ -83,6 +83,21 @@ class TokenDelta:
         return self.finish_reason is not None
 
 
+class KVEventKind(str, enum.Enum):
+    STORED = "stored"        # a full block's content became findable in the worker's prefix cache
+    REMOVED = "removed"      # it is no longer (evicted, or its parent's content was)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """One change to a worker's prefix cache (Dynamo's KV events), numbered per worker: the
+    router's prefix index applies them in order, skips repeats and notices gaps."""
+
+    seq: int
+    kind: KVEventKind
+    block_hash: int
+
+
 @dataclass(frozen=True, slots=True)
 class StepTiming:
     """One engine step: its shape and how long it took (admission fits a step-time model on these)."""
