@@ -200,6 +200,7 @@ class PrefillResult:
     cached_tokens: int = 0         # prompt tokens the prefill worker found in its prefix cache
     decode_cached_tokens: int = 0  # prompt tokens whose KV the decode worker held already
     saved_bytes: int = 0           # KV bytes not moved thanks to that
+    kv_events: tuple[KVEvent, ...] = ()   # its prefix-cache changes not yet reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,3 +210,4 @@ class StreamBatch:
     worker_id: str
     deltas: tuple[TokenDelta, ...]
     stats: WorkerStats | None = None
+    kv_events: tuple[KVEvent, ...] = ()   # its prefix-cache changes since the previous batch
