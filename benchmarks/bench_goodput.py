@@ -235,7 +235,6 @@ def settle_pdserve(cluster, timeout_s: float = 60.0) -> None:
         time.sleep(0.5)
 
 
-@contextlib.contextmanager
 def transformers_command() -> str | None:
     """The ``transformers`` CLI: on PATH, or beside this interpreter (a venv not activated has
     its scripts there, not on PATH)."""
@@ -247,6 +246,7 @@ def transformers_command() -> str | None:
     return None
 
 
+@contextlib.contextmanager
 def transformers_session(args, model_dir: Path, log_path: Path) -> Iterator[Target]:
     exe = transformers_command()
     if exe is None:

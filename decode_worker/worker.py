@@ -17,8 +17,9 @@ write that late, and a fenced reservation refuses its commit), so a late writer 
 in blocks another request already owns. ``reserve``, ``add_request``, ``abort`` are idempotent
 per request id (the router retries them after a transient failure).
 Output: one batched stream per worker. ``stream()`` yields a StreamBatch per step holding
-the token deltas of every request that advanced, plus the worker's stats, for the router to
-split per request.
+the token deltas of every request that advanced, plus the worker's stats and its prefix-cache
+events (``KVEvent``: blocks stored, removed) since the previous batch, for the router to split
+per request and to keep its prefix index true.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class DecodeWorker(WorkerBase):
 
     # ---- the batched output stream ----------------------------------------------------------
     def on_step(self, result: StepResult) -> None:
-        if result.deltas or result.between_steps:   # a batch without deltas carries fresh stats
+        if result.deltas or result.between_steps or result.kv_events:   # fresh stats, cache changes
             self._publish(tuple(result.deltas))
 
     def _publish(self, deltas: tuple) -> None:
@@ -156,17 +157,18 @@ class DecodeWorker(WorkerBase):
             for delta in deltas:
                 if delta.finished:
                     self._spans.close(delta.req_id, finish_reason=delta.finish_reason.value)
-        self._stream.put_nowait(StreamBatch(self.worker_id, deltas, self.stats()))
+        self._stream.put_nowait(StreamBatch(self.worker_id, deltas, self.stats(), self.take_kv_events()))
 
     async def stream(self) -> AsyncIterator[StreamBatch]:
         """One consumer (the router). Batches that queued up meanwhile are merged into one."""
         while True:
             batch = await self._stream.get()
-            deltas = list(batch.deltas)
+            deltas, events = list(batch.deltas), list(batch.kv_events)
             while not self._stream.empty():
                 batch = self._stream.get_nowait()
                 deltas.extend(batch.deltas)
-            yield StreamBatch(self.worker_id, tuple(deltas), batch.stats)
+                events.extend(batch.kv_events)
+            yield StreamBatch(self.worker_id, tuple(deltas), batch.stats, tuple(events))
 
     def _receiver(self, transport: str):
         if transport not in self._receivers:

@@ -13,14 +13,27 @@ A hash is a lookup key, never proof. Each cached block remembers its token ids a
 number of its parent block's cached content (serials are never reused, unlike block ids and,
 under a collision, hashes), and ``lookup`` confirms both, block after block from the first: a
 confirmed chain is exactly the request's tokens, so a collision costs a recompute, never wrong KV.
+Invariant: every cached block's parent content is cached too. Evicting a block uncaches its
+cached descendants with it (no lookup could reach them: their parent serial is gone), so no
+entry is ever orphaned, holding its hash against the same content filed again after a
+recomputed parent; and content whose parent has gone is never filed.
+
+Every change to what is findable is recorded as a numbered ``KVEvent`` (stored / removed, by
+hash) until ``take_events``: the worker reports them to the router's prefix index.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import count
 from typing import Sequence
+
+from engine.types import KVEvent, KVEventKind
+
+# Events nobody takes (an engine driven in-process) are dropped oldest first past this: the
+# router notices the gap in their numbers.
+MAX_PENDING_EVENTS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +53,14 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._content: dict[int, CachedContent] = {}   # block id -> what it holds, while cached
         self._by_hash: dict[int, int] = {}             # content hash -> block id
+        self._by_serial: dict[int, int] = {}           # content serial -> block id, while cached
+        self._children: dict[int, set[int]] = {}       # parent serial -> cached blocks filed under it
         self._serials = count(1)
+        self._events: deque[KVEvent] = deque(maxlen=MAX_PENDING_EVENTS)
+        self._event_seq = count(1)
         self.num_collisions = 0    # lookups and inserts whose hash matched different content
         self.num_evictions = 0     # cached blocks reused for other content
+        self.version = 0           # bumped by every change to what ``lookup`` can find
 
     @property
     def num_free(self) -> int:
@@ -102,22 +120,55 @@ class BlockPool:
     def cache(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], parent_serial: int) -> int | None:
         """Record that ``block_id`` (held by a request) now holds this content; return the
         content's serial. Content cached already in another block returns that block's serial
-        (the request's chain goes on through it); a hash taken by different content returns
-        None: this block stays uncached and so does everything after it in this request."""
+        (the request's chain goes on through it). None: this block stays uncached, and so does
+        everything after it in this request, when the hash is taken by different content (a
+        collision) or the parent's content is no longer cached (the request's chain went
+        through another block's copy of it, since evicted)."""
         existing = self.lookup(block_hash, token_ids, parent_serial)
         if existing is not None:
             return self._content[existing].serial
-        if block_hash in self._by_hash:
+        if block_hash in self._by_hash or (parent_serial and parent_serial not in self._by_serial):
             return None
         content = CachedContent(block_hash, token_ids, parent_serial, next(self._serials))
         self._content[block_id] = content
         self._by_hash[block_hash] = block_id
+        self._by_serial[content.serial] = block_id
+        if parent_serial:
+            self._children.setdefault(parent_serial, set()).add(block_id)
+        self._record(KVEventKind.STORED, block_hash)
         return content.serial
 
+    def take_events(self) -> tuple[KVEvent, ...]:
+        """The cache's changes since the last call, oldest first."""
+        events = tuple(self._events)
+        self._events.clear()
+        return events
+
+    def _record(self, kind: KVEventKind, block_hash: int) -> None:
+        self.version += 1
+        self._events.append(KVEvent(next(self._event_seq), kind, block_hash))
+
     def _evict(self, block_id: int) -> None:
-        content = self._content.pop(block_id, None)
-        if content is None:
-            return
-        self.num_evictions += 1
-        if self._by_hash.get(content.block_hash) == block_id:
+        if block_id in self._content:
+            self.num_evictions += 1
+            self._uncache(block_id)
+
+    def _uncache(self, block_id: int) -> None:
+        """Forget the block's content and, with it, every cached descendant's (unreachable
+        now). A descendant no request holds moves to the front of the free queue: it holds
+        nothing worth keeping."""
+        stack = [block_id]
+        while stack:
+            b = stack.pop()
+            content = self._content.pop(b)
             del self._by_hash[content.block_hash]
+            del self._by_serial[content.serial]
+            siblings = self._children.get(content.parent_serial)
+            if siblings is not None:
+                siblings.discard(b)
+                if not siblings:
+                    del self._children[content.parent_serial]
+            self._record(KVEventKind.REMOVED, content.block_hash)
+            if b != block_id and b in self._free:
+                self._free.move_to_end(b, last=False)
+            stack.extend(self._children.pop(content.serial, ()))

@@ -37,7 +37,7 @@ from engine.request import Request
 from engine.sampler import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import StopChecker
-from engine.types import FinishReason, KVLayout, RequestSpec, StepTiming, TokenDelta, TopLogprobs, WorkerStats
+from engine.types import FinishReason, KVEvent, KVLayout, RequestSpec, StepTiming, TokenDelta, TopLogprobs, WorkerStats
 from engine.validation import validate_spec
 
 if TYPE_CHECKING:
@@ -67,6 +67,9 @@ class StepResult:
     prefilled: list[PrefillDone] = field(default_factory=list)
     timing: StepTiming | None = None
     between_steps: bool = False   # no step ran: calls changed the engine (EngineLoop); publish stats
+    # Prefix-cache changes since the last result (this step's and any calls' before it), for the
+    # router's prefix index: every result takes them, so each goes out once.
+    kv_events: tuple[KVEvent, ...] = ()
 
 
 class LLMEngine:
@@ -154,6 +157,15 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> StepResult:
+        result = self._step()
+        result.kv_events = self.take_kv_events()
+        return result
+
+    def take_kv_events(self) -> tuple[KVEvent, ...]:
+        """The prefix cache's changes since the last call (``StepResult.kv_events``)."""
+        return self.kv.pool.take_events()
+
+    def _step(self) -> StepResult:
         start = time.perf_counter()
         out, aborted = self.scheduler.schedule()
         result = StepResult(deltas=[self._delta(r) for r in aborted])

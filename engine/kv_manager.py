@@ -33,6 +33,10 @@ class _Chain:
     num_filed: int = 0          # leading blocks found in, or filed into, the cache
     last_serial: int = 0        # serial of block ``num_filed - 1``'s content (0: none yet)
     broken: bool = False        # a hash collision stopped filing this request's blocks
+    # The last ``find_cached`` answer and what it depended on (pool version, token count): a
+    # queue head blocked for room asks every step, and the answer holds until the cache changes.
+    found: tuple[int, ...] = ()
+    found_key: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +97,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         chain = self._chain(req_id, token_ids)
+        key = (self.pool.version, len(token_ids))
+        if chain.found_key == key:
+            return list(chain.found)
         found: list[int] = []
         parent = 0
         bs = self.block_size
@@ -102,6 +109,7 @@ class KVCacheManager:
                 break
             found.append(b)
             parent = self.pool.serial(b)
+        chain.found, chain.found_key = tuple(found), key
         return found
 
     def can_admit(self, req_id: str, cached: Sequence[int], num_tokens_total: int) -> bool:

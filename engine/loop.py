@@ -95,7 +95,7 @@ class EngineLoop:
         """Calls changed the engine (blocks released, a parked request aborted) and no step
         follows to report it: an empty result tells ``on_step`` to publish the fresh stats."""
         try:
-            self._on_step(StepResult(between_steps=True))
+            self._on_step(StepResult(between_steps=True, kv_events=self.engine.take_kv_events()))
         except Exception:
             logger.exception("on_step callback failed")
 

@@ -89,6 +89,21 @@ class TokenDelta:
         return self.finish_reason is not None
 
 
+class KVEventKind(str, enum.Enum):
+    STORED = "stored"        # a full block's content became findable in the worker's prefix cache
+    REMOVED = "removed"      # it is no longer (evicted, or its parent's content was)
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """One change to a worker's prefix cache (Dynamo's KV events), numbered per worker: the
+    router's prefix index applies them in order, skips repeats and notices gaps."""
+
+    seq: int
+    kind: KVEventKind
+    block_hash: int
+
+
 @dataclass(frozen=True, slots=True)
 class StepTiming:
     """One engine step: its shape and how long it took (admission fits a step-time model on these)."""
@@ -192,6 +207,7 @@ class PrefillResult:
     decode_cached_tokens: int = 0  # prompt tokens whose KV the decode worker held already
     saved_bytes: int = 0           # KV bytes not moved thanks to that
     first_top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
+    kv_events: tuple[KVEvent, ...] = ()   # its prefix-cache changes not yet reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,3 +217,4 @@ class StreamBatch:
     worker_id: str
     deltas: tuple[TokenDelta, ...]
     stats: WorkerStats | None = None
+    kv_events: tuple[KVEvent, ...] = ()   # its prefix-cache changes since the previous batch

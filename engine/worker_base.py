@@ -20,7 +20,7 @@ from engine import kv_cache, tracing
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepResult
 from engine.loop import EngineLoop
-from engine.types import KVLayout, WorkerStats
+from engine.types import KVEvent, KVLayout, WorkerStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,6 +93,7 @@ class WorkerBase:
         self.startup_s["kv_cache_and_engine"] = time.perf_counter() - begin
         self.aio: asyncio.AbstractEventLoop | None = None
         self.closed: asyncio.Event | None = None
+        self._kv_events: list[KVEvent] = []    # taken by the next message to the router
         self.loop: EngineLoop | None = None   # a standby spare has none until ``activate``
         if not standby:
             self.activate(spec.worker_id)
@@ -127,11 +128,22 @@ class WorkerBase:
 
     def _on_step_thread(self, result: StepResult) -> None:
         """Loop thread -> event loop: the worker handles step results on its own loop."""
-        if self.aio is not None and (result.deltas or result.prefilled or result.between_steps):
-            self.aio.call_soon_threadsafe(self.on_step, result)
+        if self.aio is not None and (result.deltas or result.prefilled or result.between_steps or result.kv_events):
+            self.aio.call_soon_threadsafe(self._on_step, result)
+
+    def _on_step(self, result: StepResult) -> None:
+        self._kv_events.extend(result.kv_events)
+        self.on_step(result)
 
     def on_step(self, result: StepResult) -> None:
         raise NotImplementedError
+
+    def take_kv_events(self) -> tuple[KVEvent, ...]:
+        """Prefix-cache events not yet reported: each message to the router (a stream batch, a
+        prefill result) takes them, so each goes out once; the router notices a lost one by
+        its number."""
+        events, self._kv_events = tuple(self._kv_events), []
+        return events
 
     def stats(self) -> WorkerStats:
         return self.loop.latest_stats

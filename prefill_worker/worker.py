@@ -8,6 +8,8 @@ Life cycle of one request here:
   -> PrefillResult (first token + timings) back to the router.
 Prefix caching on both sides: the engine starts the prefill after this worker's cached prefix,
 and only the blocks the decode worker does not hold already move (the handle names them).
+Every result also carries this worker's prefix-cache events not yet reported (blocks stored,
+removed), which keep the router's prefix index true.
 A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
 PrefillResult with its finish reason and no hand-off. Every result carries a ``HandoffOutcome``
 (ok, ended at prefill, aborted, reserve failed, transfer failed, peer dead): the router acts on
@@ -98,7 +100,7 @@ class PrefillWorker(WorkerBase):
                     if span is not None:
                         span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
                                              result.transport, "pdserve.kv.outcome": result.outcome.value})
-            return dataclasses.replace(result, stats=self.stats())
+            return dataclasses.replace(result, stats=self.stats(), kv_events=self.take_kv_events())
         finally:
             self._waiters.pop(req_id, None)
             self._aborted.discard(req_id)

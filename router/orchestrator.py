@@ -251,7 +251,7 @@ class Orchestrator:
                                            generation=at.prefill_gen)
         at.prefill = None   # its part is done: nothing left there to abort or to wait for
         trace.prefill, trace.handoff = result, result.outcome
-        self._observe_prefill(prefill, result)
+        self._observe_prefill(prefill, result, at.prefill_gen)
         self._count_handoff(result.outcome)
         if result.outcome in (HandoffOutcome.OK, HandoffOutcome.TRANSFER_FAILED) and decode.alive \
                 and decode.generation == at.decode_gen:
@@ -281,7 +281,8 @@ class Orchestrator:
         if outcome is not None and self.metrics is not None:
             self.metrics.handoff(outcome.value)
 
-    def _observe_prefill(self, prefill: WorkerHandle, result: PrefillResult) -> None:
+    def _observe_prefill(self, prefill: WorkerHandle, result: PrefillResult, generation: int) -> None:
+        prefill.observe_kv_events(result.kv_events, generation)
         if result.stats is not None:
             prefill.observe_stats(result.stats)
             self.admission.observe_stats(prefill)

@@ -119,6 +119,12 @@ class WorkerHandle:
         if stats is not None:
             self.stats = stats
 
+    def observe_kv_events(self, events, generation: int) -> None:
+        """Prefix-cache events from the actor of ``generation`` (an old one's are dropped: its
+        cache went with it)."""
+        if events and generation == self.generation:
+            self.prefix.apply(events)
+
     def placed_prompt(self, token_ids) -> None:
         """A prompt sent here (to prefill, or to decode): its prefix will be in this worker's cache."""
         self.prefix.record(token_ids, self.stats.num_total_blocks if self.stats else None)

@@ -98,6 +98,72 @@ def test_manager_finds_confirmed_prefix_and_counts_hits():
     assert kv.num_free_blocks == kv.num_total_blocks and not kv.block_tables
 
 
+def test_evicting_a_parent_uncaches_its_descendants_so_none_is_orphaned():
+    """a and b compute the same first block at once: b's copy stays uncached and b files its
+    second block under a's copy. Evicting a's copy leaves b's second block unreachable; it must
+    not keep its hash (an orphan would refuse the same content filed again after a recomputed
+    first block, so c's filing would break and d would find one block instead of two)."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    a, b = x + y + [0], x + z + [0]
+    for r, tokens in (("a", a), ("b", b)):
+        assert kv.find_cached(r, tokens) == []
+        kv.admit(r, tokens, [], len(tokens))
+    for r, tokens in (("a", a), ("b", b)):
+        kv.cache_computed(r, tokens, len(tokens))
+    assert kv.pool.num_cached == 3, "x (a's copy), y, z"
+    kv.free("a")
+    kv.free("b")
+    pressure = kv.allocate_slots("p", 7 * 4)     # five uncached blocks, then a's y and x (LRU)
+    assert kv.pool.num_evictions == 2
+    assert kv.pool.num_cached == 0, "z went with its parent"
+    kv.free("p")
+    c = x + z + [7]
+    assert kv.find_cached("c", c) == []
+    kv.admit("c", c, [], len(c))
+    kv.cache_computed("c", c, len(c))
+    kv.free("c")
+    assert len(kv.find_cached("d", x + z + [8])) == 2, "x and z filed again and found"
+    assert kv.pool.num_collisions == 0, "nothing here collides"
+    kv.free("d")
+    assert kv.num_free_blocks == kv.num_total_blocks and len(pressure) == 7
+
+
+def test_content_under_an_evicted_parent_is_not_filed():
+    """A request whose chain went through another block's copy of its first block, evicted
+    while it runs, stops filing: its next block's parent is gone."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
+    x = [1, 2, 3, 4]
+    a, b = x + [0], x + [5, 6, 7, 8, 9]
+    for r, tokens in (("a", a), ("b", b)):
+        kv.admit(r, tokens, [], len(tokens))
+    kv.cache_computed("a", a, len(a))
+    kv.cache_computed("b", b, 4)                 # b's x: a's copy is cached, b chains through it
+    kv.free("a")
+    kv.allocate_slots("p", kv.num_free_blocks * 4)   # evicts a's x
+    kv.cache_computed("b", b, 8)
+    assert kv.pool.num_cached == 0
+    for r in "bp":
+        kv.free(r)
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_pool_reports_stored_and_removed_blocks_in_order():
+    pool = BlockPool(2)
+    a = pool.allocate(2)
+    s0 = pool.cache(a[0], 10, (1,), 0)
+    pool.cache(a[1], 11, (2,), s0)
+    pool.cache(a[1], 11, (2,), s0)               # already cached: no event
+    first = pool.take_events()
+    assert [(e.kind.value, e.block_hash) for e in first] == [("stored", 10), ("stored", 11)]
+    pool.free(a)
+    pool.allocate(1)                             # evicts the tail (11), then nothing else
+    pool.allocate(1)                             # evicts 10
+    second = pool.take_events()
+    assert [(e.kind.value, e.block_hash) for e in second] == [("removed", 11), ("removed", 10)]
+    assert [e.seq for e in first + second] == [1, 2, 3, 4] and pool.take_events() == ()
+
+
 # ---- the scheduler --------------------------------------------------------------------------------
 def cached_scheduler(**kwargs):
     s = make_scheduler(**kwargs)
@@ -130,6 +196,29 @@ def test_cached_blocks_are_shared_not_copied():
     ta, tb = s.kv.block_tables["a"], s.kv.block_tables["b"]
     assert ta[:4] == tb[:4] and ta[4] != tb[4], "4 full blocks shared; the last partial one is b's own"
     drain(s)
+    assert_empty(s)
+
+
+def test_blocked_queue_head_looks_its_prefix_up_once_per_cache_change():
+    """The head of the queue waits for room step after step; its cached prefix is looked up
+    again only when the cache's content changed (a block filed or evicted)."""
+    s = cached_scheduler(num_blocks=10, budget=64)
+    s.add(req("a", 20, max_tokens=3))                       # 5 full blocks, filed
+    drain(s)
+    s.add(req("big", 28, max_tokens=5))                     # shares a's 5 blocks, holds 7
+    step(s)
+    lookups = []
+    real = s.kv.pool.lookup
+    s.kv.pool.lookup = lambda *a: lookups.append(a) or real(*a)
+    s.add(req("c", 37, max_tokens=2))                       # 7 cached (big filed its prompt) + 3 new, 2 free
+    versions = set()
+    for _ in range(3):                                      # big decodes tokens 29-31: no block fills
+        plan, *_ = step(s)
+        assert "c" not in plan
+        versions.add(s.kv.pool.version)
+    assert len(versions) == 1 and len(lookups) == 8, "c's 7 hits and 1 miss, once (24 without the memo)"
+    drain(s)
+    assert s.kv.counters.hits >= 20 + 28, "big found a's prefix, c found big's"
     assert_empty(s)
 
 

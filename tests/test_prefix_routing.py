@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from engine.kv_manager import KVCacheManager
-from engine.types import RequestSpec, SamplingParams, SLOTarget
+from engine.types import KVEvent, KVEventKind, RequestSpec, SamplingParams, SLOTarget
 from router.admission import Admission
 from router.prefix_index import PrefixIndex, prompt_hashes
 from router.registry import WorkerHandle, WorkerRegistry
@@ -108,3 +108,49 @@ def test_decode_worker_holding_all_but_the_last_block_skips_the_prefill_worker()
     assert decision.prediction.tokens_to_prefill == 7
     longer = turn + tuple(range(2000, 2040))
     assert admission.decide(spec(longer, ttft=0.5, tpot=0.05)).prediction.prefill is not None
+
+
+def events(seqs_kinds_hashes) -> list[KVEvent]:
+    return [KVEvent(seq, KVEventKind(kind), h) for seq, kind, h in seqs_kinds_hashes]
+
+
+def test_index_applies_events_in_order_skips_repeats_and_starts_over_after_a_gap():
+    index = PrefixIndex(16, enabled=True)
+    h = prompt_hashes(prompt(0), 16)                      # 5 full blocks
+    index.apply(events([(1, "stored", h[0]), (2, "stored", h[1]), (3, "stored", h[2])]))
+    assert index.expected_hit(prompt(0)) == 48
+    index.apply(events([(2, "stored", h[1]), (3, "stored", h[2]), (4, "removed", h[1])]))
+    assert index.expected_hit(prompt(0)) == 16, "2 and 3 repeated (skipped); the second block was removed"
+    index.apply(events([(4, "removed", h[1])]))
+    assert index.num_gaps == 0
+    index.record(prompt(0))                               # a placement: all 5 blocks guessed
+    assert index.expected_hit(prompt(0)) == 80
+    index.apply(events([(7, "stored", h[0])]))             # 5 and 6 lost: a removal may be among them
+    assert index.num_gaps == 1 and index.expected_hit(prompt(0)) == 16, "started over from what it was told"
+    disabled = PrefixIndex(16, enabled=False)
+    disabled.apply(events([(1, "stored", h[0])]))
+    assert disabled.expected_hit(prompt(0)) == 0
+
+
+def test_a_prefix_the_worker_evicted_is_not_routed_to():
+    """p1's index learns the system prompt from its (real) pool's stored events and wins the
+    pair; the pool evicts it under pressure, the removed events reach the index, and the pair
+    goes to the less busy p0. An old actor's events never touch its replacement's index."""
+    admission, (p0, p1, d0) = two_prefill_cluster()
+    kv = KVCacheManager(8, 16, enable_prefix_caching=True)     # p1's pool: 8 blocks of 16
+    kv.admit("a", prompt(0), [], len(prompt(0)))
+    kv.cache_computed("a", prompt(0), len(prompt(0)))
+    kv.free("a")
+    p1.observe_kv_events(kv.pool.take_events(), p1.generation)
+    p1.num_prefill_tokens = 40
+    assert admission.decide(spec(prompt(5), ttft=0.5, tpot=0.05)).prediction.prefill is p1
+    kv.allocate_slots("other", 8 * 16)                         # every block: the prefix is evicted
+    kv.free("other")
+    assert kv.find_cached("probe", prompt(5)) == []
+    p1.observe_kv_events(kv.pool.take_events(), p1.generation)
+    assert p1.prefix.expected_hit(prompt(5)) == 0
+    assert admission.decide(spec(prompt(5), ttft=0.5, tpot=0.05)).prediction.prefill is p0
+    old = p1.generation
+    p1.replace(None, {"node_id": "n", "device": "cpu"})
+    p1.observe_kv_events(events([(1, "stored", prompt_hashes(prompt(0), 16)[0])]), old)
+    assert len(p1.prefix) == 0, "a late report of the dead actor"

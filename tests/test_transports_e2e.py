@@ -75,6 +75,8 @@ def test_shared_prefix_moves_fewer_bytes(cluster, hf_reference, transport):
     assert (first.decode_cached_tokens, second.decode_cached_tokens) == (0, 64), "4 blocks of 16 held by decode"
     assert second.prefill_cached_tokens == 64 and second.kv_transfer_saved_bytes > 0
     assert second.kv_transfer_saved_bytes == 4 * second.kv_transfer_bytes, "79 tokens: 4 blocks held, 1 moved"
+    for worker in (registry.prefill[0], registry.decode[0]):   # KV events crossed Ray to the router's index
+        assert worker.prefix.last_seq > 0, worker.worker_id
     assert cluster_leaks(cluster) == {}
 
 
