@@ -48,10 +48,15 @@ class StepTimeModel:
 
     def predict(self, num_seqs: int, num_kv_tokens: int) -> float | None:
         """Duration of a decode step over ``num_seqs`` sequences holding ``num_kv_tokens``."""
-        coef = self._fit()
+        coef = self.coefficients()
         if coef is None:
             return None
-        return float(np.array([1.0, num_seqs, num_kv_tokens]) @ coef)
+        a, b, c = coef   # plain floats: admission asks per candidate worker, per decision
+        return a + b * num_seqs + c * num_kv_tokens
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """The fitted (a, b, c) of ``a + b * num_seqs + c * num_kv_tokens``; None until fitted."""
+        return self._cached("coef", self._fit_decode_steps)
 
     def seconds_per_prefill_token(self) -> float | None:
         """Step time per token over steps that are mostly prefill (decode-only steps excluded)."""
@@ -82,12 +87,9 @@ class StepTimeModel:
             return None
         return sum(max(0.0, s.duration_s - d) for s, d in zip(steps, decode)) / total
 
-    def _fit(self) -> np.ndarray | None:
-        return self._cached("coef", self._fit_decode_steps)
-
-    def _fit_decode_steps(self) -> np.ndarray | None:
+    def _fit_decode_steps(self) -> tuple[float, float, float] | None:
         steps = [s for s in self._steps if s.num_prefill_tokens == 0]
-        return self._fit_steps(steps) if len(steps) >= MIN_STEPS else None
+        return tuple(float(c) for c in self._fit_steps(steps)) if len(steps) >= MIN_STEPS else None
 
     @staticmethod
     def _fit_steps(steps: list[StepTiming]) -> np.ndarray:
