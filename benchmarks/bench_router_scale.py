@@ -61,12 +61,16 @@ QUEUED_SIZES = (100, 5000)
 # ---------------------------------------------------------------- the client process
 
 
-def client_main(address: str, args: dict, start_at: float, stop_at: float, conn) -> None:
-    """Runs in the spawned process: users until ``stop_at`` (CLOCK_MONOTONIC), then report."""
-    import torch
-
-    torch.set_num_threads(1)   # not used here; deliberate all the same
+def client_main(address: str, args: dict, conn) -> None:
+    """Runs in the spawned process: imports, says ready, takes (start_at, stop_at) on
+    CLOCK_MONOTONIC, runs the users, reports. (No torch here: nothing to set its threads for.)"""
     try:
+        import grpc  # noqa: F401  (imported before "ready": the start is not held up by imports)
+
+        from router.client import AsyncPdserveClient  # noqa: F401
+
+        conn.send(("ready", None))
+        start_at, stop_at = conn.recv()
         cpu0 = _cpu_s()
         result = asyncio.run(_users(address, args, start_at, stop_at))
         result["client_cpu_s"] = _cpu_s() - cpu0
@@ -127,7 +131,8 @@ async def _user(i: int, client, args: dict, begin: float, stop_at: float, out: d
             else:
                 out["errors"] += 1
                 if len(out["error_samples"]) < 5:
-                    out["error_samples"].append(f"{exc.code().name}: {exc.details()}")
+                    out["error_samples"].append(f"{exc.code().name}: {exc.details()} after"
+                                                f" {time.monotonic() - sent:.1f} s, {tokens} tokens")
 
 
 # ---------------------------------------------------------------- the router process
@@ -232,16 +237,19 @@ def measure(args, speed, address_holder: dict) -> dict:
     ttft_ms, tpot_ms = slo_targets(args, speed)
     client_args = {"streams": args.streams, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                    "channels": args.channels, "ramp_s": args.ramp_s, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
-    start_at = time.monotonic() + 3.0   # the client process's imports
-    t0 = start_at + args.ramp_s + args.warmup_s
-    t1 = t0 + args.measure_s
-    stop_at = t1 + 0.5
     ctx = mp.get_context("spawn")
     parent, child_conn = ctx.Pipe()
-    child = ctx.Process(target=client_main, args=(address, client_args, start_at, stop_at, child_conn), daemon=True)
+    child = ctx.Process(target=client_main, args=(address, client_args, child_conn), daemon=True)
     child.start()
     profiler = None
     try:
+        kind, detail = parent.recv()
+        if kind != "ready":
+            raise RuntimeError(f"client failed: {detail}")
+        start_at = time.monotonic() + 0.5
+        t0 = start_at + args.ramp_s + args.warmup_s
+        t1 = t0 + args.measure_s
+        parent.send((start_at, t1 + 0.5))
         time.sleep(max(0.0, t0 - time.monotonic()))
         timer.reset()
         if args.profile:
@@ -532,7 +540,14 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         f" of a core)   target <= 20 us: {'MET' if per_token_us <= 20 else 'MISSED'}",
         f"    of which the router's asyncio loop thread: {loop_us:.1f} us/token",
     ]
-    lines += ["  PER-REPORT COST vs QUEUED REQUESTS (the launcher's handler of one decode worker's report; "
+    lines += queued_lines(args, queued) if queued else []
+    if run["profile"]:
+        lines += ["", *profile_lines(run["profile"])]
+    return "\n".join(lines) + "\n"
+
+
+def queued_lines(args, queued: dict[int, dict]) -> list[str]:
+    lines = ["  PER-REPORT COST vs QUEUED REQUESTS (the launcher's handler of one decode worker's report; "
               f"{args.report_rounds} alternating rounds of {args.reports_per_round} reports, median of rounds):"]
     med = {n: statistics.median(q["cpu_us"]) for n, q in queued.items()}
     for n, q in queued.items():
@@ -543,9 +558,7 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
     flat = statistics.fmean(queued[large]["decisions"]) <= statistics.fmean(queued[small]["decisions"])
     lines.append(f"    {large} vs {small} queued: {ratio:.2f}x CPU, decisions per report "
                  f"{'equal' if flat else 'GROW'}   target: no growth: {'MET' if flat and ratio < 1.5 else 'MISSED'}")
-    if run["profile"]:
-        lines += ["", *profile_lines(run["profile"])]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def profile_lines(profile: dict) -> list[str]:
@@ -594,7 +607,7 @@ def main() -> None:
     speed = speed_from(args)
     queued = {} if args.skip_report_cost else report_cost(speed, args)
     run = measure(args, speed, {})
-    text = report(args, speed, run, queued) if queued else report(args, speed, run, {n: {"cpu_us": [0], "decisions": [0]} for n in QUEUED_SIZES})
+    text = report(args, speed, run, queued)
     sys.stdout.write(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -473,38 +473,52 @@ class _Search:
             if _fits_ttft(ttft, self.waited_s, ttft_t) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
                     and _has_kv_room(d.worker, self.spec):
                 cands.append((ttft, i, d))
-        best = None
-        for ttft, _, d in sorted(cands, key=lambda c: c[:2]):
-            if best is not None and ttft > best.ttft_s:
-                break   # a later TTFT cannot win
-            pred = self.local(d)
-            if pred.spares_running and (best is None or pred.headroom(ttft_t, tpot_t) > best.headroom(ttft_t, tpot_t)):
-                best = pred
-        return best
+        return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
 
     def _most_headroom(self, ttft_t: float | None, tpot_t: float | None, fit_p: list[_PrefillSide]) -> Prediction:
         """The most headroom among the candidates meeting TTFT, else among all. A
         disaggregated pair's headroom is the smaller of its two parts' slacks: the best is
         min(best prefill slack, best decode slack), reached first by the first prefill and
         then the first decode worker reaching it."""
-        local_ttft = {id(d): self._local_ttft(d) for d in self.decodes} if self.with_local else {}
-        locals_fit = [d for d in self.decodes if id(d) in local_ttft
-                      and _fits_ttft(local_ttft[id(d)], self.waited_s, ttft_t)]
+        local = [(0.0, i, d, self._local_ttft(d)) for i, d in enumerate(self.decodes)] if self.with_local else []
+        locals_fit = [c for c in local if _fits_ttft(c[3], self.waited_s, ttft_t)]
         any_fit = bool(fit_p or locals_fit)
         prefills = fit_p if any_fit else self.prefills
-        best, value = None, -math.inf
+        best = None
         if prefills:
             a = [_slack(p.ttft_s, ttft_t) for p in prefills]
             h = [_slack(d.tpot_s, tpot_t) for d in self.decodes]
             value = min(max(a), max(h))
             p = next(p for p, ap in zip(prefills, a) if ap >= value)
             best = self.pair(p, next(d for d, hd in zip(self.decodes, h) if hd >= value))
-        for d in (locals_fit if any_fit else [d for d in self.decodes if id(d) in local_ttft]):
-            if min(_slack(local_ttft[id(d)], ttft_t), _slack(d.tpot_s, tpot_t)) <= value and best is not None:
-                continue   # the running-TPOT slack can only lower it
+        cands = [c[:3] for c in (locals_fit if any_fit else local)]
+        return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=False, best=best)
+
+    def _most_headroom_local(self, cands: list[tuple[float, int, _DecodeSide]], ttft_t: float | None,
+                             tpot_t: float | None, must_spare_running: bool,
+                             best: Prediction | None = None) -> Prediction | None:
+        """The first by (group, -headroom, decode order) of ``cands`` ((group, order, side):
+        the decode worker prefilling), or ``best`` (before all of them) when none beats it.
+        Headroom's running-TPOT term needs the O(requests there) check: it is made best bound
+        first (the TTFT and TPOT slacks bound the headroom from above), for no candidate that
+        cannot win."""
+        best_h, best_i = (best.headroom(ttft_t, tpot_t), -1) if best is not None else (-math.inf, -1)
+        group = None if best is None else 0.0
+
+        def bound(c) -> float:
+            return min(_slack(self._local_ttft(c[2]), ttft_t), _slack(c[2].tpot_s, tpot_t))
+
+        for key, i, d, upper in sorted(((c[0], c[1], c[2], bound(c)) for c in cands), key=lambda c: (c[0], -c[3], c[1])):
+            if group is not None and key > group:
+                break   # a later group cannot win
+            if best is not None and (upper < best_h or (upper == best_h and i > best_i)):
+                continue
             pred = self.local(d)
-            if best is None or pred.headroom(ttft_t, tpot_t) > value:
-                best, value = pred, pred.headroom(ttft_t, tpot_t)
+            if must_spare_running and not pred.spares_running:
+                continue
+            h = pred.headroom(ttft_t, tpot_t)
+            if best is None or h > best_h or (h == best_h and i < best_i):
+                best, best_h, best_i, group = pred, h, i, key
         return best
 
 
@@ -519,7 +533,6 @@ def _corrected(current: float, predicted_s: float | None, observed_s: float, low
 
 def _within(predicted: float | None, target: float | None, safety: float) -> bool:
     return not target or predicted is None or predicted <= target * safety
-
 
 def _decode_load(d: _DecodeSide) -> tuple[int, int, int]:
     free = d.worker.stats.num_free_blocks if d.worker.stats else 0

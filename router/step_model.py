@@ -9,6 +9,8 @@ as a share of the worker's time). ``seconds_per_prefill_token`` is the throughpu
 prefill-dominated steps: what a worker needs per queued prompt token (TTFT);
 ``prefill_stall_per_token`` what each prompt token adds to the steps decodes wait on (TPOT).
 Until enough distinct steps have been seen the answers are None (admission is then optimistic).
+Per report the work is bounded: only the steps new in the report are read, and the decode fit
+is redone every ``REFIT_AFTER`` new decode steps (a worker reports every step).
 Torch-free (numpy only).
 """
 
@@ -25,24 +27,36 @@ from engine.types import StepTiming
 
 MIN_STEPS = 4
 OUTLIER_FACTOR = 3.0     # residual beyond 3x the median absolute residual (and 1 ms) is dropped
+REFIT_AFTER = 8          # new decode steps before the fit is redone (7 least-squares solves; workers report every step)
 
 
 class StepTimeModel:
     def __init__(self, max_steps: int = 256) -> None:
         self._steps: deque[StepTiming] = deque(maxlen=max_steps)
         self._seen: set[tuple] = set()
+        self._unfitted = 0   # decode steps observed since the last fit
         # Derived figures (fit, per-token times), dropped whenever new steps arrive: admission
         # asks for them per candidate pair, again for every queued request at each worker report.
         self._cache: dict[str, Any] = {}
 
     def observe(self, steps: tuple[StepTiming, ...]) -> None:
-        """Add steps not seen before (a worker's recent steps arrive many times)."""
-        for s in steps:
+        """Add steps not seen before. A worker's recent steps arrive many times, as a window
+        that slides: the new ones are at its end, so the scan stops at the first step seen."""
+        new = []
+        for s in reversed(steps):
             key = (s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s)
-            if key not in self._seen:
-                self._seen.add(key)
-                self._steps.append(s)
-                self._cache.clear()
+            if key in self._seen:
+                break
+            self._seen.add(key)
+            new.append(s)
+        if not new:
+            return
+        self._steps.extend(reversed(new))
+        self._unfitted += sum(1 for s in new if s.num_prefill_tokens == 0)
+        coef = self._cache.get("coef")
+        self._cache.clear()
+        if coef is not None and self._unfitted < REFIT_AFTER:
+            self._cache["coef"] = coef   # refitted every REFIT_AFTER new decode steps, not every step
         if len(self._seen) > 4 * self._steps.maxlen:
             self._seen = {(s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s) for s in self._steps}
 
@@ -88,6 +102,7 @@ class StepTimeModel:
         return sum(max(0.0, s.duration_s - d) for s, d in zip(steps, decode)) / total
 
     def _fit_decode_steps(self) -> tuple[float, float, float] | None:
+        self._unfitted = 0
         steps = [s for s in self._steps if s.num_prefill_tokens == 0]
         return tuple(float(c) for c in self._fit_steps(steps)) if len(steps) >= MIN_STEPS else None
 
