@@ -132,7 +132,8 @@ async def _user(i: int, client, args: dict, begin: float, stop_at: float, out: d
                 out["errors"] += 1
                 if len(out["error_samples"]) < 5:
                     out["error_samples"].append(f"{exc.code().name}: {exc.details()} after"
-                                                f" {time.monotonic() - sent:.1f} s, {tokens} tokens")
+                                                f" {time.monotonic() - sent:.1f} s, {tokens} tokens,"
+                                                f" {stop_at - time.monotonic():.1f} s before the end")
 
 
 # ---------------------------------------------------------------- the router process
@@ -193,12 +194,20 @@ class Window:
         return self.process_cpu_s - self.sim_cpu_s
 
 
+ANCHOR_SHAPE = (64, 21062)   # results/engine_w64.txt: decode step at batch 64, KV 21,062 tokens
+
+
 def speed_from(args):
+    """The step model fitted to the recorded real steps, scaled so its decode step at
+    ``ANCHOR_SHAPE`` takes ``--anchor-ms`` (the steps were recorded on a shared machine: their
+    level says how loaded it was, their shape what a step costs; the anchor is a quiet run's)."""
     from benchmarks.sim_workers import SimSpeed
     from benchmarks.step_timings import load
 
-    steps = [dataclasses.replace(s, duration_s=s.duration_s / args.time_scale) for s in load(args.steps)]
-    return SimSpeed.fitted(steps)
+    steps = load(args.steps)
+    if args.anchor_ms:
+        args.time_scale = SimSpeed.fitted(steps).step_s(*ANCHOR_SHAPE) / (args.anchor_ms / 1e3)
+    return SimSpeed.fitted([dataclasses.replace(s, duration_s=s.duration_s / args.time_scale) for s in steps])
 
 
 def start_cluster(args, speed):
@@ -251,7 +260,6 @@ def measure(args, speed, address_holder: dict) -> dict:
         t1 = t0 + args.measure_s
         parent.send((start_at, t1 + 0.5))
         time.sleep(max(0.0, t0 - time.monotonic()))
-        timer.reset()
         if args.profile:
             profiler = start_py_spy(args)
         w0 = (time.monotonic(), process_cpu_s(), cluster.host.cpu_s(), thread_cpu_s(thread._thread), timer.calls)
@@ -495,7 +503,8 @@ def header(args, speed) -> list[str]:
         f"cluster: the real router (launcher's Cluster.start: admission with SLO targets, conditional disaggregation,"
         f" supervisor, metrics, grpc.aio) over {args.prefill} prefill + {args.decode} decode SIMULATED workers"
         f" (benchmarks/sim_workers.py, their own thread)",
-        f"step model: fitted to {args.steps.name} (real SmolLM2 engine steps), durations / {args.time_scale:g}:"
+        f"step model: fitted to {args.steps.name} (real SmolLM2 engine steps), durations / {args.time_scale:.3g}"
+        f"{f' (decode step at batch 64, KV 21,062 = {args.anchor_ms:g} ms)' if args.anchor_ms else ''}:"
         f" decode step = {a * 1e3:.2f} ms + {b * 1e3:.3f} ms x seqs + {c * 1e6:.3f} us x KV tokens;"
         f" prefill {speed.prefill_s_per_token * 1e6:.1f} us/token",
         f"load: {args.streams} concurrent streams (closed loop, ramp {args.ramp_s:g} s, warm-up {args.warmup_s:g} s,"
@@ -532,7 +541,7 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         "",
         "targets",
         f"  ADMISSION DECISION p50 / p99 / max (ms, wall): {pct(wall, .5) * 1e3:.3f} / {pct(wall, .99) * 1e3:.3f} /"
-        f" {max(wall, default=float('nan')) * 1e3:.3f}  over {len(wall):,} decisions in the window   target p99 <= 1 ms:"
+        f" {max(wall, default=float('nan')) * 1e3:.3f}  over {len(wall):,} decisions (ramp, warm-up and window)   target p99 <= 1 ms:"
         f" {'MET' if pct(wall, .99) <= 1e-3 else 'MISSED'}",
         f"    same, thread CPU time: {pct(cpu, .5) * 1e3:.3f} / {pct(cpu, .99) * 1e3:.3f} ms",
         f"  ROUTER CPU PER STREAMED TOKEN: {per_token_us:.1f} us  (process {w.process_cpu_s:.2f} s - simulated workers'"
@@ -582,16 +591,19 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=16)
     p.add_argument("--decode", type=int, default=48)
     p.add_argument("--streams", type=int, default=5000)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--channels", type=int, default=16)
-    p.add_argument("--ramp-s", type=float, default=20.0)
-    p.add_argument("--warmup-s", type=float, default=10.0)
+    p.add_argument("--ramp-s", type=float, default=30.0)
+    p.add_argument("--warmup-s", type=float, default=15.0)
     p.add_argument("--measure-s", type=float, default=30.0)
     p.add_argument("--ttft-ms", type=float, default=None)
     p.add_argument("--tpot-ms", type=float, default=None)
     p.add_argument("--steps", type=Path, default=DEFAULT_PATH, help="real step timings to fit (step_timings.py)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="divide every fitted step time by this")
+    p.add_argument("--time-scale", type=float, default=1.0, help="divide every step time by this (no --anchor-ms)")
+    p.add_argument("--anchor-ms", type=float, default=298.0,
+                   help="scale the steps so a decode step at batch 64, KV 21,062 takes this (results/engine_w64.txt:"
+                        " 298 ms, SmolLM2 fp32 on this VM quiet; the H100's was 27.24); 0: use --time-scale")
     p.add_argument("--report-rounds", type=int, default=5)
     p.add_argument("--reports-per-round", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="py-spy the window (slows the router: separate run)")
