@@ -575,7 +575,7 @@ def profile_lines(profile: dict) -> list[str]:
         return [f"profile: py-spy failed: {profile['error']}"]
     total = max(1, profile["loop_total"])
     lines = ["profile (py-spy, 200 Hz, separate run; samples of the router's loop thread 'pdserve-cluster')",
-             "  threads: " + ", ".join(f"{t.split(' ')[0]} {n}" for t, n in profile["threads"]),
+             "  samples per thread: " + ", ".join(f"{t.split(': ')[-1]} {n}" for t, n in profile["threads"]),
              "  where the loop thread's time goes (innermost router/library area of each sample):"]
     lines += [f"    {n / total:6.1%}  {area}" for area, n in profile["areas"]]
     lines += ["  top functions by self time:"]
