@@ -88,7 +88,9 @@ def _cpu_s() -> float:
 async def _users(address: str, args: dict, start_at: float, stop_at: float) -> dict:
     from router.client import AsyncPdserveClient
 
-    clients = [AsyncPdserveClient(address) for _ in range(args["channels"])]
+    # A connection each (grpc shares one TCP connection among channels to one address otherwise).
+    clients = [AsyncPdserveClient(address, options=[("grpc.use_local_subchannel_pool", 1)])
+               for _ in range(args["channels"])]
     out = {"bins": collections.Counter(), "messages": 0, "finished": 0, "rejected": 0, "errors": 0,
            "error_samples": [], "ttft_s": [], "wrong_tokens": 0}
     n = args["streams"]
