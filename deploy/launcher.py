@@ -211,6 +211,11 @@ class Cluster:
             raise
         return actor, info
 
+    def _kill(self, worker: WorkerHandle) -> None:
+        """What is left of ``worker``'s actor, and its pool (a worker that died never unlinked it)."""
+        ray.kill(worker.actor)
+        _unlink(worker.shm_path)
+
     def _make_standby(self, kind: str):
         opts, args = self._standby_recipes[kind]
         return opts.remote(*args, standby=True)
@@ -340,8 +345,7 @@ class Cluster:
         shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]
         await _until(deadline, asyncio.gather(*shutdowns, return_exceptions=True), "worker shutdown")
         for w in self.registry.all:
-            ray.kill(w.actor)
-            _unlink(w.shm_path)  # a worker that died never unlinked its pool
+            self._kill(w)
         if self._pg is not None:
             remove_placement_group(self._pg)
         if getattr(self, "metrics", None):
@@ -413,8 +417,9 @@ def _free_port() -> int:
 class ClusterThread:
     """A Cluster on its own event loop in a daemon thread; ``start()`` returns the port."""
 
-    def __init__(self, config: ClusterConfig) -> None:
-        self.cluster = Cluster(config)
+    def __init__(self, config: ClusterConfig, cluster: Cluster | None = None) -> None:
+        """``cluster``: one already made from ``config`` (a subclass: benchmarks/sim_cluster.py)."""
+        self.cluster = cluster or Cluster(config)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-cluster", daemon=True)
 

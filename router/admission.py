@@ -15,7 +15,10 @@ in-flight counts and step-time models fitted online (``router.step_model``):
          is (time since its first token, tokens left) through the prefill queued behind it there
          plus this prompt when it prefills there, then steps at the predicted rate. A burst of
          prompts is paid by the requests decoding while it is prefilled; this is what keeps it
-         within their targets, at once, while the long-run rate is still catching up.
+         within their targets, at once, while the long-run rate is still catching up. Checked
+         where this prompt would be prefilled on the decode worker: a disaggregated pair stalls
+         none of them (a request pushed past its safety line by the step alone is left out
+         either way), so its check is met without looking;
 Both carry an online correction, a log-space EMA of observed / predicted that absorbs what the
 models leave out (RPC latency, chunking granularity, batch growth). TTFT: the admission-time
 prediction against the first token. TPOT: a prediction made afresh at each request's first
@@ -28,9 +31,13 @@ the lowest TTFT (balances prefill queues, and weighs a cached prefix against a l
 are prompt tokens to compute), then the most headroom. Without targets or timings: the least
 queued work (prefill tokens queued there minus the prefix expected cached there), then the
 fewest requests decoding, then the decode worker holding most of the prompt already (fewer
-bytes to move). A decode worker that holds all of a prompt but its last block
-(``LOCAL_PREFILL_TOKENS`` or fewer to compute) is taken like a disaggregated pair: a hand-off
-would cost more than that prefill. Conditional disaggregation:
+bytes to move). The search takes each worker's part once (``_Search``: a pair's TTFT is its
+prefill worker's, its TPOT its decode worker's), so a decision costs O(prefill + decode
+workers), not O(pairs); the running-TPOT check (O(requests on that worker)) is made only for a
+decode worker that would prefill and can still be chosen; nothing is O(requests queued).
+A decode worker that holds all of a prompt but its last block (``LOCAL_PREFILL_TOKENS`` or
+fewer to compute) is taken like a disaggregated pair: a hand-off would cost more than that
+prefill. Conditional disaggregation:
 the decode worker prefilling the prompt itself is a candidate too (no hand-off, but its prefill
 interferes with its decodes); it is taken when no prefill worker can meet the request's TTFT
 and its own predictions fit: extra prefill capacity exactly when the prefill side is the
@@ -53,6 +60,8 @@ import enum
 import math
 import time
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 from engine.errors import CapacityError, WorkerFailedError
 from engine.types import RequestSpec
@@ -98,11 +107,8 @@ class Prediction:
 
     def headroom(self, ttft_target: float | None, tpot_target: float | None) -> float:
         """Smallest relative slack against the targets (higher is better; < 0 misses one)."""
-        slacks = [1.0 - p / t for p, t in ((self.ttft_s, ttft_target), (self.tpot_s, tpot_target))
-                  if p is not None and t]
-        if self.running_tpot_ratio is not None:
-            slacks.append(1.0 - self.running_tpot_ratio)
-        return min(slacks) if slacks else float("inf")
+        running = 1.0 - self.running_tpot_ratio if self.running_tpot_ratio is not None else math.inf
+        return min(_slack(self.ttft_s, ttft_target), _slack(self.tpot_s, tpot_target), running)
 
     @property
     def spares_running(self) -> bool:
@@ -113,12 +119,7 @@ class Prediction:
         return self.spares_running and _within(self.tpot_s, target, TPOT_SAFETY)
 
     def fits_ttft(self, target: float | None) -> bool:
-        """The predicted part, not the time already queued (known exactly), must fit the
-        safety share of what is left: a request that waited for decode capacity is not
-        rejected for a margin on time that is no longer uncertain."""
-        if not target or self.ttft_s is None:
-            return True
-        return self.ttft_s - self.waited_s <= (target - self.waited_s) * TTFT_SAFETY
+        return _fits_ttft(self.ttft_s, self.waited_s, target)
 
 
 class Action(enum.Enum):
@@ -198,7 +199,10 @@ class Admission:
         self.tpot_correction = _corrected(self.tpot_correction, progress.predicted_tpot_s, observed_s, 0.5, 1.5)
 
     def model(self, worker_id: str) -> StepTimeModel:
-        return self.models.setdefault(worker_id, StepTimeModel())
+        model = self.models.get(worker_id)
+        if model is None:
+            model = self.models[worker_id] = StepTimeModel()
+        return model
 
     async def notify(self) -> None:
         self._waiters.wake(MAX_WAKE_PER_NOTIFY)
@@ -215,16 +219,9 @@ class Admission:
     # ---- predictions -----------------------------------------------------------------------
     def predict(self, spec: RequestSpec, prefill: WorkerHandle | None, decode: WorkerHandle,
                 now: float | None = None, waited_s: float = 0.0) -> Prediction:
-        prompt = len(spec.prompt_token_ids)
-        now = time.perf_counter() if now is None else now
-        decode_cached = decode.prefix.expected_hit(spec.prompt_token_ids)
-        cached = prefill.prefix.expected_hit(spec.prompt_token_ids) if prefill else decode_cached
-        ttft = self._ttft(prompt - cached, prefill, decode)
-        step = self._decode_step(decode, prompt, now)
-        own_prompt = prompt - cached if prefill is None else 0   # prefilled on the decode worker itself
-        running = self._running_tpot_ratio(decode, step, own_prompt, now) if step is not None else None
-        return Prediction(prefill, decode, None if ttft is None else waited_s + ttft, step, running, waited_s,
-                          prompt, cached, decode_cached)
+        search = _Search(self, spec, now, waited_s)
+        side = search.decode_side(decode)
+        return search.local(side) if prefill is None else search.pair(search.prefill_side(prefill), side)
 
     def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
@@ -233,14 +230,8 @@ class Admission:
         rates = [r for r in (self.model(w.worker_id).seconds_per_prefill_token() for w in workers) if r is not None]
         return min(rates) if rates else None
 
-    def _ttft(self, prompt: int, prefill: WorkerHandle | None, decode: WorkerHandle) -> float | None:
-        per_token = self._prefill_seconds_per_token(prefill)
-        if per_token is None:
-            return None
-        queued = _queued_prefill_tokens(prefill or decode)
-        return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
-
-    def _decode_step(self, decode: WorkerHandle, prompt: int, now: float, joining: bool = True) -> float | None:
+    def _decode_step(self, decode: WorkerHandle, prompt: int, now: float, joining: bool = True,
+                     fallback_stall: float | None = None) -> float | None:
         """Seconds per token on ``decode`` (with this request added when ``joining``): its step
         time, stretched by the long-run share of that worker's time prefill takes (inf when
         prefill saturates it), times the TPOT correction."""
@@ -248,27 +239,29 @@ class Admission:
         step = self.model(decode.worker_id).predict(max(1, seqs), _kv_tokens(decode) + prompt)
         if step is None:
             return None
-        share = self._stall_per_token(decode) * decode.prefill_token_rate(now)
-        tpot = step * self.tpot_correction / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
-        logger.debug("%s tpot: seqs %d step %.3f share %.2f -> %.3f s", decode.worker_id, seqs, step, share, tpot)
-        return tpot
+        rate = decode.prefill_token_rate(now)
+        share = self._stall_per_token(decode, fallback_stall) * rate if rate else 0.0
+        return step * self.tpot_correction / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
 
-    def _stall_per_token(self, decode: WorkerHandle) -> float:
+    def _stall_per_token(self, decode: WorkerHandle, fallback: float | None = None) -> float:
         """Seconds a prompt token prefilled on ``decode`` stalls its decodes: measured there once
         it has prefilled (colocated, or conditional disaggregation), else the prefill workers'
-        full per-token time (an upper bound)."""
+        full per-token time (an upper bound; ``fallback`` when the caller has it already)."""
         stall = self.model(decode.worker_id).prefill_stall_per_token()
-        return stall if stall is not None else (self._prefill_seconds_per_token(None) or 0.0)
+        if stall is not None:
+            return stall
+        return fallback if fallback is not None else (self._prefill_seconds_per_token(None) or 0.0)
 
-    def _running_tpot_ratio(self, decode: WorkerHandle, step_s: float, own_prompt: int, now: float) -> float | None:
+    def _running_tpot_ratio(self, decode: WorkerHandle, step_s: float, own_prompt: int, now: float,
+                            per_token: float) -> float | None:
         """Worst projected / target TPOT among the requests admitted to ``decode`` if this one
-        joins: each stalls, after its first token, for the prefill queued behind it there plus
-        ``own_prompt``, then steps at ``step_s`` (a request still awaiting its first token counts
-        too: the prompts queued behind it are prefilled after it starts decoding). Requests
-        already past the safety line without this prompt are left out: one such request would
-        otherwise block the worker until it finishes (a request's worth of goodput kept, several
-        lost), or it is lost either way."""
-        per_token = self._stall_per_token(decode)
+        prefills there (``own_prompt`` tokens): each stalls, after its first token, for the
+        prefill queued behind it there plus ``own_prompt``, then steps at ``step_s`` (a request
+        still awaiting its first token counts too: the prompts queued behind it are prefilled
+        after it starts decoding). Requests already past the safety line without this prompt
+        are left out: one such request would otherwise block the worker until it finishes (a
+        request's worth of goodput kept, several lost), or it is lost either way. O(requests
+        there): asked only of the decode workers a decision considers prefilling on."""
         queued = _queued_prefill_tokens(decode)
         own_stall = own_prompt * per_token
         worst = None
@@ -282,18 +275,6 @@ class Admission:
             worst = ratio if worst is None else max(worst, ratio)
         return worst
 
-    def candidates(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0) -> list[Prediction]:
-        decodes = self.registry.alive("decode")
-        if not decodes:
-            raise WorkerFailedError("no decode worker is alive")
-        if not self.registry.prefill:  # colocated mode
-            return [self.predict(spec, None, d, now, waited_s) for d in decodes]
-        prefills = self.registry.alive("prefill")
-        preds = [self.predict(spec, p, d, now, waited_s) for p in prefills for d in decodes]
-        if self.conditional or not prefills:   # no prefill worker up: the decode workers prefill
-            preds += [self.predict(spec, None, d, now, waited_s) for d in decodes]
-        return preds
-
     # ---- decisions ---------------------------------------------------------------------------
     def decide(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0,
                best_effort: bool = False) -> Decision:
@@ -302,17 +283,16 @@ class Admission:
         if not self.registry.can_serve and self.registry.recovering("decode"):
             return Decision(Action.QUEUE, Cause.RESTARTING, "waiting for a decode worker to restart")
         ttft_t, tpot_t = self._targets(spec)
-        preds = self.candidates(spec, now, waited_s)
-        disagg = [p for p in preds if p.prefill is not None] or preds
+        search = _Search(self, spec, now, waited_s)
         if best_effort:   # still only where the prompt's blocks fit now, or the reservation fails
-            roomy = [p for p in disagg if _has_prompt_room(p.decode, spec)]
-            if not roomy:
-                return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", min(disagg, key=_load))
-            return Decision(Action.ADMIT, Cause.MIGRATION, prediction=min(roomy, key=_load))
-        if not self.enabled or (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
-            best = min(disagg, key=_load)  # best effort, or no timings yet: least loaded
+            roomy = search.least_loaded(lambda d: _has_prompt_room(d.worker, spec))
+            if roomy is None:
+                return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
+            return Decision(Action.ADMIT, Cause.MIGRATION, prediction=roomy)
+        if not self.enabled or (ttft_t is None and tpot_t is None) or not search.has_timings():
+            best = search.least_loaded()  # best effort, or no timings yet: least loaded
             return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
-        best = self._choose(spec, preds, ttft_t, tpot_t)
+        best = search.choose(ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision(Action.ADMIT, Cause.IDLE, prediction=best)
         if not best.fits_ttft(ttft_t):
@@ -325,20 +305,6 @@ class Admission:
         if not _has_kv_room(best.decode, spec):
             return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best)
         return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
-
-    @staticmethod
-    def _choose(spec: RequestSpec, preds: list[Prediction], ttft_t: float | None, tpot_t: float | None) -> Prediction:
-        """Among the pairs predicted to meet both targets (with KV room): disaggregated ones
-        first (a decode worker takes a prompt only when no prefill worker can meet its TTFT),
-        then the lowest TTFT (it balances prefill queues; TPOT already fits), then the most
-        headroom. When none meets both: the most headroom among those meeting TTFT (the
-        request may queue for decode capacity), else among all (it will be rejected)."""
-        fits_ttft = [p for p in preds if p.fits_ttft(ttft_t)]
-        fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and _has_kv_room(p.decode, spec)]
-        if fits:
-            pool = [p for p in fits if p.prefill is not None or p.cheap_local] or fits
-            return min(pool, key=lambda p: (p.ttft_s, -p.headroom(ttft_t, tpot_t)))
-        return max(fits_ttft or preds, key=lambda p: p.headroom(ttft_t, tpot_t))
 
     async def acquire(self, spec: RequestSpec, metrics=None, resuming: bool = False) -> Prediction:
         """Admit (returning the pair), wait in the queue, or raise CapacityError.
@@ -392,6 +358,197 @@ class Admission:
         return ttft, tpot
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefillSide:
+    """A prefill worker's part of every pair it is in: the TTFT depends on it alone."""
+
+    worker: WorkerHandle
+    cached: int                # prompt tokens expected in its prefix cache
+    ttft_s: float | None       # including the time already queued
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeSide:
+    """A decode worker's part of every pair it is in: the TPOT depends on it alone."""
+
+    worker: WorkerHandle
+    cached: int
+    tpot_s: float | None
+
+
+class _Search:
+    """One decision's candidates with each worker's part computed once: |P| + |D| predictions,
+    not |P| x |D|. A disaggregated pair's TTFT depends on its prefill worker alone and its TPOT
+    on its decode worker alone (its prompt is prefilled elsewhere: it stalls no request
+    decoding there, so the running-TPOT check is trivially met; the step it adds is in its own
+    TPOT and, through the step time, in theirs), and every rule of the choice is lexicographic
+    in the two parts or the smaller of their slacks. So the chosen pair is found side by side:
+    the pair scanning every pair in (prefill, decode) order would choose, ties included.
+    Candidates where the decode worker prefills (colocated, conditional disaggregation) are
+    formed only when a rule needs them, and the O(requests there) running-TPOT check only for
+    those that can still be chosen."""
+
+    def __init__(self, admission: Admission, spec: RequestSpec, now: float | None, waited_s: float) -> None:
+        self.admission = admission
+        self.spec = spec
+        self.prompt = len(spec.prompt_token_ids)
+        self.now = time.perf_counter() if now is None else now
+        self.waited_s = waited_s
+
+    @cached_property
+    def local_rate(self) -> float | None:
+        """Seconds per prompt token where the decode worker prefills (the prefill workers' rate)."""
+        return self.admission._prefill_seconds_per_token(None)
+
+    @cached_property
+    def decodes(self) -> list[_DecodeSide]:
+        decodes = self.admission.registry.alive("decode")
+        if not decodes:
+            raise WorkerFailedError("no decode worker is alive")
+        return [self.decode_side(d) for d in decodes]
+
+    @cached_property
+    def prefills(self) -> list[_PrefillSide]:
+        """Empty when no pair is disaggregated (colocated mode, or no prefill worker up)."""
+        registry = self.admission.registry
+        return [self.prefill_side(p) for p in registry.alive("prefill")] if registry.prefill else []
+
+    @property
+    def with_local(self) -> bool:
+        """The decode workers prefilling are candidates too: colocated mode, no prefill worker
+        up, or conditional disaggregation."""
+        return not self.prefills or self.admission.conditional
+
+    # ---- the parts and the pairs ------------------------------------------------------------
+    def prefill_side(self, p: WorkerHandle) -> _PrefillSide:
+        cached = p.prefix.expected_hit(self.spec.prompt_token_ids)
+        per_token = self.admission._prefill_seconds_per_token(p)
+        return _PrefillSide(p, cached, self._ttft(p, self.prompt - cached, per_token, self.admission.handoff_s))
+
+    def decode_side(self, d: WorkerHandle) -> _DecodeSide:
+        step = self.admission._decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
+        return _DecodeSide(d, d.prefix.expected_hit(self.spec.prompt_token_ids), step)
+
+    def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None, handoff_s: float) -> float | None:
+        if per_token is None:
+            return None
+        queued = _queued_prefill_tokens(worker)
+        return self.waited_s + ((queued + tokens) * per_token + handoff_s) * self.admission.ttft_correction
+
+    def _local_ttft(self, d: _DecodeSide) -> float | None:
+        return self._ttft(d.worker, self.prompt - d.cached, self.local_rate, 0.0)
+
+    def pair(self, p: _PrefillSide, d: _DecodeSide) -> Prediction:
+        return Prediction(p.worker, d.worker, p.ttft_s, d.tpot_s, None, self.waited_s, self.prompt, p.cached, d.cached)
+
+    def local(self, d: _DecodeSide) -> Prediction:
+        """The decode worker prefills the prompt itself (what is not in its cache)."""
+        own = self.prompt - d.cached
+        running = None
+        if d.tpot_s is not None:
+            stall = self.admission._stall_per_token(d.worker, self.local_rate or 0.0)
+            running = self.admission._running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
+        return Prediction(None, d.worker, self._local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
+                          d.cached, d.cached)
+
+    def has_timings(self) -> bool:
+        """Every candidate has a TTFT prediction (each worker has reported its steps)."""
+        return all(p.ttft_s is not None for p in self.prefills) and not (self.with_local and self.local_rate is None)
+
+    # ---- the rules ----------------------------------------------------------------------------
+    def least_loaded(self, room: Callable[[_DecodeSide], bool] | None = None) -> Prediction | None:
+        """Least queued work (prefill tokens queued minus the prefix expected cached there),
+        then the fewest requests decoding, then the decode worker holding most of the prompt,
+        then the most free blocks; among decode workers passing ``room`` (None if none does).
+        Disaggregated pairs when there are any."""
+        decodes = [d for d in self.decodes if room is None or room(d)]
+        if not decodes:
+            return None
+        if self.prefills:
+            p = min(self.prefills, key=lambda s: s.worker.num_prefill_tokens - s.cached)
+            return self.pair(p, min(decodes, key=_decode_load))
+        return self.local(min(decodes, key=lambda d: (-d.cached, *_decode_load(d))))
+
+    def choose(self, ttft_t: float | None, tpot_t: float | None) -> Prediction:
+        """Among the pairs predicted to meet both targets (with KV room): disaggregated ones
+        first (a decode worker takes a prompt only when no prefill worker can meet its TTFT),
+        then the lowest TTFT (it balances prefill queues; TPOT already fits), then the most
+        headroom. When none meets both: the most headroom among those meeting TTFT (the
+        request may queue for decode capacity), else among all (it will be rejected)."""
+        fit_p = [p for p in self.prefills if _fits_ttft(p.ttft_s, self.waited_s, ttft_t)]
+        fit_d = [d for d in self.decodes if _within(d.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(d.worker, self.spec)]
+        if fit_p and fit_d:
+            p = min(fit_p, key=lambda s: s.ttft_s)
+            slack = _slack(p.ttft_s, ttft_t)
+            best = self.pair(p, max(fit_d, key=lambda d: min(slack, _slack(d.tpot_s, tpot_t))))
+            cheap = self._best_local(ttft_t, tpot_t, cheap_only=True)
+            rank = lambda c: (c.ttft_s, -c.headroom(ttft_t, tpot_t))  # noqa: E731
+            return best if cheap is None or rank(best) <= rank(cheap) else cheap
+        local = self._best_local(ttft_t, tpot_t, cheap_only=True) or self._best_local(ttft_t, tpot_t, cheap_only=False)
+        return local or self._most_headroom(ttft_t, tpot_t, fit_p)
+
+    def _best_local(self, ttft_t: float | None, tpot_t: float | None, cheap_only: bool) -> Prediction | None:
+        """The lowest (TTFT, -headroom) among the decode workers prefilling that meet both
+        targets (only those holding all of the prompt but a block: ``cheap_only``)."""
+        if not self.with_local:
+            return None
+        cands = []
+        for i, d in enumerate(self.decodes):
+            if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
+                continue
+            ttft = self._local_ttft(d)
+            if _fits_ttft(ttft, self.waited_s, ttft_t) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
+                    and _has_kv_room(d.worker, self.spec):
+                cands.append((ttft, i, d))
+        return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
+
+    def _most_headroom(self, ttft_t: float | None, tpot_t: float | None, fit_p: list[_PrefillSide]) -> Prediction:
+        """The most headroom among the candidates meeting TTFT, else among all. A
+        disaggregated pair's headroom is the smaller of its two parts' slacks: the best is
+        min(best prefill slack, best decode slack), reached first by the first prefill and
+        then the first decode worker reaching it."""
+        local = [(0.0, i, d, self._local_ttft(d)) for i, d in enumerate(self.decodes)] if self.with_local else []
+        locals_fit = [c for c in local if _fits_ttft(c[3], self.waited_s, ttft_t)]
+        any_fit = bool(fit_p or locals_fit)
+        prefills = fit_p if any_fit else self.prefills
+        best = None
+        if prefills:
+            a = [_slack(p.ttft_s, ttft_t) for p in prefills]
+            h = [_slack(d.tpot_s, tpot_t) for d in self.decodes]
+            value = min(max(a), max(h))
+            p = next(p for p, ap in zip(prefills, a) if ap >= value)
+            best = self.pair(p, next(d for d, hd in zip(self.decodes, h) if hd >= value))
+        cands = [c[:3] for c in (locals_fit if any_fit else local)]
+        return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=False, best=best)
+
+    def _most_headroom_local(self, cands: list[tuple[float, int, _DecodeSide]], ttft_t: float | None,
+                             tpot_t: float | None, must_spare_running: bool,
+                             best: Prediction | None = None) -> Prediction | None:
+        """The first by (group, -headroom, decode order) of ``cands`` ((group, order, side):
+        the decode worker prefilling), or ``best`` (before all of them) when none beats it.
+        Headroom's running-TPOT term needs the O(requests there) check: it is made best bound
+        first (the TTFT and TPOT slacks bound the headroom from above), for no candidate that
+        cannot win."""
+        best_h, best_i = (best.headroom(ttft_t, tpot_t), -1) if best is not None else (-math.inf, -1)
+        group = None if best is None else 0.0
+
+        def bound(c) -> float:
+            return min(_slack(self._local_ttft(c[2]), ttft_t), _slack(c[2].tpot_s, tpot_t))
+
+        for key, i, d, upper in sorted(((c[0], c[1], c[2], bound(c)) for c in cands), key=lambda c: (c[0], -c[3], c[1])):
+            if group is not None and key > group:
+                break   # a later group cannot win
+            if best is not None and (upper < best_h or (upper == best_h and i > best_i)):
+                continue
+            pred = self.local(d)
+            if must_spare_running and not pred.spares_running:
+                continue
+            h = pred.headroom(ttft_t, tpot_t)
+            if best is None or h > best_h or (h == best_h and i < best_i):
+                best, best_h, best_i, group = pred, h, i, key
+        return best
+
+
 def _corrected(current: float, predicted_s: float | None, observed_s: float, low: float, high: float) -> float:
     """``predicted_s`` already carries ``current``: move it geometrically toward the
     observed/predicted ratio (an EMA in log space), so it converges on the true bias; clamped
@@ -404,11 +561,23 @@ def _corrected(current: float, predicted_s: float | None, observed_s: float, low
 def _within(predicted: float | None, target: float | None, safety: float) -> bool:
     return not target or predicted is None or predicted <= target * safety
 
+def _decode_load(d: _DecodeSide) -> tuple[int, int, int]:
+    free = d.worker.stats.num_free_blocks if d.worker.stats else 0
+    return (d.worker.num_inflight, -d.cached, -free)
 
-def _load(p: Prediction) -> tuple[int, int, int, int]:
-    free = p.decode.stats.num_free_blocks if p.decode.stats else 0
-    queued = p.prefill.num_prefill_tokens if p.prefill else 0
-    return (queued - p.cached_tokens, p.decode.num_inflight, -p.decode_cached_tokens, -free)
+
+def _slack(predicted: float | None, target: float | None) -> float:
+    """Relative slack of a prediction against its target (inf when either is unset)."""
+    return 1.0 - predicted / target if predicted is not None and target else math.inf
+
+
+def _fits_ttft(ttft_s: float | None, waited_s: float, target: float | None) -> bool:
+    """The predicted part, not the time already queued (known exactly), must fit the safety
+    share of what is left: a request that waited for decode capacity is not rejected for a
+    margin on time that is no longer uncertain."""
+    if not target or ttft_s is None:
+        return True
+    return ttft_s - waited_s <= (target - waited_s) * TTFT_SAFETY
 
 
 def _idle(p: Prediction) -> bool:

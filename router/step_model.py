@@ -9,6 +9,8 @@ as a share of the worker's time). ``seconds_per_prefill_token`` is the throughpu
 prefill-dominated steps: what a worker needs per queued prompt token (TTFT);
 ``prefill_stall_per_token`` what each prompt token adds to the steps decodes wait on (TPOT).
 Until enough distinct steps have been seen the answers are None (admission is then optimistic).
+Per report the work is bounded: only the steps new in the report are read, and the decode fit
+is redone every ``REFIT_AFTER`` new decode steps (a worker reports every step).
 Torch-free (numpy only).
 """
 
@@ -25,33 +27,50 @@ from engine.types import StepTiming
 
 MIN_STEPS = 4
 OUTLIER_FACTOR = 3.0     # residual beyond 3x the median absolute residual (and 1 ms) is dropped
+REFIT_AFTER = 8          # new decode steps before the fit is redone (7 least-squares solves; workers report every step)
 
 
 class StepTimeModel:
     def __init__(self, max_steps: int = 256) -> None:
         self._steps: deque[StepTiming] = deque(maxlen=max_steps)
         self._seen: set[tuple] = set()
+        self._unfitted = 0   # decode steps observed since the last fit
         # Derived figures (fit, per-token times), dropped whenever new steps arrive: admission
         # asks for them per candidate pair, again for every queued request at each worker report.
         self._cache: dict[str, Any] = {}
 
     def observe(self, steps: tuple[StepTiming, ...]) -> None:
-        """Add steps not seen before (a worker's recent steps arrive many times)."""
-        for s in steps:
+        """Add steps not seen before. A worker's recent steps arrive many times, as a window
+        that slides: the new ones are at its end, so the scan stops at the first step seen."""
+        new = []
+        for s in reversed(steps):
             key = (s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s)
-            if key not in self._seen:
-                self._seen.add(key)
-                self._steps.append(s)
-                self._cache.clear()
+            if key in self._seen:
+                break
+            self._seen.add(key)
+            new.append(s)
+        if not new:
+            return
+        self._steps.extend(reversed(new))
+        self._unfitted += sum(1 for s in new if s.num_prefill_tokens == 0)
+        coef = self._cache.get("coef")
+        self._cache.clear()
+        if coef is not None and self._unfitted < REFIT_AFTER:
+            self._cache["coef"] = coef   # refitted every REFIT_AFTER new decode steps, not every step
         if len(self._seen) > 4 * self._steps.maxlen:
             self._seen = {(s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s) for s in self._steps}
 
     def predict(self, num_seqs: int, num_kv_tokens: int) -> float | None:
         """Duration of a decode step over ``num_seqs`` sequences holding ``num_kv_tokens``."""
-        coef = self._fit()
+        coef = self.coefficients()
         if coef is None:
             return None
-        return float(np.array([1.0, num_seqs, num_kv_tokens]) @ coef)
+        a, b, c = coef   # plain floats: admission asks per candidate worker, per decision
+        return a + b * num_seqs + c * num_kv_tokens
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """The fitted (a, b, c) of ``a + b * num_seqs + c * num_kv_tokens``; None until fitted."""
+        return self._cached("coef", self._fit_decode_steps)
 
     def seconds_per_prefill_token(self) -> float | None:
         """Step time per token over steps that are mostly prefill (decode-only steps excluded)."""
@@ -82,12 +101,10 @@ class StepTimeModel:
             return None
         return sum(max(0.0, s.duration_s - d) for s, d in zip(steps, decode)) / total
 
-    def _fit(self) -> np.ndarray | None:
-        return self._cached("coef", self._fit_decode_steps)
-
-    def _fit_decode_steps(self) -> np.ndarray | None:
+    def _fit_decode_steps(self) -> tuple[float, float, float] | None:
+        self._unfitted = 0
         steps = [s for s in self._steps if s.num_prefill_tokens == 0]
-        return self._fit_steps(steps) if len(steps) >= MIN_STEPS else None
+        return tuple(float(c) for c in self._fit_steps(steps)) if len(steps) >= MIN_STEPS else None
 
     @staticmethod
     def _fit_steps(steps: list[StepTiming]) -> np.ndarray:

@@ -260,7 +260,7 @@ def test_a_pair_whose_transport_keeps_failing_routes_around_it():
 
 def test_a_migrating_request_waits_for_room_for_its_prompt_instead_of_failing():
     from engine.types import WorkerStats
-    from router.admission import Admission
+    from router.admission import Action, Admission
 
     registry = WorkerRegistry()
     prefill = WorkerHandle("p0", "prefill", None, "n", "cpu")
@@ -269,7 +269,7 @@ def test_a_migrating_request_waits_for_room_for_its_prompt_instead_of_failing():
     registry.add(decode)
     admission = Admission(registry)
     resumed = RequestSpec("r.m1", tuple(range(3, 60)), SamplingParams(max_tokens=4), num_generated=20)
-    assert admission.decide(resumed, best_effort=True).action == "queue", "57 tokens need 4 blocks, 2 are free"
+    assert admission.decide(resumed, best_effort=True).action is Action.QUEUE, "57 tokens need 4 blocks, 2 are free"
     decode.observe_stats(WorkerStats("d0", "decode", 0, 9, 0, 4, 64, 16))
     decision = admission.decide(resumed, best_effort=True)
-    assert decision.action == "admit" and decision.prediction.prefill is prefill
+    assert decision.action is Action.ADMIT and decision.prediction.prefill is prefill

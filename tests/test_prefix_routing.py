@@ -9,7 +9,7 @@ import sys
 
 from engine.kv_manager import KVCacheManager
 from engine.types import KVEvent, KVEventKind, RequestSpec, SamplingParams, SLOTarget
-from router.admission import Admission
+from router.admission import Action, Admission
 from router.prefix_index import PrefixIndex, prompt_hashes
 from router.registry import WorkerHandle, WorkerRegistry
 from tests.test_admission import decode_steps, prefill_steps, stats
@@ -84,7 +84,7 @@ def test_cached_prefix_lowers_predicted_ttft_and_wins_the_pair():
     assert warm.cached_tokens == 64 and warm.tokens_to_prefill == 20
     assert warm.ttft_s < cold.ttft_s
     decision = admission.decide(spec(prompt(5), ttft=0.5, tpot=0.05))
-    assert decision.action == "admit" and decision.prediction.prefill is p1
+    assert decision.action is Action.ADMIT and decision.prediction.prefill is p1
     p1.num_prefill_tokens = 4000        # the hit no longer pays for the queue
     assert admission.decide(spec(prompt(5), ttft=0.5, tpot=0.05)).prediction.prefill is p0
 
@@ -104,7 +104,7 @@ def test_decode_worker_holding_all_but_the_last_block_skips_the_prefill_worker()
     d0.placed_prompt(turn)
     again = turn + (7, 8, 9)             # a retry with a few more tokens: 80 of 87 cached there
     decision = admission.decide(spec(again, ttft=0.5, tpot=0.05))
-    assert decision.action == "admit" and decision.prediction.prefill is None
+    assert decision.action is Action.ADMIT and decision.prediction.prefill is None
     assert decision.prediction.tokens_to_prefill == 7
     longer = turn + tuple(range(2000, 2040))
     assert admission.decide(spec(longer, ttft=0.5, tpot=0.05)).prediction.prefill is not None
