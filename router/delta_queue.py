@@ -104,4 +104,4 @@ def merge(*deltas: TokenDelta) -> TokenDelta:
     logprobs = tuple(itertools.chain.from_iterable(d.logprobs or () for d in deltas)) if has_logprobs else None
     error = next((d.error for d in reversed(deltas) if d.error), None)
     return TokenDelta(first.req_id, tuple(itertools.chain.from_iterable(d.token_ids for d in deltas)),
-                      last.finish_reason, logprobs, error)
+                      last.finish_reason, logprobs, error, first.num_cached_tokens)
