@@ -4,8 +4,8 @@ For every candidate (prefill, decode) pair the router predicts, from live worker
 in-flight counts and step-time models fitted online (``router.step_model``):
   TTFT = time already spent queued + (prompt tokens waiting for prefill on the prefilling
          worker + this prompt's tokens not in its prefix cache) x its seconds per prefill token
-         + the recent KV hand-off time. The cached part is the router's guess
-         (``router.prefix_index``): a prefix placed on that worker recently;
+         (no KV hand-off term: the first token goes ahead of it). The cached part is the
+         router's guess (``router.prefix_index``): a prefix placed on that worker recently;
   TPOT = the decode worker's step time with this request added (batch size, KV tokens),
          divided by (1 - u) when that worker also prefills (colocated, or conditional
          disaggregation): u is the share of its time prefill takes over the long run, from the
@@ -134,7 +134,6 @@ class Admission:
         self.enabled = enabled
         self.conditional = conditional
         self.models: dict[str, StepTimeModel] = {}
-        self.handoff_s = 0.0           # EMA of measured hand-off time
         # EMA of observed / predicted TTFT: absorbs what the step models leave out (router and
         # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
         # shut admission down.
@@ -148,9 +147,6 @@ class Admission:
     def observe_stats(self, worker: WorkerHandle) -> None:
         if worker.stats is not None:
             self.model(worker.worker_id).observe(worker.stats.recent_steps)
-
-    def observe_handoff(self, seconds: float) -> None:
-        self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
 
     def observe_ttft(self, pair: Prediction, observed_s: float) -> None:
         """``observed_s`` from arrival; the time queued is known exactly, only the rest was predicted."""
@@ -211,7 +207,8 @@ class Admission:
         if per_token is None:
             return None
         queued = _queued_prefill_tokens(prefill or decode)
-        return ((queued + prompt) * per_token + (self.handoff_s if prefill else 0.0)) * self.ttft_correction
+        # No hand-off term: the first token leaves the prefill worker before its KV moves.
+        return (queued + prompt) * per_token * self.ttft_correction
 
     def _decode_step(self, decode: WorkerHandle, prompt: int, now: float, joining: bool = True) -> float | None:
         """Seconds per token on ``decode`` (with this request added when ``joining``): its step
