@@ -19,20 +19,24 @@ numbers being compared come from the same minute of a shared machine. Three syst
 
 The router runs in this process (``ClusterThread``), so the client's and the router's clocks
 are the same ``perf_counter`` and their stamps subtract exactly. Derived rows:
-  router overhead  = client TTFT - (queue + prefill + KV transfer)   [disaggregated]
-                   = client TTFT - the worker's prefill step          [colocated]
-    split into gRPC + handler (client TTFT - server ttft_s) and Ray control plane
-    (server ttft_s - queue - prefill - transfer: pair choice, ``reserve``, the ``prefill``
-    call and its reply);
-  first-token delivery = client TTFT - (queue + prefill): everything after the first token
-    was sampled (hand-off included) until the client holds it;
+  router + control plane = client TTFT - (queue + prefill)     [disaggregated]
+                         = client TTFT - the worker's prefill step [colocated]
+    everything on the first token's path that is not the engine's work on it: the prefill
+    worker streams the first token ahead of the KV hand-off, so the transfer is not in it
+    (it is shown apart: it delays the second token, not the first); split into gRPC + handler
+    (client TTFT - server ttft_s) and Ray control plane (server ttft_s - queue - prefill:
+    pair choice, the ``prefill`` call reaching the worker, its first token coming back);
   streaming per token  = client TPOT - the decode worker's mean decode-step time, and the
     TPOT ratio cluster / in-process.
-Targets checked: router + gRPC add <= 2 ms per request (TTFT) and router + streaming <= 5 % of
-TPOT per token. Both are judged on same-clock differences (client and router share this
-process's clock; step times come from the worker itself). The cluster / in-process TPOT ratio is
-printed too, but it compares the model's speed in two processes, which on a shared 2-core machine
-drifts by more than the effect; the in-process TPOT's own spread across repeats is shown next to it.
+Targets checked: router + control plane <= 2 ms per request (TTFT), disaggregated TTFT within
+1.02x of the in-process engine, and router + streaming <= 5 % of TPOT per token. The first and
+last are judged on same-clock differences (client and router share this process's clock; step
+times come from the worker itself). The TTFT ratio is shown twice: as measured, and with the
+same prefill compute on both sides ((in-process TTFT + router + control plane) / in-process
+TTFT), because the raw one compares the model's speed in two processes, which on a shared
+2-core machine drifts by more than the effect (the in-process TTFT's own spread across repeats
+is printed next to it). So is the cluster / in-process TPOT ratio. The systems take turns in
+each repeat, in reversed order every other repeat, so no system always runs first.
 The sync client shares this process (and its GIL) with the router: that inflates, never hides,
 the overhead. Idle round trips of one Ray actor call and one unary gRPC call give the scale.
 
@@ -248,28 +252,24 @@ def report(systems: list[System], args, header: list[str]) -> str:
     queue = server(lambda t: t.queue_s)
     transfer = server(lambda t: t.kv_transfer_s)
     worker_prefill = lambda s: (s.timings.prefill_s if s.timings and s.timings.prefill_s else s.prefill_step_s)  # noqa: E731
-    served = lambda s: (s.timings.queue_s + s.timings.prefill_s + s.timings.kv_transfer_s  # noqa: E731
-                        if s.timings and s.timings.prefill_s else s.prefill_step_s)
     per_system("TTFT, client-observed", lambda s: s.ttft_s)
     per_system("  prefill compute (engine step / prefill_s)", worker_prefill)
     per_system("  queue in the prefill worker", queue, clusters)
-    per_system("  KV transfer incl. decode commit", transfer, clusters)
-    per_system("  Ray control plane (ttft_s - queue-prefill-xfer)",
+    per_system("  router + control plane (client TTFT - queue-prefill)", overhead, clusters)
+    per_system("    Ray control plane (server ttft_s - queue-prefill)",
                lambda s: s.timings.ttft_s - served(s) if s.timings and served(s) is not None else None, clusters)
-    per_system("  gRPC + handler (client TTFT - server ttft_s)",
+    per_system("    gRPC + handler (client TTFT - server ttft_s)",
                lambda s: s.ttft_s - s.timings.ttft_s if s.timings else None, clusters)
-    row("  (one idle unary gRPC call round trip, for scale)",
+    row("    (one idle unary gRPC call round trip, for scale)",
         [ms(statistics.median(s.grpc_trips_s), width) if s.grpc_trips_s else f"{'-':>{width}}" for s in systems])
-    row("  (one idle Ray actor call round trip, for scale)",
+    row("    (one idle Ray actor call round trip, for scale)",
         [ms(statistics.median(s.round_trips_s), width) if s.round_trips_s else f"{'-':>{width}}" for s in systems])
-    per_system("router overhead (client TTFT - queue-prefill-xfer)",
-               lambda s: s.ttft_s - served(s) if served(s) is not None else None, clusters)
-    per_system("first-token delivery (client TTFT - queue-prefill)",
-               lambda s: s.ttft_s - s.timings.queue_s - s.timings.prefill_s
-               if s.timings and s.timings.prefill_s else None, clusters)
+    per_system("  KV transfer incl. decode commit (after the 1st token)", transfer, clusters)
     per_system("TTFT - in-process TTFT", lambda s: s.ttft_s - inproc.median(lambda x: x.ttft_s), clusters)
     row("TTFT ratio vs in-process", [ratio(s.median(lambda x: x.ttft_s), inproc.median(lambda x: x.ttft_s), width)
                                      for s in systems])
+    row("TTFT ratio, same prefill compute", [ratio(same_compute_ttft(s, inproc), inproc.median(lambda x: x.ttft_s),
+                                                   width) for s in systems])
     lines.append("")
     per_system("TPOT, client-observed", lambda s: s.tpot_s)
     per_system("  server tpot_s (router clock)", server(lambda t: t.tpot_s), clusters)
@@ -299,29 +299,57 @@ def report(systems: list[System], args, header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def served(s: Sample) -> float | None:
+    """The engine's own work before the first token: queue + prefill on the prefill worker
+    (disaggregated), the worker's prefill step (colocated), the engine's first step (in-process)."""
+    return s.timings.queue_s + s.timings.prefill_s if s.timings and s.timings.prefill_s else s.prefill_step_s
+
+
+def overhead(s: Sample) -> float | None:
+    """Router + control plane on the first token's path: client TTFT - the engine's own work."""
+    return s.ttft_s - served(s) if s.timings is not None and served(s) is not None else None
+
+
+def same_compute_ttft(s: System, inproc: System) -> float | None:
+    """The system's TTFT had its prefill run as fast as the in-process engine's."""
+    if s is inproc:
+        return inproc.median(lambda x: x.ttft_s)
+    extra = s.median(overhead)
+    return None if extra is None else inproc.median(lambda x: x.ttft_s) + extra
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def targets(inproc: System, clusters: list[System]) -> list[str]:
-    """The two targets, judged on differences of stamps taken on one clock in one process (client,
+    """The targets, judged on differences of stamps taken on one clock in one process (client,
     router) or one worker (its step times). Cluster vs in-process compares two processes' model
     speed, which on a shared machine drifts by more than the effect; it is shown with its noise."""
     disagg = next((s for s in clusters if s.name == "disaggregated"), None)
     if disagg is None:
         return []
-    overhead_fn = lambda s: s.ttft_s - (s.timings.queue_s + s.timings.prefill_s + s.timings.kv_transfer_s)  # noqa: E731
-    overhead = disagg.median(overhead_fn)
-    best = min(overhead_fn(s) for s in disagg.samples)
+    extra = disagg.median(overhead)
+    best = min(overhead(s) for s in disagg.samples)
+    ttft = inproc.median(lambda x: x.ttft_s)
+    same = same_compute_ttft(disagg, inproc) / ttft
+    raw = disagg.median(lambda x: x.ttft_s) / ttft
     tpot = inproc.median(lambda x: x.tpot_s)
     per_token = disagg.median(lambda s: s.tpot_s - s.decode_step_s if s.decode_step_s else None)
     cross = disagg.median(lambda x: x.tpot_s) / tpot
-    spread = (max(x.tpot_s for x in inproc.samples) - min(x.tpot_s for x in inproc.samples)) / tpot
     ok = lambda good: "PASS" if good else "MISS"  # noqa: E731
-    lines = [f"  router + gRPC per request (TTFT)  {overhead * 1e3:7.2f} ms  (best of {len(disagg.samples)}:"
-             f" {best * 1e3:.2f})   target <= 2 ms      {ok(overhead <= 2e-3)}"]
+    lines = [f"  router + control plane (TTFT)     {extra * 1e3:7.2f} ms  (best of {len(disagg.samples)}:"
+             f" {best * 1e3:.2f})   target <= 2 ms      {ok(extra <= 2e-3)}",
+             f"  TTFT / in-process, same compute   {same:7.3f}                     target <= 1.02x     {ok(same <= 1.02)}"
+             f"   (as measured: {raw:.3f}; in-process TTFT alone spans {spread([x.ttft_s for x in inproc.samples]):.0%}"
+             " of its median across repeats)"]
     if per_token is not None:
         lines.append(f"  router + streaming per token      {per_token * 1e3:7.2f} ms = {per_token / tpot:.1%} of TPOT"
                      f"          target <= 5 %       {ok(per_token / tpot <= 0.05)}"
                      "   (client TPOT - the decode worker's own step)")
-    lines.append(f"  TPOT cluster / in-process         {cross:7.3f}   in-process TPOT alone spans {spread:.0%} of its"
-                 f" median across repeats: {'within' if abs(cross - 1) <= spread else 'beyond'} that noise")
+    noise = spread([x.tpot_s for x in inproc.samples])
+    lines.append(f"  TPOT cluster / in-process         {cross:7.3f}   in-process TPOT alone spans {noise:.0%} of its"
+                 f" median across repeats: {'within' if abs(cross - 1) <= noise else 'beyond'} that noise")
     return lines
 
 
@@ -392,8 +420,11 @@ def main() -> None:
         for i in range(args.repeats + 1):
             prompt = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
             warm = i == 0
-            samples = [run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
-            samples += [run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
+            runs = [lambda: run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
+            runs += [lambda cl=cl, c=c: run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
+            order = range(len(runs)) if i % 2 else reversed(range(len(runs)))   # no system always first
+            by_system = {k: runs[k]() for k in order}
+            samples = [by_system[k] for k in range(len(runs))]
             for system, sample in zip([inproc] + [s for s, _ in clusters], samples):
                 if sample.token_ids != samples[0].token_ids:
                     raise AssertionError(f"{system.name} output differs from the in-process engine's")

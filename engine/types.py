@@ -184,8 +184,22 @@ class HandoffOutcome(str, enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A prefill worker's first token, streamed ahead of its ``PrefillResult`` once the decode
+    worker's reservation holds and the KV starts moving: the client gets it without waiting for
+    the hand-off. Safe to send early: if the hand-off then fails, the request is recomputed (or
+    migrated) with this token as part of its prompt, so it is never sent twice."""
+
+    req_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """What a prefill worker returns once a request's KV has landed in its decode worker.
+    """What a prefill worker returns once a request's KV has landed in its decode worker (or
+    did not: ``outcome``). Its first token may have gone ahead as a ``FirstToken``.
 
     ``finish_reason`` is set when the request ended at prefill (EOS or max_tokens reached with
     the first token, aborted, failed); then no KV was handed over.

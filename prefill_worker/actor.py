@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, AsyncIterator
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.errors import PeerLostError
-from engine.types import PrefillResult, RequestSpec, WorkerStats
+from engine.types import FirstToken, PrefillResult, RequestSpec, WorkerStats
 from engine.worker_base import WorkerSpec
 from kvtransfer import group
 from kvtransfer.handle import KVBlocksHandle
@@ -61,8 +61,12 @@ class PrefillActor:
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
         await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
-    async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
-        return await self.worker.prefill(spec, handle, DecodePeer(decode) if decode is not None else None)
+    async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None,
+                      decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
+        """A streaming call: the first token as soon as it may go to the client, then the
+        result (one call, so the first token does not wait for the hand-off's round trips)."""
+        async for item in self.worker.stream(spec, handle, DecodePeer(decode) if decode is not None else None):
+            yield item
 
     async def abort(self, req_id: str) -> None:
         await self.worker.abort(req_id)

@@ -3,9 +3,13 @@ its decode worker.
 
 Life cycle of one request here:
   prefill(spec, handle, decode) -> queued in the engine (chunked prefill under the token
-  budget, many prompts per step) -> first token sampled, blocks *held* -> KV sent through the
-  handle's transport -> decode worker's ``commit`` (it admits the request) -> blocks released
-  -> PrefillResult (first token + timings) back to the router.
+  budget, many prompts per step; the decode worker's reservation resolves meanwhile) -> first
+  token sampled, blocks *held* -> the reservation holds: the first token goes to the router at
+  once (``stream``: a ``FirstToken`` ahead of the result) -> KV sent through the handle's
+  transport -> decode worker's ``commit`` (it admits the request) -> blocks released ->
+  PrefillResult (outcome + timings) back to the router. The first token leaves before the KV
+  has landed because that is safe: a hand-off that then fails is recomputed (or migrated) with
+  that token in the prompt.
 Prefix caching on both sides: the engine starts the prefill after this worker's cached prefix,
 and only the blocks the decode worker does not hold already move (the handle names them).
 Every result also carries this worker's prefix-cache events not yet reported (blocks stored,
@@ -17,8 +21,8 @@ that value, never on error text. ``abort`` returns only once this worker will no
 into the decode worker's reserved blocks, so the decode side may free them; and no write
 starts after the reservation's lease has run out (the decode side may have freed the blocks
 by then: a late writer is refused, never corrupts another request's KV).
-``prefill`` is idempotent per request id: a call retried by the router after a transient
-failure joins the one already running.
+``prefill`` and ``stream`` are idempotent per request id: a call retried by the router after
+a transient failure joins the one already running (``stream`` replays the first token).
 The decode worker is reached through a ``DecodePeer`` (the actor module wraps the Ray handle)
 whose calls raise ``PeerLostError`` when that worker died.
 """
@@ -29,13 +33,14 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 from engine import tracing
 from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
 from engine.errors import KVTransferError, PeerLostError
-from engine.types import FinishReason, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
+from engine.types import FinishReason, FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 from kvtransfer.select import make_sender
@@ -47,6 +52,18 @@ TRANSFER_TIMEOUT_S = 30.0
 # margin for clocks (the lease is wall-clock time) and scheduling, fit before the decode worker
 # may free the blocks.
 LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
+# Fault injection (tests) on the next hand-off: "kv_send" fails it (the router recomputes);
+# "hang_kv_send" never starts the write (a worker that dies mid-hand-off, once killed).
+SEND_FAULTS = ("kv_send", "hang_kv_send")
+
+
+@dataclass(slots=True)
+class _Running:
+    """One request's prefill here: its early first token (None once it is known there is none:
+    the request ended at prefill, failed or was aborted before its hand-off) and its result."""
+
+    first: asyncio.Future
+    result: asyncio.Task | None = None
 
 
 class PrefillWorker(WorkerBase):
@@ -54,25 +71,38 @@ class PrefillWorker(WorkerBase):
         super().__init__(spec, EngineRole.PREFILL, standby)
         self._waiters: dict[str, asyncio.Future] = {}
         self._done: dict[str, asyncio.Event] = {}
-        self._running: dict[str, asyncio.Task] = {}
+        self._running: dict[str, _Running] = {}
         self._aborted: set[str] = set()
         self._senders: dict[str, Any] = {}
         # Rendezvous transports (torch_dist) pair FIFO per peer: a stuck peer stalls only its own.
         self._transfer_locks: dict[str, asyncio.Lock] = {}
-        self._fail_next_send = False          # fault injection (tests): the next hand-off fails
+        self._next_send_fault: str | None = None   # fault injection (tests): see SEND_FAULTS
 
     async def prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
         """Prefill ``spec``; with a handle, move its KV to ``decode`` (a ``DecodePeer``).
 
         ``handle`` may be awaitable (the decode worker's ``reserve`` in flight): the router
-        starts both at once and the handle is awaited only when the KV is ready to move, so the
+        starts both at once and the handle resolves while the prompt is prefilled, so the
         reservation's round trip overlaps the prefill. A second call for a request already
         here (a retry) waits for the first one's result."""
-        task = self._running.get(spec.req_id)
-        if task is None:
-            task = self._running[spec.req_id] = asyncio.ensure_future(self._prefill(spec, handle, decode))
-            task.add_done_callback(lambda _: self._running.pop(spec.req_id, None))
-        return await asyncio.shield(task)
+        return await asyncio.shield(self._start(spec, handle, decode).result)
+
+    async def stream(self, spec: RequestSpec, handle: Any, decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
+        """``prefill``, with the first token yielded as soon as it may go to the client (the
+        reservation holds, the KV starts moving), then the result."""
+        run = self._start(spec, handle, decode)
+        first = await asyncio.shield(run.first)
+        if first is not None:
+            yield first
+        yield await asyncio.shield(run.result)
+
+    def _start(self, spec: RequestSpec, handle: Any, decode: Any) -> _Running:
+        run = self._running.get(spec.req_id)
+        if run is None:
+            run = self._running[spec.req_id] = _Running(self.aio.create_future())
+            run.result = asyncio.ensure_future(self._prefill(spec, handle, decode))
+            run.result.add_done_callback(lambda _: self._running.pop(spec.req_id, None))
+        return run
 
     async def _prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
         parent = tracing.context_of(spec.traceparent)
@@ -88,6 +118,8 @@ class PrefillWorker(WorkerBase):
         waiter = self.aio.create_future()
         self._waiters[req_id] = waiter
         self._done[req_id] = asyncio.Event()
+        # Resolved while the prompt is prefilled: the KV (and the first token) need not wait for it.
+        reservation = _resolving(decode.reservation(handle)) if handle is not None else None
         try:
             await self.call(lambda e: e.add_request(spec))
             outcome = await waiter
@@ -96,15 +128,23 @@ class PrefillWorker(WorkerBase):
             else:
                 _phase_spans(outcome)
                 with tracing.current_child("kv_handoff") as span:   # None: untraced
-                    result = await self._hand_off(outcome, handle, decode)
+                    result = await self._hand_off(outcome, reservation, decode)
                     if span is not None:
                         span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
                                              result.transport, "pdserve.kv.outcome": result.outcome.value})
             return dataclasses.replace(result, stats=self.stats(), kv_events=self.take_kv_events())
         finally:
+            self._first_token(req_id, None)   # none went ahead: the result carries it
+            if reservation is not None:
+                reservation.cancel()
             self._waiters.pop(req_id, None)
             self._aborted.discard(req_id)
             self._done.pop(req_id).set()
+
+    def _first_token(self, req_id: str, first: FirstToken | None) -> None:
+        run = self._running.get(req_id)
+        if run is not None and not run.first.done():
+            run.first.set_result(first)
 
     async def abort(self, req_id: str) -> None:
         """Stop the request; returns once no write into its decode blocks can still happen."""
@@ -131,20 +171,23 @@ class PrefillWorker(WorkerBase):
             self.loop.call(lambda e: e.release(req_id))
 
     # ---- the hand-off -------------------------------------------------------------------------
-    async def _hand_off(self, done: PrefillDone, handle: KVBlocksHandle | None, decode: Any) -> PrefillResult:
+    async def _hand_off(self, done: PrefillDone, reservation: asyncio.Future | None, decode: Any) -> PrefillResult:
         req_id = done.req_id
         start = time.perf_counter()
         try:
             if req_id in self._aborted:
                 return _result(done, FinishReason.ABORT, outcome=HandoffOutcome.ABORTED)
-            if handle is None:  # no decode side (tests of the prefill path alone)
+            if reservation is None:  # no decode side (tests of the prefill path alone)
                 return _result(done, None)
             try:
-                handle = await decode.reservation(handle)
+                handle = await reservation
             except PeerLostError as exc:
                 return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
             except Exception as exc:  # the router re-raises the reservation's own error
                 return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.RESERVE_FAILED)
+            # From here every outcome (ok, transfer failed: recomputed, peer dead: migrated)
+            # continues after this token: the client may have it now.
+            self._first_token(req_id, FirstToken(req_id, done.first_token_id, done.first_logprob, done.first_top_logprobs))
             num_bytes = await self._send(done, handle, decode)
             result = _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
             saved = handle.num_cached_tokens // handle.layout.block_size * handle.layout.bytes_per_block
@@ -161,9 +204,11 @@ class PrefillWorker(WorkerBase):
             self.loop.call(lambda e: e.release(req_id))
 
     async def _send(self, done: PrefillDone, handle: KVBlocksHandle, decode: Any) -> int:
-        if self._fail_next_send:
-            self._fail_next_send = False
+        fault, self._next_send_fault = self._next_send_fault, None
+        if fault == "kv_send":
             raise KVTransferError("injected KV send failure")
+        if fault == "hang_kv_send":
+            await asyncio.Event().wait()   # only the process's death ends this hand-off
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, handle.source_blocks(done.block_ids))
         if sender.rendezvous:  # the receiver must be inside receive() while we send
@@ -184,8 +229,8 @@ class PrefillWorker(WorkerBase):
         return self._senders[transport]
 
     async def inject_fault(self, kind: str) -> None:
-        if kind == "kv_send" and self.spec.allow_fault_injection:
-            self._fail_next_send = True
+        if kind in SEND_FAULTS and self.spec.allow_fault_injection:
+            self._next_send_fault = kind
             return
         await super().inject_fault(kind)
 
@@ -206,6 +251,14 @@ def _phase_spans(done: PrefillDone) -> None:
     queue_start = compute_start - int(done.queue_s * 1e9)
     for name, start, end in (("prefill.queue", queue_start, compute_start), ("prefill.compute", compute_start, now)):
         tracing.tracer().start_span(name, start_time=start, attributes={"pdserve.tokens": done.num_tokens}).end(end)
+
+
+def _resolving(awaitable) -> asyncio.Task:
+    """A task for ``awaitable`` whose error is read by whoever awaits it, or by nobody (a
+    request that ends at prefill never needs its reservation; asyncio must not log that)."""
+    task = asyncio.ensure_future(awaitable)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
 
 
 def _check_lease(handle: KVBlocksHandle) -> None:

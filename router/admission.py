@@ -4,8 +4,8 @@ For every candidate (prefill, decode) pair the router predicts, from live worker
 in-flight counts and step-time models fitted online (``router.step_model``):
   TTFT = time already spent queued + (prompt tokens waiting for prefill on the prefilling
          worker + this prompt's tokens not in its prefix cache) x its seconds per prefill token
-         + the recent KV hand-off time. The cached part is the router's guess
-         (``router.prefix_index``): a prefix placed on that worker recently;
+         (no KV hand-off term: the first token goes ahead of it). The cached part is the
+         router's guess (``router.prefix_index``): a prefix placed on that worker recently;
   TPOT = the decode worker's step time with this request added (batch size, KV tokens),
          divided by (1 - u) when that worker also prefills (colocated, or conditional
          disaggregation): u is the share of its time prefill takes over the long run, from the
@@ -162,7 +162,6 @@ class Admission:
         self.enabled = enabled
         self.conditional = conditional
         self.models: dict[str, StepTimeModel] = {}
-        self.handoff_s = 0.0           # EMA of measured hand-off time
         # EMA of observed / predicted TTFT: absorbs what the step models leave out (router and
         # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
         # shut admission down.
@@ -176,9 +175,6 @@ class Admission:
     def observe_stats(self, worker: WorkerHandle) -> None:
         if worker.stats is not None:
             self.model(worker.worker_id).observe(worker.stats.recent_steps)
-
-    def observe_handoff(self, seconds: float) -> None:
-        self.handoff_s = seconds if self.handoff_s == 0 else 0.8 * self.handoff_s + 0.2 * seconds
 
     def observe_ttft(self, pair: Prediction, observed_s: float) -> None:
         """``observed_s`` from arrival; the time queued is known exactly, only the rest was predicted."""
@@ -423,20 +419,21 @@ class _Search:
     def prefill_side(self, p: WorkerHandle) -> _PrefillSide:
         cached = p.prefix.expected_hit(self.spec.prompt_token_ids)
         per_token = self.admission._prefill_seconds_per_token(p)
-        return _PrefillSide(p, cached, self._ttft(p, self.prompt - cached, per_token, self.admission.handoff_s))
+        return _PrefillSide(p, cached, self._ttft(p, self.prompt - cached, per_token))
 
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
         step = self.admission._decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
         return _DecodeSide(d, d.prefix.expected_hit(self.spec.prompt_token_ids), step)
 
-    def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None, handoff_s: float) -> float | None:
+    def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
+        """No hand-off term: the first token leaves the prefill worker before its KV moves."""
         if per_token is None:
             return None
         queued = _queued_prefill_tokens(worker)
-        return self.waited_s + ((queued + tokens) * per_token + handoff_s) * self.admission.ttft_correction
+        return self.waited_s + (queued + tokens) * per_token * self.admission.ttft_correction
 
     def _local_ttft(self, d: _DecodeSide) -> float | None:
-        return self._ttft(d.worker, self.prompt - d.cached, self.local_rate, 0.0)
+        return self._ttft(d.worker, self.prompt - d.cached, self.local_rate)
 
     def pair(self, p: _PrefillSide, d: _DecodeSide) -> Prediction:
         return Prediction(p.worker, d.worker, p.ttft_s, d.tpot_s, None, self.waited_s, self.prompt, p.cached, d.cached)

@@ -99,7 +99,7 @@ def merge(*deltas: TokenDelta) -> TokenDelta:
     first, last = deltas[0], deltas[-1]
     error = next((d.error for d in reversed(deltas) if d.error), None)
     return TokenDelta(first.req_id, tuple(itertools.chain.from_iterable(d.token_ids for d in deltas)),
-                      last.finish_reason, _joined(d.logprobs for d in deltas), error,
+                      last.finish_reason, _joined(d.logprobs for d in deltas), error, first.num_cached_tokens,
                       top_logprobs=_joined(d.top_logprobs for d in deltas))
 
 

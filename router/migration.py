@@ -6,7 +6,9 @@ it (past ``limit`` the request fails with UNAVAILABLE naming the cause) and the 
 runs under a fresh internal id (nothing of the lost attempt can answer for it) with the prompt
 plus every token already sent, ``max_tokens`` reduced by as many, and ``num_generated`` set so
 seeded sampling and stop strings continue where they were: the client sees one stream, no token
-repeated and none missing, and greedy output equals an uninterrupted run.
+repeated and none missing, and greedy output equals an uninterrupted run. ``resumed`` is
+that rule alone: a recompute after a failed KV hand-off continues after the first token the
+prefill worker already streamed in the same way.
 """
 
 from __future__ import annotations
@@ -31,14 +33,7 @@ class RequestMigration:
         """What the current attempt runs."""
         if not self.num_migrations:
             return self.spec
-        sent = tuple(self.sent_token_ids)
-        return dataclasses.replace(
-            self.spec,
-            req_id=f"{self.spec.req_id}.m{self.num_migrations}",
-            prompt_token_ids=self.spec.prompt_token_ids + sent,
-            sampling=dataclasses.replace(self.spec.sampling, max_tokens=self.spec.sampling.max_tokens - len(sent)),
-            num_generated=self.spec.num_generated + len(sent),
-        )
+        return resumed(self.spec, tuple(self.sent_token_ids), f"{self.spec.req_id}.m{self.num_migrations}")
 
     def sent(self, delta: TokenDelta) -> TokenDelta:
         """Record a delta on its way to the client, under the client's request id."""
@@ -50,3 +45,15 @@ class RequestMigration:
         if self.num_migrations >= self.limit:
             raise WorkerFailedError(f"worker lost and the migration limit ({self.limit}) is reached: {cause}")
         self.num_migrations += 1
+
+
+def resumed(spec: RequestSpec, sent: tuple[int, ...], req_id: str | None = None) -> RequestSpec:
+    """``spec`` continued after ``sent``, the tokens its client already has: they join the
+    prompt, ``max_tokens`` counts them, and ``num_generated`` marks them as output."""
+    return dataclasses.replace(
+        spec,
+        req_id=spec.req_id if req_id is None else req_id,
+        prompt_token_ids=spec.prompt_token_ids + sent,
+        sampling=dataclasses.replace(spec.sampling, max_tokens=spec.sampling.max_tokens - len(sent)),
+        num_generated=spec.num_generated + len(sent),
+    )

@@ -2,13 +2,16 @@
 
 Life cycle of one attempt (disaggregated):
   admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
-  worker's stream -> decode ``reserve``s blocks -> prefill worker prefills, moves the KV,
-  decode ``commit``s -> first token yielded -> the rest arrive through the decode worker's
-  batched stream -> finish.
+  worker's stream -> decode ``reserve``s blocks while the prefill worker prefills (one
+  streaming ``prefill`` call carries the reservation's ref) -> the prefill worker streams the
+  first token as soon as the reservation holds: yielded to the client at once -> meanwhile it
+  moves the KV and the decode worker ``commit``s -> the call's result (the hand-off's outcome)
+  -> the rest arrive through the decode worker's batched stream -> finish.
 Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode
 worker runs the whole request. The prefill worker's ``HandoffOutcome`` decides what follows: a
-failed transfer is recomputed on the decode worker (never decoded from garbage), a refused
-reservation raises its own error, a dead decode worker moves the request. On cancel, deadline
+failed transfer is recomputed on the decode worker (never decoded from garbage; after the
+first token when that went ahead: ``migration.resumed``), a refused reservation raises its own
+error, a dead decode worker moves the request (the first token sent counts as sent). On cancel, deadline
 or error the request is aborted on the prefill worker first (its ``abort`` returns once it can
 no longer write into the reserved blocks) and then on the decode worker, which frees the
 reservation at once only when the writer is known to be gone (fenced until its lease ends
@@ -22,6 +25,7 @@ replacement included), resumes from the tokens already streamed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,13 +33,13 @@ from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
 from engine.errors import CapacityError
-from engine.types import HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
+from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
-from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration
+from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
-from router.worker_calls import WorkerLost, await_ref, call
+from router.worker_calls import WorkerLost, await_ref, call, stream_call
 
 logger = logging.getLogger(__name__)
 
@@ -183,15 +187,15 @@ class Orchestrator:
         decode.track(spec.req_id, progress)
         finished = False
         try:
-            first = await self._start(at, trace)
-            if first is not None:
-                prefiller.end_prefill(num_prompt, prefiller_gen)
-                prefill_pending = False
-                if learn:
-                    self._observed_ttft(pair, trace)
-                self._decoding(decode, progress, len(first.token_ids))
-                yield first
-                finished = first.finished
+            async with contextlib.aclosing(self._start(at, trace)) as firsts:
+                async for first in firsts:
+                    prefiller.end_prefill(num_prompt, prefiller_gen)
+                    prefill_pending = False
+                    if learn:
+                        self._observed_ttft(pair, trace)
+                    self._decoding(decode, progress, len(first.token_ids))
+                    yield first
+                    finished = first.finished
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -235,21 +239,39 @@ class Orchestrator:
         if self.metrics is not None:
             self.metrics.prediction("ttft", pair.ttft_s, observed)
 
-    async def _start(self, at: _Attempt, trace: RequestTrace) -> TokenDelta | None:
-        """Get the request running on its decode worker; return the first token if known here."""
+    async def _start(self, at: _Attempt, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
+        """Get the request running on its decode worker; yield the first token if it comes
+        from here (the prefill worker), as soon as it does: the hand-off goes on meanwhile."""
         spec, prefill, decode = at.spec, at.prefill, at.decode
         if prefill is None:
             await call(decode, "add_request", spec, generation=at.decode_gen)
             trace.handoff = HandoffOutcome.LOCAL if self.registry.prefill else None
             self._count_handoff(trace.handoff)
-            return None
+            return
         transport = trace.transport = self.registry.transport(prefill, decode)
-        # Reserve and prefill start together; the prefill worker awaits the handle only when its
-        # KV is ready (wrapped in a list so Ray passes the ref instead of resolving it first).
+        # Reserve and prefill start together; the prefill worker resolves the handle while it
+        # prefills (wrapped in a list so Ray passes the ref instead of resolving it first).
         handle_ref = decode.actor.reserve.remote(spec, transport)
-        result: PrefillResult = await call(prefill, "prefill", spec, [handle_ref], decode.actor,
-                                           generation=at.prefill_gen)
+        sent: tuple[int, ...] = ()
+        async with contextlib.aclosing(stream_call(prefill, "prefill", spec, [handle_ref], decode.actor,
+                                                   generation=at.prefill_gen)) as items:
+            async for item in items:
+                if isinstance(item, FirstToken):   # the client has it while the KV moves
+                    sent = (item.token_id,)
+                    yield TokenDelta(spec.req_id, sent, logprobs=None if item.logprob is None else (item.logprob,),
+                                     top_logprobs=None if item.top_logprobs is None else (item.top_logprobs,))
+                else:
+                    result: PrefillResult = item
         at.prefill = None   # its part is done: nothing left there to abort or to wait for
+        first = await self._handed_off(at, prefill, trace, result, handle_ref, sent)
+        if first is not None:
+            yield first
+
+    async def _handed_off(self, at: _Attempt, prefill: WorkerHandle, trace: RequestTrace, result: PrefillResult,
+                          handle_ref, sent: tuple[int, ...]) -> TokenDelta | None:
+        """Act on the hand-off's outcome; return the first token unless it went ahead (``sent``)
+        or the decode worker recomputes the request."""
+        spec, decode = at.spec, at.decode
         trace.prefill, trace.handoff = result, result.outcome
         self._observe_prefill(prefill, result, at.prefill_gen)
         self._count_handoff(result.outcome)
@@ -262,9 +284,12 @@ class Orchestrator:
             case HandoffOutcome.RESERVE_FAILED:
                 await self._reservation_error(at, handle_ref)
             case HandoffOutcome.TRANSFER_FAILED:
-                return await self._recompute(at, trace, result.error or "")
+                await self._recompute(at, trace, result.error or "", sent)
+                return None
             case HandoffOutcome.ENDED_AT_PREFILL | HandoffOutcome.ABORTED:
                 await call(decode, "abort", spec.req_id, generation=at.decode_gen)  # the unused reservation
+        if sent:
+            return None
         return TokenDelta(spec.req_id, _first(result), result.finish_reason,
                           (result.first_logprob,) if result.first_logprob is not None else None, result.error,
                           top_logprobs=(result.first_top_logprobs,) if result.first_top_logprobs is not None else None)
@@ -288,18 +313,16 @@ class Orchestrator:
             self.admission.observe_stats(prefill)
             if self.metrics is not None:
                 self.metrics.update_worker(result.stats)
-        if result.transfer_bytes:
-            self.admission.observe_handoff(result.transfer_s)
 
     def _capacity_changed(self) -> None:
         asyncio.get_running_loop().create_task(self.admission.notify())
 
-    async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str) -> None:
+    async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str, sent: tuple[int, ...]) -> None:
+        """Run the request on its decode worker from its prompt, after the tokens already ``sent``."""
         logger.warning("%s: %s; recomputing on %s", at.spec.req_id, error, at.decode.worker_id)
         await call(at.decode, "abort", at.spec.req_id, generation=at.decode_gen)  # the writer is done with it
         trace.recomputed = True
-        await call(at.decode, "add_request", at.spec, generation=at.decode_gen)
-        return None
+        await call(at.decode, "add_request", resumed(at.spec, sent), generation=at.decode_gen)
 
     def _abort_later(self, at: _Attempt) -> None:
         """Runs outside the (possibly cancelled) handler so the aborts always complete."""

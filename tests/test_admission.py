@@ -118,7 +118,6 @@ def test_conditional_disaggregation_prefills_on_decode_only_when_the_prefill_sid
     admission = cluster(prefill_inflight_tokens=4_500, conditional=True)
     short = admission.decide(spec(prompt=16, ttft=0.5, tpot=0.05))  # 0.45 s > 0.4 s: the prefill side misses
     assert short.action is Action.ADMIT and short.prediction.prefill is None, "short prompt skips the busy prefill worker"
-    admission.handoff_s = 0.0
     long_prompt = cluster(conditional=True).decide(spec(prompt=2000, ttft=0.5, tpot=0.05))
     assert long_prompt.prediction.prefill is not None, "a long prompt would stall the decode batch"
 

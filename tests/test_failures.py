@@ -13,6 +13,7 @@ import time
 
 import grpc
 import pytest
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import ClusterThread
@@ -117,6 +118,27 @@ def test_kill_prefill_worker_during_prefill_requests_complete(cluster, long_work
     assert [list(r.token_ids) for r in results] == long_refs
     moved = [r.timings for r in results if r.timings.migrations or r.timings.kv_handoff == "prefilled_locally"]
     assert moved, "the kill hit no prefill: the test proved nothing"
+    _wait_ready(cluster, "prefill-0", restarts + 1)
+    assert cluster_leaks(cluster) == {}
+
+
+def test_prefill_worker_killed_after_streaming_the_first_token(cluster, hf_reference):
+    """The first token reaches the client ahead of the KV hand-off; the prefill worker then dies
+    mid-hand-off. The request migrates with that token in its prompt: no token repeated or
+    missing (output equals HF), the decode reservation freed, the worker replaced."""
+    prefill = cluster.cluster.registry.get("prefill-0")
+    restarts = prefill.restarts
+    prompt = list(range(30, 70))
+    ref = hf_greedy(hf_reference, prompt, 10)
+    ray.get(prefill.actor.inject_fault.remote("hang_kv_send"))   # the hand-off never finishes
+    with PdserveClient(address(cluster), timeout_s=120) as client:
+        stream = client.generate(token_ids=prompt, max_tokens=10, ignore_eos=True)
+        first = next(stream)
+        assert list(first.token_ids) == ref[:1], "the first token came ahead of the hand-off"
+        _kill(prefill.pid)
+        rest = list(stream)
+    assert list(first.token_ids) + [t for msg in rest for t in msg.token_ids] == ref
+    assert rest[-1].timings.migrations == 1
     _wait_ready(cluster, "prefill-0", restarts + 1)
     assert cluster_leaks(cluster) == {}
 

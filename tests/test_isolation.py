@@ -168,6 +168,8 @@ def test_delta_queue_merges_and_overflows():
     asyncio.run(scenario())
     done = merge(TokenDelta("r", (1,), logprobs=(-1.0,)), TokenDelta("r", (2,), "stop", (-2.0,)))
     assert done.token_ids == (1, 2) and done.finish_reason == "stop" and done.logprobs == (-1.0, -2.0)
+    first = merge(TokenDelta("r", (1,), num_cached_tokens=32), TokenDelta("r", (2,)))
+    assert first.num_cached_tokens == 32, "a lagging reader still learns the prompt's cached tokens"
 
 
 class EndlessOrchestrator:

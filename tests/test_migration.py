@@ -204,7 +204,7 @@ def test_prefill_worker_refuses_a_write_after_the_lease(lease_left_s):
     handle = KVBlocksHandle("r", (), (0,), 3, _layout(), "local", lease_deadline_s=time.time() + lease_left_s)
     done = SimpleNamespace(req_id="r", block_ids=(0,), first_token_id=5)
     worker = PrefillWorker.__new__(PrefillWorker)   # only the lease check runs before any send
-    worker._fail_next_send, worker._senders = False, {}
+    worker._next_send_fault, worker._senders = None, {}
     with pytest.raises(KVTransferError, match="lease"):
         asyncio.run(worker._send(done, handle, decode=None))
 
