@@ -112,7 +112,7 @@ def test_a_migration_takes_the_least_loaded_pair_with_room_as_scanning_does():
         disagg = [p for p in every_pair(admission, spec, 0.0) if p.prefill is not None]
         roomy = [p for p in disagg if -(-len(spec.prompt_token_ids) // 16) <= p.decode.stats.num_free_blocks]
         assert decision.prediction == min(roomy or disagg, key=load)
-        assert decision.action == ("admit" if roomy else "queue")
+        assert decision.action is (Action.ADMIT if roomy else Action.QUEUE)
 
 
 class Counts:
