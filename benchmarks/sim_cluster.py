@@ -93,6 +93,20 @@ async def _as_coroutine(fn, args):
     return await result if asyncio.iscoroutine(result) else result
 
 
+class _OneItemStream(_Method):
+    """``prefill.remote(...)``: a streaming call, as the real prefill worker's is, whose only item
+    is the result (the simulated worker sends no first token ahead of its hand-off)."""
+
+    __slots__ = ()
+
+    def remote(self, *args: Any) -> AsyncIterator[SimRef]:
+        return _one_item(super().remote(*args))
+
+
+async def _one_item(ref: SimRef) -> AsyncIterator[SimRef]:
+    yield ref
+
+
 class _StreamMethod:
     """``stream.remote()``: the worker's batches, pumped from its loop into the caller's."""
 
@@ -135,7 +149,10 @@ class SimActor:
         methods = self.__dict__["_methods"]
         if name not in methods:
             fn = getattr(self.worker, name)
-            methods[name] = _StreamMethod(self._host, self.worker) if name == "stream" else _Method(self._host, fn)
+            if name == "stream":
+                methods[name] = _StreamMethod(self._host, self.worker)
+            else:
+                methods[name] = (_OneItemStream if name == "prefill" else _Method)(self._host, fn)
         return methods[name]
 
 

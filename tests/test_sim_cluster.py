@@ -34,6 +34,12 @@ def real_like_steps() -> list[StepTiming]:
 SPEED = SimSpeed.fitted(real_like_steps())
 
 
+
+async def _last(stream):
+    """The last item of a streaming call (the prefill call's result), as the router reads it."""
+    items = [await ref async for ref in stream]
+    return items[-1]
+
 def test_speed_is_the_fitted_model():
     assert SPEED.prefill_s_per_token == pytest.approx(PREFILL_S_PER_TOKEN)
     for seqs, kv in [(1, 10), (48, 5000), (104, 20000)]:
@@ -103,9 +109,9 @@ def test_prefill_hand_off_and_refusals():
         await d_actor.start.remote()
         ok = spec(1, prompt=40)
         ref = d_actor.reserve.remote(ok, "shm")
-        result = await p_actor.prefill.remote(ok, [ref], d_actor)
+        result = await _last(p_actor.prefill.remote(ok, [ref], d_actor))
         too_big = spec(2, prompt=200)
-        refused = await p_actor.prefill.remote(too_big, [d_actor.reserve.remote(too_big, "shm")], d_actor)
+        refused = await _last(p_actor.prefill.remote(too_big, [d_actor.reserve.remote(too_big, "shm")], d_actor))
         return ok, result, refused
 
     try:
