@@ -82,13 +82,13 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     """The sampled tokens' logprobs, and each row's ``top_logprobs`` most likely tokens (one
     ``topk`` over the batch's log-softmax, which the sampled logprobs need anyway). ``logits``
     finite already."""
-    lp = torch.nan_to_num(torch.log_softmax(logits, dim=-1), nan=float("-inf"))
-    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+    lp = torch.log_softmax(logits, dim=-1)   # NaN-free outputs below: the small tensors only
+    chosen = torch.nan_to_num(lp.gather(1, tokens[:, None])[:, 0], nan=float("-inf")).tolist()
     k = max(r.sampling.top_logprobs if r.sampling.logprobs else 0 for r in requests)
     if not k:
         return chosen, [None] * len(requests)
     values, indices = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-    values, indices = values.tolist(), indices.tolist()
+    values, indices = torch.nan_to_num(values, nan=float("-inf")).tolist(), indices.tolist()
     tops = [tuple(zip(indices[i][:n], values[i][:n])) if (n := r.sampling.top_logprobs) and r.sampling.logprobs
             else None for i, r in enumerate(requests)]
     return chosen, tops

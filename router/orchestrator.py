@@ -258,8 +258,7 @@ class Orchestrator:
             async for item in items:
                 if isinstance(item, FirstToken):   # the client has it while the KV moves
                     sent = (item.token_id,)
-                    yield TokenDelta(spec.req_id, sent, logprobs=None if item.logprob is None else (item.logprob,),
-                                     top_logprobs=None if item.top_logprobs is None else (item.top_logprobs,))
+                    yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
                 else:
                     result: PrefillResult = item
         at.prefill = None   # its part is done: nothing left there to abort or to wait for
@@ -290,9 +289,8 @@ class Orchestrator:
                 await call(decode, "abort", spec.req_id, generation=at.decode_gen)  # the unused reservation
         if sent:
             return None
-        return TokenDelta(spec.req_id, _first(result), result.finish_reason,
-                          (result.first_logprob,) if result.first_logprob is not None else None, result.error,
-                          top_logprobs=(result.first_top_logprobs,) if result.first_top_logprobs is not None else None)
+        return _first_delta(spec.req_id, _first(result), result.first_logprob, result.first_top_logprobs,
+                            result.finish_reason, result.error)
 
     @staticmethod
     async def _reservation_error(at: _Attempt, handle_ref) -> None:
@@ -360,3 +358,10 @@ class Orchestrator:
 
 def _first(result: PrefillResult) -> tuple[int, ...]:
     return (result.first_token_id,) if result.first_token_id is not None else ()
+
+
+def _first_delta(req_id: str, token_ids: tuple[int, ...], logprob: float | None, top_logprobs,
+                 finish_reason=None, error: str | None = None) -> TokenDelta:
+    """The prefill worker's first token as a delta, whether it went ahead or came with the result."""
+    return TokenDelta(req_id, token_ids, finish_reason, None if logprob is None else (logprob,), error,
+                      top_logprobs=None if top_logprobs is None else (top_logprobs,))
