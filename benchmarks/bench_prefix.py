@@ -31,7 +31,7 @@ and goodput (those turns / run duration, first send to last completion); the sys
 goodput@90 is the highest offered rate whose attainment >= 90%, with the goodput measured there.
 The "cache on >= 2x cache off" target compares those (the rates, and the goodput at them). A
 system's sweep climbs ``--rates`` (doubling) and stops after its first rate below 90%; when even
-the lowest misses, one halving is added; one that meets 90% at the top rate has a lower bound.
+the lowest misses, it is halved (up to 3 times); one that meets 90% at the top rate has a lower bound.
 Also per pdserve rate: prefix-cache hit ratio (prompt tokens the prefilling worker found cached
 / prompt tokens; and the decode worker's: KV not transferred), TTFT p50/p99, TPOT p50, KV bytes
 transferred per request, output throughput. Then the all-unique check: a W64-like workload
@@ -59,6 +59,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import statistics
@@ -81,6 +82,7 @@ logger = logging.getLogger("bench_prefix")
 
 SLO_TTFT_S, SLO_TPOT_S = 6.4, 0.390      # bench_goodput run 7
 TARGET_ATTAINMENT = 0.9
+MAX_HALVINGS = 3             # a sweep whose lowest rate misses halves it at most this often
 USER_RANGE, ANSWER_RANGE = (20, 100), (16, 32)
 SYSTEMS = {"on": "pdserve, prefix cache on", "off": "pdserve, prefix cache off",
            "tserve": "transformers serve --continuous-batching"}
@@ -301,9 +303,11 @@ def summarize(turns: list[Turn], planned: int, duration_s: float) -> dict:
 
 async def sweep(args, key: str, server: Server, systems: list[str], words: list[str], settle) -> list[dict]:
     """Climb the rates; stop after the first below the attainment target; when the lowest
-    misses, add one halving."""
+    misses, halve it (up to MAX_HALVINGS times) so that a slow system still gets a finite
+    goodput@90 rather than an "infinite" ratio."""
     rows: list[dict] = []
     queue = list(args.rates)
+    lowest = args.rates[0]
     while queue:
         rate = queue.pop(0)
         num = max(args.min_conversations, round(rate * args.window_s))
@@ -314,7 +318,9 @@ async def sweep(args, key: str, server: Server, systems: list[str], words: list[
         rows.append(row)
         settle()
         if row["attainment"] < TARGET_ATTAINMENT:
-            queue = [rate / 2] if rate == args.rates[0] else []
+            halvings = round(math.log2(args.rates[0] / rate))
+            queue = [rate / 2] if rate == lowest and halvings < MAX_HALVINGS else []
+            lowest = min(lowest, rate / 2)
     return sorted(rows, key=lambda r: r["rate_conv_s"])
 
 
