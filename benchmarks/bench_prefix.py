@@ -146,6 +146,7 @@ class Turn:
     prefill_cached: int = 0
     decode_cached: int = 0
     saved_bytes: int = 0
+    handoff: str = ""              # Timings.kv_handoff: "ok", "prefilled_locally", ...
     error: str = ""
     end_s: float | None = None     # perf_counter when it ended (None: cancelled unfinished)
 
@@ -189,6 +190,7 @@ class PdserveServer:
                     t = resp.timings
                     rec.kv_bytes, rec.prefill_cached = t.kv_transfer_bytes, t.prefill_cached_tokens
                     rec.decode_cached, rec.saved_bytes = t.decode_cached_tokens, t.kv_transfer_saved_bytes
+                    rec.handoff = t.kv_handoff
                 rec.error = resp.error or rec.error
             rec.ok = len(tokens) == max_tokens
         except aio.AioRpcError as exc:
@@ -288,6 +290,7 @@ def summarize(turns: list[Turn], planned: int, duration_s: float) -> dict:
         "planned": planned, "requests": len(turns), "ok": len(ok), "good": good, "duration_s": duration_s,
         "prefill_hit_ratio": sum(t.prefill_cached for t in ok) / prompt,
         "decode_hit_ratio": sum(t.decode_cached for t in ok) / prompt,
+        "local_share": sum(t.handoff == "prefilled_locally" for t in ok) / max(1, len(ok)),
         "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
         "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
         "tpot_p50_s": percentile(tpots, 50) if tpots else None,
@@ -525,7 +528,7 @@ def render(args, rows: list[dict], unique: dict | None, elapsed_s: float, load: 
              f"{args.min_conversations}, r x {args.window_s:g} s) conversations x {args.turns} turns, user turns {USER_RANGE[0]}-{USER_RANGE[1]} words, "
              f"answers {ANSWER_RANGE[0]}-{ANSWER_RANGE[1]} tokens, seed {args.seed}", "",
              f"{'system':6} {'conv/s':>6} {'good':>7} {'attain':>6} {'goodput':>7} {'TTFT p50':>8} {'p99':>6} "
-             f"{'TPOT p50':>8} {'hit%':>5} {'dhit%':>5} {'prompt':>6} {'KV MB/req':>9} {'saved MB':>8} {'tok/s':>6}"]
+             f"{'TPOT p50':>8} {'hit%':>5} {'dhit%':>5} {'local%':>6} {'prompt':>6} {'KV MB/req':>9} {'saved MB':>8} {'tok/s':>6}"]
     for r in rows:
         pd = r["system"] != "tserve"
         lines.append(
@@ -533,12 +536,14 @@ def render(args, rows: list[dict], unique: dict | None, elapsed_s: float, load: 
             f"{r['goodput_rps']:7.3f} {fmt(r['ttft_p50_s']):>8} {fmt(r['ttft_p99_s']):>6} "
             f"{fmt(r['tpot_p50_s'] and r['tpot_p50_s'] * 1e3, '.0f') + ' ms':>8} "
             f"{fmt(pd and 100 * r['prefill_hit_ratio'], '.1f') if pd else '-':>5} "
-            f"{fmt(100 * r['decode_hit_ratio'], '.1f') if pd else '-':>5} {r['prompt_tokens_per_request']:6.0f} "
+            f"{fmt(100 * r['decode_hit_ratio'], '.1f') if pd else '-':>5} "
+            f"{fmt(100 * r.get('local_share', float('nan')), '.0f') if pd else '-':>6} {r['prompt_tokens_per_request']:6.0f} "
             f"{fmt(r['kv_bytes_per_request'] / 1e6) if pd else '-':>9} "
             f"{fmt(r['kv_bytes_saved_per_request'] / 1e6) if pd else '-':>8} {r['output_tok_s']:6.1f}")
     lines.append("good = turns within both SLO targets / turns planned (a turn not sent because its conversation ended "
                  "early is a miss); goodput = good turns/s over the run; hit% = prompt tokens the prefilling worker "
-                 "found cached; dhit% = prompt tokens the decode worker held already (KV not transferred); prompt = "
+                 "found cached; dhit% = prompt tokens the decode worker held already (KV not transferred); local% = turns the decode "
+                 "worker prefilled itself (conditional disaggregation: no hand-off); prompt = "
                  "mean prompt tokens per completed turn")
     if rows:
         lines += comparisons(rows)
