@@ -83,7 +83,7 @@ logger = logging.getLogger("bench_prefix")
 
 SLO_TTFT_S, SLO_TPOT_S = 6.4, 0.390      # bench_goodput run 7
 TARGET_ATTAINMENT = 0.9
-BLOCK_SIZE = EngineConfig.block_size   # the clusters' KV block (the default)
+BLOCK_SIZE = EngineConfig().block_size   # the clusters' KV block (the default)
 MAX_HALVINGS = 3             # a sweep whose lowest rate misses halves it at most this often
 USER_RANGE, ANSWER_RANGE = (20, 100), (16, 32)
 SYSTEMS = {"on": "pdserve, prefix cache on", "off": "pdserve, prefix cache off",
