@@ -1,6 +1,6 @@
 """Tracing on vs off as a deployment runs it, for ``bench_http.py``: two ``pdserve serve``
 processes side by side on this machine, ``off`` without tracing and ``on`` with
-``--otlp-traces-endpoint`` pointed at a local ``OtlpSink`` (the OTLP exporter behind a
+``--otlp-traces-endpoint`` pointed at a local ``OtlpSinkProcess`` (the OTLP exporter behind a
 ``BatchSpanProcessor`` in the router and in every worker); the same load (N concurrent gRPC
 streams, token-id prompts, ``ignore_eos``) alternates between them round by round, so the
 machine's drift (a shared 2-core box) hits both alike.
@@ -36,12 +36,13 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.otlp_sink import OtlpSink
+from benchmarks.otlp_sink import OtlpSinkProcess
 from router.client import AsyncPdserveClient
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"pdserve ready: gRPC on ([\d.]+):(\d+)")
 START_TIMEOUT_S = 600
+WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor")
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,13 @@ class Server:
         return self.address
 
     def serving_processes(self) -> list[psutil.Process]:
-        """The router (the CLI process) and its Ray actors (titled ``ray::...``)."""
+        """The router (the CLI process) and its worker actors (titled ``ray::PrefillActor`` /
+        ``ray::DecodeActor``; not Ray's own agents, whose titles start ``ray::`` too)."""
         out = [psutil.Process(self.proc.pid)]
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if p.name().startswith("ray::") or " ".join(p.cmdline()[:1]).startswith("ray::"):
+                title = " ".join(p.cmdline()[:1]) or p.name()
+                if title.startswith(WORKER_TITLES):
                     out.append(p)
             except psutil.Error:
                 continue
@@ -163,7 +166,7 @@ def _measure(server: Server, load: Load, seed: int) -> dict:
 def run(model: str, quick: bool) -> list[str]:
     flags, load = MODELS[model]
     load = QUICK[model] if quick else load
-    sink = OtlpSink()
+    sink = OtlpSinkProcess()   # its own process: it must not share the client's GIL
     arm_flags = {"off": flags, "on": [*flags, "--otlp-traces-endpoint", sink.url]}
     lines = [f"tracing on vs off, {model}: two `pdserve serve` (disaggregated, 1+1 workers, 1 thread each) side by "
              f"side, on: --otlp-traces-endpoint to a local OTLP sink; {load.streams} gRPC streams x {load.max_tokens} "
@@ -215,7 +218,7 @@ def _paired(rounds: dict[str, list[dict]]) -> float:
     return statistics.median(on["tpot_ms"] / off["tpot_ms"] for on, off in zip(rounds["on"], rounds["off"]))
 
 
-def _verdict(rounds: dict[str, list[dict]], sink: OtlpSink, load: Load) -> list[str]:
+def _verdict(rounds: dict[str, list[dict]], sink: OtlpSinkProcess, load: Load) -> list[str]:
     lines = []
     for arm in ("off", "on"):
         lines.append(f"  {arm:3}: TPOT p50 per round (ms) " + " ".join(f"{r['tpot_ms']:.1f}" for r in rounds[arm])
