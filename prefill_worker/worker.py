@@ -16,13 +16,12 @@ and only the blocks the decode worker does not hold already move (the handle nam
 Every result also carries this worker's prefix-cache events not yet reported (blocks stored,
 removed), which keep the router's prefix index true.
 A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
-PrefillResult with its finish reason and no hand-off; the router frees the unused reservation,
-which this worker waits for (up to ``RESERVE_SETTLE_S``) before it answers, so that free never
-overtakes the reserve. Every result carries a ``HandoffOutcome`` (ok, ended at prefill,
+PrefillResult with its finish reason and no hand-off, at once; the router frees the unused
+reservation (a free that overtakes the reserve makes the decode worker refuse that reserve when
+it arrives: nothing stays held). Every result carries a ``HandoffOutcome`` (ok, ended at prefill,
 aborted, reserve refused for room, reserve failed, transfer failed, peer dead): the router
 acts on that value, never on error text. ``abort`` returns only once this worker will no
-longer write into the decode worker's reserved blocks, and its reserve call has settled, so
-the decode side may free them; and no write starts after the reservation's lease has run out
+longer write into the decode worker's reserved blocks, so the decode side may free them; and no write starts after the reservation's lease has run out
 (the decode side may have freed the blocks by then: a late writer is refused, never corrupts
 another request's KV).
 ``prefill`` and ``stream`` are idempotent per request id: a call retried by the router after
@@ -59,10 +58,6 @@ LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
 # Fault injection (tests) on the next hand-off: "kv_send" fails it (the router recomputes);
 # "hang_kv_send" never starts the write (a worker that dies mid-hand-off, once killed).
 SEND_FAULTS = ("kv_send", "hang_kv_send")
-# A request that ends without a hand-off waits this long at most for its reserve call to settle
-# (so the router's free of the unused reservation cannot overtake it); a reservation that lands
-# later still is freed when its lease ends.
-RESERVE_SETTLE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -144,8 +139,6 @@ class PrefillWorker(WorkerBase):
             return dataclasses.replace(result, stats=self.stats(), kv_events=self.take_kv_events())
         finally:
             self._first_token(req_id, None)   # none went ahead: the result carries it
-            if reservation is not None:   # the router frees what it reserved: after it landed
-                await asyncio.wait([reservation], timeout=RESERVE_SETTLE_S)
             self._waiters.pop(req_id, None)
             self._aborted.discard(req_id)
             self._done.pop(req_id).set()

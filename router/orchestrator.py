@@ -185,6 +185,7 @@ class Orchestrator:
                 # a step) waits for capacity and tries again, until the resume deadline.
                 if resume_deadline is None or time.monotonic() > resume_deadline:
                     raise
+                run.refused()
                 await self.admission.capacity_changed(RESERVE_RETRY_S)
 
     async def _admit(self, spec: RequestSpec, num_migrations: int) -> Prediction:
