@@ -43,6 +43,7 @@ from engine import tracing
 from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
 from engine.errors import CapacityError, KVTransferError, PeerLostError
+from engine.faults import SEND_FAULTS, FaultKind
 from engine.types import FinishReason, FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
@@ -55,9 +56,6 @@ TRANSFER_TIMEOUT_S = 30.0
 # margin for clocks (the lease is wall-clock time) and scheduling, fit before the decode worker
 # may free the blocks.
 LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
-# Fault injection (tests) on the next hand-off: "kv_send" fails it (the router recomputes);
-# "hang_kv_send" never starts the write (a worker that dies mid-hand-off, once killed).
-SEND_FAULTS = ("kv_send", "hang_kv_send")
 
 
 @dataclass(slots=True)
@@ -80,7 +78,7 @@ class PrefillWorker(WorkerBase):
         self._senders: dict[str, Any] = {}
         # Rendezvous transports (torch_dist) pair FIFO per peer: a stuck peer stalls only its own.
         self._transfer_locks: dict[str, asyncio.Lock] = {}
-        self._next_send_fault: str | None = None   # fault injection (tests): see SEND_FAULTS
+        self._next_send_fault: FaultKind | None = None   # fault injection (tests): see engine/faults.py
 
     async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         """Prefill ``spec``; with a ``transport``, reserve its blocks on ``decode`` (a
@@ -216,9 +214,9 @@ class PrefillWorker(WorkerBase):
 
     async def _send(self, done: PrefillDone, handle: KVBlocksHandle, decode: Any) -> int:
         fault, self._next_send_fault = self._next_send_fault, None
-        if fault == "kv_send":
+        if fault is FaultKind.KV_SEND:
             raise KVTransferError("injected KV send failure")
-        if fault == "hang_kv_send":
+        if fault is FaultKind.HANG_KV_SEND:
             await asyncio.Event().wait()   # only the process's death ends this hand-off
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, handle.source_blocks(done.block_ids))
@@ -240,8 +238,8 @@ class PrefillWorker(WorkerBase):
         return self._senders[transport]
 
     async def inject_fault(self, kind: str) -> None:
-        if kind in SEND_FAULTS and self.spec.allow_fault_injection:
-            self._next_send_fault = kind
+        if FaultKind(kind) in SEND_FAULTS and self.spec.allow_fault_injection:
+            self._next_send_fault = FaultKind(kind)
             return
         await super().inject_fault(kind)
 
