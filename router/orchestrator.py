@@ -149,13 +149,15 @@ class _Attempt:
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
                  metrics: Any | None = None, on_lost: Callable[[WorkerLost], None] | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 on_stats: Callable[[WorkerHandle], None] | None = None) -> None:
         self.registry = registry
         self.streams = streams
         self.admission = admission
         self.metrics = metrics
         self.on_lost = on_lost
         self.migration_limit = migration_limit
+        self.on_stats = on_stats   # a worker's fresh stats go on to admission and metrics (the launcher's rule)
         self._cleanups: set[asyncio.Task] = set()
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
@@ -338,9 +340,8 @@ class Orchestrator:
         prefill.observe_kv_events(result.kv_events, generation)
         if result.stats is not None:
             prefill.observe_stats(result.stats)
-            self.admission.observe_stats(prefill)
-            if self.metrics is not None:
-                self.metrics.update_worker(result.stats)
+            if self.on_stats is not None:
+                self.on_stats(prefill)
 
     def _capacity_changed(self) -> None:
         asyncio.get_running_loop().create_task(self.admission.notify())
