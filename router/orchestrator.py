@@ -273,7 +273,7 @@ class Orchestrator:
 
     def _observed_ttft(self, pair: Prediction, trace: RequestTrace) -> None:
         observed = time.perf_counter() - trace.start_s
-        self.admission.observe_ttft(pair, observed)
+        self.admission.observe_ttft(pair, observed, _engine_s(trace))
         if self.metrics is not None:
             self.metrics.prediction("ttft", pair.ttft_s, observed)
 
@@ -385,6 +385,13 @@ class Orchestrator:
     async def drain_cleanups(self) -> None:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+
+
+def _engine_s(trace: RequestTrace) -> float | None:
+    """The prefill worker's own queue + compute time for the prompt (None: the decode worker
+    prefilled it, and reports no such split)."""
+    report = trace.path.first or trace.prefill
+    return None if report is None else report.queue_s + report.prefill_s
 
 
 def _first(result: PrefillResult) -> tuple[int, ...]:
