@@ -67,13 +67,14 @@ from engine.errors import CapacityError, WorkerFailedError
 from engine.types import RequestSpec
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
+from router.ttft_margin import TtftMargin
 from router.wakeup import FairWakeup
 
 logger = logging.getLogger(__name__)
 
 # Predictions must fit a share of their target: the models are fitted, not exact. TTFT is a hard
-# per-request deadline predicted from a queue (errors add up), TPOT an average over a lifetime.
-TTFT_SAFETY = 0.8
+# per-request deadline predicted from a queue (errors add up): its share follows how far recent
+# predictions were off (``router.ttft_margin``); TPOT is an average over a lifetime.
 TPOT_SAFETY = 0.9
 MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as saturated
 PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
@@ -124,8 +125,8 @@ class Prediction:
     def fits_tpot(self, target: float | None) -> bool:
         return self.spares_running and _within(self.tpot_s, target, TPOT_SAFETY)
 
-    def fits_ttft(self, target: float | None) -> bool:
-        return _fits_ttft(self.ttft_s, self.waited_s, target)
+    def fits_ttft(self, target: float | None, share: float) -> bool:
+        return _fits_ttft(self.ttft_s, self.waited_s, target, share)
 
 
 class Action(enum.Enum):
@@ -178,6 +179,7 @@ class Admission:
         # prompt for a TTFT several times its real one.
         self.ttft_overhead_s = 0.0
         self.ttft_correction = 1.0
+        self.ttft_margin = TtftMargin()   # the share of a TTFT target a prediction may use
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._waiters = FairWakeup()
         self.num_queued = 0
@@ -195,6 +197,7 @@ class Admission:
         if pair.ttft_s is None:
             return
         outside = observed_s - pair.waited_s
+        self.ttft_margin.observe(pair.ttft_s - pair.waited_s, outside)
         if engine_s is not None:
             self.ttft_overhead_s += OVERHEAD_EMA * (max(0.0, outside - engine_s) - self.ttft_overhead_s)
         else:
@@ -312,8 +315,9 @@ class Admission:
         best = search.choose(ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision(Action.ADMIT, Cause.IDLE, prediction=best)
-        if not best.fits_ttft(ttft_t):
-            return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t), best)
+        share = self.ttft_margin.share
+        if not best.fits_ttft(ttft_t, share):
+            return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share), best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
@@ -412,6 +416,10 @@ class _Search:
         self.waited_s = waited_s
 
     @cached_property
+    def ttft_share(self) -> float:
+        return self.admission.ttft_margin.share
+
+    @cached_property
     def local_rate(self) -> float | None:
         """Seconds per prompt token where the decode worker prefills (the prefill workers' rate)."""
         return self.admission._prefill_seconds_per_token(None)
@@ -493,7 +501,7 @@ class _Search:
         then the lowest TTFT (it balances prefill queues; TPOT already fits), then the most
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
-        fit_p = [p for p in self.prefills if _fits_ttft(p.ttft_s, self.waited_s, ttft_t)]
+        fit_p = [p for p in self.prefills if _fits_ttft(p.ttft_s, self.waited_s, ttft_t, self.ttft_share)]
         fit_d = [d for d in self.decodes if _within(d.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(d.worker, self.spec)]
         if fit_p and fit_d:
             p = min(fit_p, key=lambda s: s.ttft_s)
@@ -515,7 +523,7 @@ class _Search:
             if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
                 continue
             ttft = self._local_ttft(d)
-            if _fits_ttft(ttft, self.waited_s, ttft_t) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
+            if _fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
                     and _has_kv_room(d.worker, self.spec):
                 cands.append((ttft, i, d))
         return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
@@ -526,7 +534,7 @@ class _Search:
         min(best prefill slack, best decode slack), reached first by the first prefill and
         then the first decode worker reaching it."""
         local = [(0.0, i, d, self._local_ttft(d)) for i, d in enumerate(self.decodes)] if self.with_local else []
-        locals_fit = [c for c in local if _fits_ttft(c[3], self.waited_s, ttft_t)]
+        locals_fit = [c for c in local if _fits_ttft(c[3], self.waited_s, ttft_t, self.ttft_share)]
         any_fit = bool(fit_p or locals_fit)
         prefills = fit_p if any_fit else self.prefills
         best = None
@@ -589,16 +597,16 @@ def _slack(predicted: float | None, target: float | None) -> float:
     return 1.0 - predicted / target if predicted is not None and target else math.inf
 
 
-def _fits_ttft(ttft_s: float | None, waited_s: float, target: float | None) -> bool:
+def _fits_ttft(ttft_s: float | None, waited_s: float, target: float | None, share: float) -> bool:
     """The predicted part, not the time already queued (known exactly), must fit the safety
-    share of what is left: a request that waited for decode capacity is not rejected for a
-    margin on time that is no longer uncertain."""
+    ``share`` of what is left (``router.ttft_margin``): a request that waited for decode
+    capacity is not rejected for a margin on time that is no longer uncertain."""
     if not target or ttft_s is None:
         return True
-    return ttft_s - waited_s <= (target - waited_s) * TTFT_SAFETY
+    return ttft_s - waited_s <= (target - waited_s) * share
 
 
-def _ttft_miss_message(best: Prediction, target: float) -> str:
+def _ttft_miss_message(best: Prediction, target: float, share: float) -> str:
     """Why a request is refused for TTFT, in the terms ``_fits_ttft`` decides by (a prediction
     under its target can still miss the safety share)."""
     msg = f"predicted TTFT {best.ttft_s * 1e3:.0f} ms"
@@ -606,7 +614,7 @@ def _ttft_miss_message(best: Prediction, target: float) -> str:
         msg += f" ({best.waited_s * 1e3:.0f} ms of it queued)"
     if best.ttft_s <= target:
         left = (target - best.waited_s) * 1e3
-        return msg + (f" leaves less than a {1 - TTFT_SAFETY:.0%} safety margin of the {left:.0f} ms left "
+        return msg + (f" leaves less than a {1 - share:.0%} safety margin of the {left:.0f} ms left "
                       f"of the TTFT target {target * 1e3:.0f} ms")
     return msg + f" > target {target * 1e3:.0f} ms"
 

@@ -376,3 +376,40 @@ def test_prefill_rate_follows_new_steps():
     # (64+128+256+512) tokens at 1x and 300 tokens at 3x
     expected = (960 + 3 * 300) * PREFILL_S_PER_TOKEN / 1260
     assert model.seconds_per_prefill_token() == pytest.approx(expected)
+
+
+def test_ttft_margin_follows_how_far_predictions_were_off():
+    """Close predictions earn a thin margin, far-off ones a wide one; the default until enough
+    first tokens were seen."""
+    from router.ttft_margin import DEFAULT_SHARE, MAX_SHARE, MIN_SAMPLES, TtftMargin
+
+    close, wide = TtftMargin(), TtftMargin()
+    for i in range(MIN_SAMPLES - 1):
+        close.observe(1.0, 1.0 + 0.01 * (i % 3))
+    assert close.share == DEFAULT_SHARE, "too few samples to calibrate"
+    for i in range(100):
+        close.observe(1.0, 0.97 + 0.0006 * i)     # within 3 %
+        wide.observe(1.0, 0.8 + 0.008 * i)        # up to 1.6x
+    assert close.share == MAX_SHARE
+    assert wide.share == pytest.approx(1 / 1.52, rel=0.02)
+    close.observe(0.0, 1.0)
+    close.observe(float("inf"), 1.0)   # a saturated prediction teaches nothing
+    assert close.share == MAX_SHARE
+
+
+def test_accurate_ttft_predictions_admit_near_the_target():
+    """A prediction at 90% of its target is refused with the default 20% margin, admitted once
+    the TTFT predictions have proven close, and refused again once they have proven far off."""
+    admission, w = colocated_worker()
+    w.begin_prefill(3000, now=100.0)
+    s0 = spec(prompt=200, ttft=5.0, tpot=0.05)
+    predicted = admission.predict(s0, None, w, now=100.0).ttft_s
+    s = spec(prompt=200, ttft=predicted / 0.9, tpot=0.05)
+    assert admission.decide(s, now=100.0).action is Action.REJECT
+    p = admission.predict(s, None, w, now=100.0)
+    for _ in range(40):
+        admission.observe_ttft(dataclasses.replace(p, num_prompt_tokens=0), p.ttft_s * 1.02)
+    assert admission.decide(s, now=100.0).action is Action.ADMIT
+    for _ in range(200):
+        admission.observe_ttft(dataclasses.replace(p, num_prompt_tokens=0), p.ttft_s * 1.5)
+    assert admission.decide(s, now=100.0).action is Action.REJECT

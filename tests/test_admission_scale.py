@@ -76,7 +76,7 @@ def scan_choice(admission: Admission, spec: RequestSpec, waited_s: float) -> Pre
     disagg = [p for p in preds if p.prefill is not None] or preds
     if (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
         return min(disagg, key=load)
-    fits_ttft = [p for p in preds if p.fits_ttft(ttft_t)]
+    fits_ttft = [p for p in preds if p.fits_ttft(ttft_t, admission.ttft_margin.share)]
     fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and _has_kv_room(p.decode, spec)]
     if fits:
         pool = [p for p in fits if p.prefill is not None or p.cheap_local] or fits
