@@ -48,10 +48,10 @@ def test_matches_float64_matmul(kernel, rows, out_features, in_features):
 
 @pytest.mark.parametrize("rows", [33, 40, 47, 48, 64, 65, 96])
 @pytest.mark.parametrize("out_features,in_features",
-                         [(1, 1), (5, 17), (7, 576), (13, 769), (193, 64), (1536, 1537)])
+                         [(1, 1), (3, 0), (5, 17), (7, 576), (13, 769), (193, 64), (1536, 1537)])
 def test_panel_matches_float64_matmul(kernel, rows, out_features, in_features):
     """The panel kernel (decode batches past MAX_ROWS): partial weight tiles (N % 6), partial input
-    panels (M % 16 on AVX2, M % 32 on AVX-512), K in one block and in several (past 768)."""
+    panels (M % 16 on AVX2, M % 32 on AVX-512), K in one block and in several (past 768), K = 0."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)

@@ -96,8 +96,8 @@ void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t
       for (int r = 0; r < NR; ++r) w_rows[r] = w + std::min<int64_t>(n0 + r, N - 1) * K;
       // K in equal blocks of at most KC, so the tile's weight rows stay in L1 while every
       // input panel passes over them (at K = 1536 they would not: 37 KB).
-      const int64_t nkb = std::max<int64_t>(1, (K + KC - 1) / KC), kc = (K + nkb - 1) / nkb;
-      for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kc) {
+      const int64_t nkb = std::max<int64_t>(1, (K + KC - 1) / KC), kc = std::max<int64_t>(1, (K + nkb - 1) / nkb);
+      for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kc) {  // K = 0: one pass, zeros
         const int64_t k1 = std::min(K, k0 + kc);
         for (int64_t p = 0; p < panels; ++p)
           tile(w_rows, xt.data() + p * MP, k0, k1, ldx, k0 == 0, acc.data() + p * NR * MP);
