@@ -1,16 +1,20 @@
-"""Few-row linears: the C++ skinny kernel against torch's ``F.linear`` (MKL), one run.
+"""Decode-step linears: the C++ skinny and panel kernels against torch's ``F.linear`` (MKL), one run.
 
 1. Every linear of one SmolLM2-135M forward (30 layers x q/k/v/o/gate/up/down + the tied LM
    head: 536 MB of float32 weights, far more than the caches, so each pass reads them from
-   memory as a decode step does) at M input rows, M = 1..64. Passes alternate kernel / torch /
-   read roofline (``sum()`` over the same weights) so every ratio compares numbers taken in the
+   memory as a decode step does) at M input rows, M = 1..128: the skinny kernel (the engine's up
+   to MAX_ROWS) and, past 16 rows, the panel kernel (the engine's up to PANEL_MAX_ROWS on AVX2).
+   Passes alternate kernels / torch / read roofline (``sum()`` over the same weights) so every ratio compares numbers taken in the
    same seconds of a shared machine; medians are reported. GB/s = weight bytes / time.
 2. Unless --skip-model: one full decode step of the real model in a decode-role ``LLMEngine``
    (requests arrive with their KV "computed"; context ~256) at several batch sizes, alternating
    the engine's linear path step by step (``ModelRunner.skinny``).
 
     python -m benchmarks.bench_linear [--passes 7] [--steps 6] [--threads 1] [--skip-model]
-        [--batches 1,6,12,24] [--context 256] [--out FILE]
+        [--batches 1,6,12,24] [--context 256] [--cpu-clock] [--out FILE]
+
+``--cpu-clock`` times with this process's CPU time (1 thread on a busy shared machine: leaves
+out the time other processes held the core).
 
 Threads default to 1: a colocated or decode worker's setup in the goodput runs.
 Writes benchmarks/results/linear.txt (one machine's run; that file keeps one section per SIMD
@@ -35,7 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks import kernel_bench  # noqa: E402
 from engine import cpu_kernels, skinny_linear  # noqa: E402
 
-ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PANEL_FROM = 16   # rows from which the panel kernel is timed too
 BATCHES = (1, 6, 12, 24)
 CONTEXT = 256
 RESULTS = ROOT / "benchmarks" / "results" / "linear.txt"
@@ -49,33 +54,38 @@ def forward_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def bench_rows(weights: list[torch.Tensor], passes: int) -> list[str]:
     total = sum(w.numel() * w.element_size() for w in weights)
+    flops = 2 * sum(w.numel() for w in weights)
     lines = [
         f"every linear of one forward ({len(weights)} weights, {total / 1e6:.0f} MB fp32), median of {passes} "
-        "alternating passes",
-        f"  {'rows':>5}{'torch ms':>10}{'kernel ms':>11}{'speed-up':>10}{'kernel GB/s':>13}{'max rel err':>13}",
+        "alternating passes; GFLOP/s of the best path",
+        f"  {'rows':>5}{'torch ms':>10}{'skinny ms':>11}{'panel ms':>10}{'best speed-up':>15}{'GFLOP/s':>9}"
+        f"{'max rel err':>13}",
     ]
+    kernels = {"skinny": skinny_linear.skinny_linear, "panel": skinny_linear.panel_linear}
     roof = []
     for rows in ROWS:
         xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-        times: dict[str, list[float]] = {"torch": [], "kernel": []}
+        paths = ["skinny", "torch"] + (["panel"] if rows >= PANEL_FROM else [])
+        times: dict[str, list[float]] = {p: [] for p in paths}
         for p in range(passes + 1):                 # pass 0 warms up
-            for path in ("kernel", "torch"):
+            for path in paths:
+                fn = kernels.get(path, lambda x, w: F.linear(x, w))
                 t = time.perf_counter()
                 for w in weights:
-                    if path == "kernel":
-                        skinny_linear.skinny_linear(xs[w.shape[1]], w)
-                    else:
-                        F.linear(xs[w.shape[1]], w)
+                    fn(xs[w.shape[1]], w)
                 if p:
                     times[path].append(time.perf_counter() - t)
             t = time.perf_counter()
             for w in weights:
                 w.sum()
             roof.append(time.perf_counter() - t)
-        err = max(_rel_err(skinny_linear.skinny_linear(xs[w.shape[1]], w), xs[w.shape[1]], w) for w in weights[:7])
+        err = max(_rel_err(kernels[k](xs[w.shape[1]], w), xs[w.shape[1]], w)
+                  for k in paths if k in kernels for w in weights[:7])
         med = {k: statistics.median(v) for k, v in times.items()}
-        lines.append(f"  {rows:>5}{med['torch'] * 1e3:>10.1f}{med['kernel'] * 1e3:>11.1f}"
-                     f"{med['torch'] / med['kernel']:>9.2f}x{total / med['kernel'] / 1e9:>13.1f}{err:>13.1e}")
+        best = min(med[k] for k in med if k in kernels)
+        panel = f"{med['panel'] * 1e3:>10.1f}" if "panel" in med else f"{'-':>10}"
+        lines.append(f"  {rows:>5}{med['torch'] * 1e3:>10.1f}{med['skinny'] * 1e3:>11.1f}{panel}"
+                     f"{med['torch'] / best:>14.2f}x{rows * flops / best / 1e9:>9.1f}{err:>13.1e}")
     r = statistics.median(roof)
     lines.append(f"  read roofline (sum over the same weights): {r * 1e3:.1f} ms = {total / r / 1e9:.1f} GB/s")
     return lines
@@ -128,10 +138,13 @@ def _options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", type=lambda s: tuple(int(b) for b in s.split(",")), default=BATCHES,
                     help="decode batch sizes of the full-step part, comma-separated")
     ap.add_argument("--context", type=int, default=CONTEXT, help="context length of each request")
+    ap.add_argument("--cpu-clock", action="store_true", help="time with this process's CPU time (1 thread)")
 
 
 def main() -> None:
     args = kernel_bench.parse_args(__doc__, threads=1, results=RESULTS, extra=_options)
+    if args.cpu_clock:
+        time.perf_counter = time.process_time   # every timer below reads it
     if not skinny_linear.enabled():
         why = cpu_kernels.unavailable_reason() or "neither AVX-512 nor AVX2+FMA, or PDSERVE_LINEAR=torch"
         sys.exit(f"skinny kernel unavailable: {why}")
@@ -141,7 +154,9 @@ def main() -> None:
     lines = [
         *kernel_bench.header("bench_linear"),
         f"kernel: engine/csrc/skinny_linear.cpp {' '.join(cpu_kernels.CFLAGS)}, "
-        f"{skinny_linear.simd_width()}-float vectors; engine uses it up to {skinny_linear.MAX_ROWS} rows",
+        f"{skinny_linear.simd_width()}-float vectors; engine uses it up to {skinny_linear.MAX_ROWS} rows, "
+        f"engine/csrc/panel_linear.cpp from there up to {skinny_linear.row_limit()} rows"
+        f"; clock: {'CPU time' if args.cpu_clock else 'wall'}",
         "",
         *bench_rows(forward_weights(loaded.model), args.passes),
     ]

@@ -1,6 +1,6 @@
 """Builds and loads pdserve's C++ CPU kernels: one extension from ``engine/csrc/`` holding the
-paged decode attention (``engine/paged_kernel.py``) and the few-rows linear layer
-(``engine/skinny_linear.py``).
+paged decode attention (``engine/paged_kernel.py``) and the decode-step linear layers, skinny
+(few rows) and panel (a few dozen rows) (``engine/skinny_linear.py``).
 
 Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja`` binary: the
 system's, or the ``ninja`` pip package's even when the venv is not activated) with
@@ -37,7 +37,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "module.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "panel_linear.cpp", CSRC / "module.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 600

@@ -3,8 +3,9 @@
 Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, position ids,
 slot mapping and attention metadata; ``execute`` runs the transformers model through the
 paged attention registered in ``engine.attention`` (q/k/v and gate/up projections fused by
-``engine.fused_linear``, few-row linears on ``engine.skinny_linear``) and returns logits only at
-the positions that sample (each request's last scheduled token when it reaches its last known token).
+``engine.fused_linear``, decode-step linears on ``engine.skinny_linear``, RMSNorm on
+``engine.fast_norm``) and returns logits only at the positions that sample (each request's last
+scheduled token when it reaches its last known token).
 With decode graphs on (``engine.cuda_graphs``), a decode-only step is loaded into the graph pool's
 static buffer instead and replayed; every other step runs here.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import attention, fused_linear, paged_kernel, skinny_linear
+from engine import attention, fast_norm, fused_linear, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.kv_manager import KVCacheManager
@@ -57,6 +58,10 @@ class ModelRunner:
         self.skinny = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and skinny_linear.enabled()
         if self.skinny:
             skinny_linear.install(model)
+        # RMSNorm as one fused op (float32 CPU: the same bits as the model's own).
+        self.fast_norm = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and fast_norm.enabled()
+        if self.fast_norm:
+            fast_norm.install(model)
         self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
@@ -69,7 +74,8 @@ class ModelRunner:
 
     def _forward(self, input_ids, position_ids, logits_indices, metadata: AttentionMetadata) -> torch.Tensor:
         """The model on packed tokens (the graph pool's captured body calls it too)."""
-        with skinny_linear.active(self.skinny), fused_linear.active(self.fused), self._sdpa_backends():
+        with skinny_linear.active(self.skinny), fused_linear.active(self.fused), fast_norm.active(self.fast_norm), \
+                self._sdpa_backends():
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,

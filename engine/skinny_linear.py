@@ -1,9 +1,12 @@
-"""Linear layers of an engine forward with few rows (decode steps) on the C++ skinny kernel.
+"""Linear layers of an engine forward with few rows (decode steps) on the C++ kernels.
 
 A decode step multiplies one row per running request by every weight matrix. At 2-32 rows MKL's
 sgemm repacks the weight on each call and the step, memory-bound on the weights (536 MB of
-float32 for SmolLM2-135M), costs ~2x a single row's; the kernel (``engine/csrc/skinny_linear.cpp``,
-AVX-512 or AVX2+FMA) streams each weight row once for all rows. Larger inputs (prefill chunks)
+float32 for SmolLM2-135M), costs ~2x a single row's; the skinny kernel
+(``engine/csrc/skinny_linear.cpp``, AVX-512 or AVX2+FMA) streams each weight row once for all
+rows. From MAX_ROWS + 1 to PANEL_MAX_ROWS rows (a large decode batch) the step is compute-bound
+and the panel kernel (``engine/csrc/panel_linear.cpp``: an outer-product GEMM over the weight in
+place) runs nearer the FLOP peak than MKL at these row counts. Larger inputs (prefill chunks)
 stay on torch's linear.
 
 Life cycle: ``install(model)`` (ModelRunner, once) turns the model's ``nn.Linear`` modules into
@@ -16,6 +19,7 @@ kernels cannot be built.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,6 +32,9 @@ ENV_VAR = "PDSERVE_LINEAR"   # "torch": every linear on torch (comparison, tests
 # Beyond, MKL catches up (benchmarks/results/linear.txt): AVX-512 1.14x at 32 rows, 1.00x at 64;
 # AVX2 1.17x at 32 rows.
 MAX_ROWS = 32
+# The panel kernel from MAX_ROWS + 1 rows up to here (benchmarks/results/linear.txt). Measured on
+# AVX2+FMA only (no AVX-512 machine at hand when it was written): an AVX-512 build keeps MKL there.
+PANEL_MAX_ROWS = 96
 
 active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.thread_switch)
 
@@ -46,6 +53,13 @@ def simd_width() -> int:
     return int(module.skinny_linear_simd_width) if module is not None else 0
 
 
+@functools.cache
+def row_limit() -> int:
+    """Most rows a kernel takes on this build: PANEL_MAX_ROWS where the panel kernel was measured
+    to pay (AVX2+FMA), MAX_ROWS elsewhere."""
+    return PANEL_MAX_ROWS if simd_width() == 8 else MAX_ROWS
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for contiguous float32 CPU x [M, K], weight [N, K] (no bias)."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
@@ -53,20 +67,29 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def panel_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` on the panel kernel, same contract as ``skinny_linear``."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    cpu_kernels.module().panel_linear(out, x, weight)
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, on the kernel inside ``active()`` for at most MAX_ROWS rows. The weight must
-    have passed ``_eligible``'s checks (float32, contiguous, CPU) for the kernel to be used."""
-    # Cheap checks first: this runs ~200 times per step. The kernel records no autograd.
+    """``F.linear``, on a kernel inside ``active()`` for at most PANEL_MAX_ROWS rows (the skinny
+    one up to MAX_ROWS). The weight must have passed ``_eligible``'s checks (float32, contiguous,
+    CPU) for a kernel to be used."""
+    # Cheap checks first: this runs ~200 times per step. The kernels record no autograd.
     in_features = weight.shape[1]
-    if x.numel() <= MAX_ROWS * in_features and bias is None and active.on \
+    if x.numel() <= row_limit() * in_features and bias is None and active.on \
             and x.dtype == torch.float32 and x.is_contiguous() and not torch.is_grad_enabled():
         rows = x.view(-1, in_features)
-        return skinny_linear(rows, weight).view(*x.shape[:-1], weight.shape[0])
+        kernel = skinny_linear if rows.shape[0] <= MAX_ROWS else panel_linear
+        return kernel(rows, weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
 class SkinnyLinear(torch.nn.Linear):
-    """An ``nn.Linear`` that, inside ``active()``, sends inputs of at most MAX_ROWS rows to the kernel."""
+    """An ``nn.Linear`` that, inside ``active()``, sends inputs of at most PANEL_MAX_ROWS rows to the kernels."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -75,6 +75,28 @@ def test_greedy_unaffected_by_sampled_neighbours(tiny_model, workload):
     assert_no_leaks(engine)
 
 
+def test_large_decode_batch_matches_hf(tiny_model, hf_reference, monkeypatch):
+    """40 requests decoding together: past skinny_linear.MAX_ROWS, so on AVX2 builds every decode
+    step's linears run on the panel kernel (counted), not MKL."""
+    from engine import skinny_linear
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 12))] for _ in range(40)]
+    refs = [hf_greedy(hf_reference, p, 8) for p in prompts]
+    rows: list[int] = []
+    real = skinny_linear.panel_linear
+    monkeypatch.setattr(skinny_linear, "panel_linear", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=256, max_num_seqs=64))
+    specs = [RequestSpec(f"b{i}", tuple(p), SamplingParams(max_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts)]
+    got = engine.generate(specs)
+    assert [got[f"b{i}"] for i in range(len(prompts))] == refs
+    if engine.runner.skinny and skinny_linear.row_limit() >= 40:
+        # 7 decode steps at 40, each: q/k/v (one fused call), o, gate/up (one), down per layer, and the LM head
+        per_step = 4 * tiny_model.model.config.num_hidden_layers + 1
+        assert rows.count(40) >= 7 * per_step, "every linear of every decode step at 40 on the panel kernel"
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize("config_name", ["Qwen2Config", "MistralConfig"])
 def test_other_llama_family_models_match_hf(config_name):
     """Qwen2 (biased q/k/v projections) and Mistral run through the same paged attention."""

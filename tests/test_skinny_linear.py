@@ -46,6 +46,32 @@ def test_matches_float64_matmul(kernel, rows, out_features, in_features):
     assert rel_err(got, x.double() @ w.double().T) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [33, 40, 47, 48, 64, 65, 96])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(1, 1), (3, 0), (5, 17), (7, 576), (13, 769), (193, 64), (1536, 1537)])
+def test_panel_matches_float64_matmul(kernel, rows, out_features, in_features):
+    """The panel kernel (decode batches past MAX_ROWS): partial weight tiles (N % 6), partial input
+    panels (M % 16 on AVX2, M % 32 on AVX-512), K in one block and in several (past 768), K = 0."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    got = kernel.panel_linear(x, w)
+    assert got.shape == (rows, out_features)
+    assert rel_err(got, x.double() @ w.double().T) < 1e-5
+
+
+def test_panel_threads_split_the_weight_rows(kernel):
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(64, 576, generator=g), torch.randn(4099, 576, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernel.panel_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert rel_err(got, x.double() @ w.double().T) < 1e-5
+
+
 def test_simd_path_matches_the_cpu():
     """A machine with AVX-512, or AVX2+FMA, builds that path: the kernel never silently falls back."""
     module = cpu_kernels.module()
@@ -79,15 +105,15 @@ def test_rejects_bad_inputs(kernel):
         kernel.skinny_linear(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
 
 
-def _counting(monkeypatch) -> list[tuple[int, int]]:
+def _counting(monkeypatch, name: str = "skinny_linear") -> list[tuple[int, int]]:
     calls: list[tuple[int, int]] = []
-    real = skinny_linear.skinny_linear
+    real = getattr(skinny_linear, name)
 
     def spy(x, w):
         calls.append((x.shape[0], w.shape[0]))
         return real(x, w)
 
-    monkeypatch.setattr(skinny_linear, "skinny_linear", spy)
+    monkeypatch.setattr(skinny_linear, name, spy)
     return calls
 
 
@@ -96,7 +122,10 @@ def test_dispatch_only_inside_active_and_for_few_rows(kernel, monkeypatch):
     assert skinny_linear.install(model) == 1            # the biased layer stays a plain nn.Linear
     assert type(model[0]) is skinny_linear.SkinnyLinear and type(model[1]) is torch.nn.Linear
     calls = _counting(monkeypatch)
-    few, many = torch.randn(1, 3, 64), torch.randn(1, skinny_linear.MAX_ROWS + 1, 64)
+    panel_calls = _counting(monkeypatch, "panel_linear")
+    limit = skinny_linear.row_limit()
+    few, many = torch.randn(1, 3, 64), torch.randn(1, limit + 1, 64)
+    middle = torch.randn(1, skinny_linear.MAX_ROWS + 1, 64)
 
     with skinny_linear.active():
         model[0](few).sum().backward()                 # autograd on: torch's linear, gradients flow
@@ -106,10 +135,17 @@ def test_dispatch_only_inside_active_and_for_few_rows(kernel, monkeypatch):
         with skinny_linear.active():
             inside = model[0](few)
             big = model[0](many)
+            mid = model[0](middle)
             with skinny_linear.active(False):
                 nested_off = model[0](few)
         want = F.linear(few.double(), model[0].weight.double())
-        assert calls == [(3, 96)], "only the few-row call inside active() takes the kernel"
+        assert calls == [(3, 96)], "only the few-row call inside active() takes the skinny kernel"
+        if limit > skinny_linear.MAX_ROWS:   # AVX2 builds: the panel kernel up to PANEL_MAX_ROWS rows
+            assert limit == skinny_linear.PANEL_MAX_ROWS
+            assert panel_calls == [(skinny_linear.MAX_ROWS + 1, 96)]
+            assert rel_err(mid, F.linear(middle.double(), model[0].weight.double())) < 1e-5
+        else:
+            assert not panel_calls and torch.equal(mid, F.linear(middle, model[0].weight))
         assert torch.equal(outside, F.linear(few, model[0].weight))
         assert inside.shape == (1, 3, 96) and rel_err(inside, want) < 1e-5
         assert torch.equal(big, F.linear(many, model[0].weight))

@@ -10,6 +10,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at
 int paged_attention_simd_width();
 void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight);
 int skinny_linear_simd_width();
+void panel_linear(at::Tensor out, at::Tensor x, at::Tensor weight);
+int panel_linear_simd_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -21,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear,
         "out[M, N] = x[M, K] . weight[N, K]^T (float32, CPU, contiguous), for small M",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
+  m.def("panel_linear", &panel_linear,
+        "out[M, N] = x[M, K] . weight[N, K]^T (float32, CPU, contiguous), for a decode batch of a few dozen rows",
+        py::arg("out"), py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
   m.attr("simd_width") = paged_attention_simd_width();
   m.attr("skinny_linear_simd_width") = skinny_linear_simd_width();
+  m.attr("panel_linear_simd_width") = panel_linear_simd_width();
 }
