@@ -16,6 +16,9 @@ numbers being compared come from the same minute of a shared machine. Three syst
     (queue_s, prefill_s, kv_transfer_s, ttft_s, e2e_s, kv_transfer_bytes) and the decode
     worker's own step times (``WorkerStats.recent_steps``, streamed with every batch).
 (c) colocated cluster (``--no-colocated`` skips it): one worker doing prefill and decode.
+(d) with ``--ab-inbox``: the disaggregated cluster again, its router's first-token inbox off (the
+    first token comes back on the prefill call's Ray stream only): the inbox's saving, measured
+    request by request in the same processes.
 
 The router runs in this process (``ClusterThread``), so the client's and the router's clocks
 are the same ``perf_counter`` and their stamps subtract exactly. Derived rows:
@@ -168,6 +171,17 @@ def run_cluster(client: PdserveClient, cluster: ClusterThread, prompt: list[int]
         prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
         sample.prefill_step_s = prefill_steps[-1].duration_s if prefill_steps else None
     return sample
+
+
+def run_without_inbox(client: PdserveClient, cluster: ClusterThread, prompt: list[int], max_tokens: int) -> Sample:
+    """``run_cluster`` with the router's first-token inbox off: the first token comes back on
+    the prefill call's Ray stream only (no request is in flight when it is switched)."""
+    orchestrator = cluster.cluster.orchestrator
+    inbox, orchestrator.inbox = orchestrator.inbox, None
+    try:
+        return run_cluster(client, cluster, prompt, max_tokens)
+    finally:
+        orchestrator.inbox = inbox
 
 
 def _from_stamps(start: float, stamps: list[float], ids: list[int]) -> Sample:
@@ -402,6 +416,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (--quick: 2)")
     parser.add_argument("--no-colocated", action="store_true", help="skip (c), the colocated cluster")
+    parser.add_argument("--ab-inbox", action="store_true",
+                        help="also run each disaggregated request with the router's first-token inbox off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every system on it)")
     parser.add_argument("--dtype", default="float32")
@@ -439,16 +455,21 @@ def main() -> None:
         transport = disagg.registry.transport(disagg.registry.prefill[0], disagg.registry.decode[0])
         inproc = System("in-process")
         clients = [PdserveClient(f"127.0.0.1:{c.cluster.port}") for _, c in clusters]
+        # --ab-inbox: the disaggregated cluster once more per repeat, its first-token inbox off.
+        no_inbox = System("no inbox") if args.ab_inbox else None
         rng = random.Random(args.seed)
         for i in range(args.repeats + 1):
             prompt = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
             warm = i == 0
             runs = [lambda: run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
             runs += [lambda cl=cl, c=c: run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
+            if no_inbox is not None:
+                runs.append(lambda: run_without_inbox(clients[0], clusters[0][1], prompt, args.max_tokens))
             order = range(len(runs)) if i % 2 else reversed(range(len(runs)))   # no system always first
             by_system = {k: runs[k]() for k in order}
             samples = [by_system[k] for k in range(len(runs))]
-            for system, sample in zip([inproc] + [s for s, _ in clusters], samples):
+            extra = [no_inbox] if no_inbox is not None else []
+            for system, sample in zip([inproc] + [s for s, _ in clusters] + extra, samples):
                 if sample.token_ids != samples[0].token_ids:
                     raise AssertionError(f"{system.name} output differs from the in-process engine's")
                 if not warm:
@@ -461,7 +482,8 @@ def main() -> None:
                         " / ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples))
         for client in clients:
             client.close()
-        text = report([inproc] + [s for s, _ in clusters], args, machine_header(args, loaded.name, transport, id_range))
+        systems = [inproc] + [s for s, _ in clusters] + ([no_inbox] if no_inbox is not None else [])
+        text = report(systems, args, machine_header(args, loaded.name, transport, id_range))
     finally:
         for _, cluster in clusters:
             cluster.stop()

@@ -343,9 +343,10 @@ class SimPrefillWorker(_SimWorker):
         self._handoffs: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
-    async def prefill(self, spec: RequestSpec, transport: str, decode: Any) -> PrefillResult:
+    async def prefill(self, spec: RequestSpec, transport: str, decode: Any, inbox: str | None = None) -> PrefillResult:
         """``decode``: the decode worker's actor handle: this worker calls its ``reserve`` (over
-        ``transport``) as the prompt is queued and its ``commit`` once the KV is ready."""
+        ``transport``) as the prompt is queued and its ``commit`` once the KV is ready.
+        ``inbox`` (the router's first-token inbox) is not simulated: no first token goes ahead."""
         task = self._handoffs.get(spec.req_id)
         if task is None:
             task = self._handoffs[spec.req_id] = asyncio.ensure_future(self._prefill(spec, transport, decode))

@@ -44,6 +44,7 @@ from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router.convert import ServerDefaults
 from router.limits import ServerLimits
 from router.admission import Admission
+from router.first_token_inbox import FirstTokenInbox
 from router.health import ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
@@ -141,8 +142,11 @@ class Cluster:
         self.supervisor.start()
         for w in self.registry.all:
             self.metrics.worker_state(w.worker_id, w.role, up=True)
+        self.inbox = FirstTokenInbox()
+        await self.inbox.start()
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
-                                         on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit)
+                                         on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit,
+                                         inbox=self.inbox, node_id=ray.get_runtime_context().get_node_id())
         info = infos[0]
         name = cfg.served_model_name or name or info["model"]   # what gRPC's ServerInfo and /v1/models say
         # The longest request every worker can hold (each caps it to its KV pool).
@@ -340,6 +344,8 @@ class Cluster:
             self.servicer.close()   # its tokenizer pool
         if getattr(self, "orchestrator", None):
             await _until(deadline, self.orchestrator.drain_cleanups(), "request cleanups")
+        if getattr(self, "inbox", None):
+            await self.inbox.close()
         if getattr(self, "streams", None):
             await _until(deadline, self.streams.stop(), "decode streams")
         shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]

@@ -6,7 +6,9 @@ module without pulling in torch.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -204,6 +206,18 @@ class FirstToken:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     reserve_wait_s: float = 0.0
+
+    def to_json(self) -> bytes:
+        """One line for the router's first-token inbox (JSON: nothing but data crosses a socket)."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, line: bytes) -> FirstToken:
+        fields = json.loads(line)
+        top = fields.get("top_logprobs")
+        if top is not None:
+            fields["top_logprobs"] = tuple((int(t), float(p)) for t, p in top)
+        return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,8 @@ Life cycle of one request here:
   budget, many prompts per step) and, at the same time, this worker asks the decode worker to
   ``reserve`` the prompt's blocks (its round trip overlaps the prefill; the router makes no
   call of its own for it) -> first token sampled, blocks *held* -> the reservation holds: the
-  first token goes to the router at once (``stream``: a ``FirstToken`` ahead of the result) ->
+  first token goes to the router at once (``stream``: a ``FirstToken`` ahead of the result;
+  also written to the router's first-token inbox when it named one: ``first_token_push``) ->
   KV sent through the handle's transport -> decode worker's ``commit`` (it admits the request)
   -> blocks released -> PrefillResult (outcome + timings) back to the router. The first token
   leaves before the KV has landed because that is safe: a hand-off that then fails is
@@ -48,6 +49,7 @@ from engine.types import FinishReason, FirstToken, HandoffOutcome, PrefillResult
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 from kvtransfer.select import make_sender
+from prefill_worker.first_token_push import FirstTokenPusher
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class _Running:
     first: asyncio.Future
     result: asyncio.Task | None = None
     received_s: float = field(default_factory=time.time)   # wall clock: the router's path breakdown
+    inbox: str | None = None   # the router's first-token inbox (same node), if it named one
 
 
 class PrefillWorker(WorkerBase):
@@ -86,6 +89,7 @@ class PrefillWorker(WorkerBase):
         # Rendezvous transports (torch_dist) pair FIFO per peer: a stuck peer stalls only its own.
         self._transfer_locks: dict[str, asyncio.Lock] = {}
         self._next_send_fault: str | None = None   # fault injection (tests): see SEND_FAULTS
+        self._pusher = FirstTokenPusher()
 
     async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         """Prefill ``spec``; with a ``transport``, reserve its blocks on ``decode`` (a
@@ -94,20 +98,21 @@ class PrefillWorker(WorkerBase):
         (a retry) waits for the first one's result."""
         return await asyncio.shield(self._start(spec, transport, decode).result)
 
-    async def stream(self, spec: RequestSpec, transport: str | None,
-                     decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
+    async def stream(self, spec: RequestSpec, transport: str | None, decode: Any,
+                     inbox: str | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
         """``prefill``, with the first token yielded as soon as it may go to the client (the
-        reservation holds, the KV starts moving), then the result."""
-        run = self._start(spec, transport, decode)
+        reservation holds, the KV starts moving), then the result. ``inbox``: the router's
+        first-token inbox, which gets the first token too, sooner."""
+        run = self._start(spec, transport, decode, inbox)
         first = await asyncio.shield(run.first)
         if first is not None:
             yield first
         yield await asyncio.shield(run.result)
 
-    def _start(self, spec: RequestSpec, transport: str | None, decode: Any) -> _Running:
+    def _start(self, spec: RequestSpec, transport: str | None, decode: Any, inbox: str | None = None) -> _Running:
         run = self._running.get(spec.req_id)
         if run is None:
-            run = self._running[spec.req_id] = _Running(self.aio.create_future())
+            run = self._running[spec.req_id] = _Running(self.aio.create_future(), inbox=inbox)
             run.result = asyncio.ensure_future(self._prefill(spec, transport, decode))
             run.result.add_done_callback(lambda _: self._running.pop(spec.req_id, None))
         return run
@@ -160,6 +165,8 @@ class PrefillWorker(WorkerBase):
         run = self._running.get(req_id)
         if run is not None and not run.first.done():
             run.first.set_result(first)
+            if first is not None and run.inbox is not None:
+                self._pusher.push(run.inbox, first)
 
     async def abort(self, req_id: str) -> None:
         """Stop the request; returns once no write into its decode blocks can still happen."""
@@ -254,6 +261,7 @@ class PrefillWorker(WorkerBase):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self._pusher.close()
         for sender in self._senders.values():
             sender.close()
 

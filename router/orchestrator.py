@@ -4,7 +4,9 @@ Life cycle of one attempt (disaggregated):
   admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
   worker's stream -> one streaming ``prefill`` call (the only actor call on the first token's
   path): the prefill worker asks the decode worker to ``reserve`` blocks while it prefills ->
-  it streams the first token as soon as the reservation holds: yielded to the client at once
+  it streams the first token as soon as the reservation holds (a worker on the router's node
+  also writes it to the ``FirstTokenInbox``, a unix socket, which usually wins the race; the
+  copy that comes second is dropped): yielded to the client at once
   -> meanwhile it moves the KV and the decode worker ``commit``s -> the call's result (the
   hand-off's outcome) -> the rest arrive through the decode worker's batched stream -> finish.
 Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode
@@ -37,6 +39,7 @@ from engine.errors import CapacityError, WorkerFailedError
 from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
+from router.first_token_inbox import FirstTokenInbox, first_ahead
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
@@ -149,13 +152,17 @@ class _Attempt:
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
                  metrics: Any | None = None, on_lost: Callable[[WorkerLost], None] | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, inbox: FirstTokenInbox | None = None,
+                 node_id: str | None = None) -> None:
+        """``inbox``: first tokens written straight from the prefill workers on ``node_id``
+        (this router's node), ahead of their Ray stream."""
         self.registry = registry
         self.streams = streams
         self.admission = admission
         self.metrics = metrics
         self.on_lost = on_lost
         self.migration_limit = migration_limit
+        self.inbox, self.node_id = inbox, node_id
         self._cleanups: set[asyncio.Task] = set()
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
@@ -286,16 +293,23 @@ class Orchestrator:
         transport = trace.transport = self.registry.transport(prefill, decode)
         # The prefill worker reserves on the decode worker itself, while it prefills.
         sent: tuple[int, ...] = ()
+        inbox = self.inbox if self.inbox is not None and prefill.node_id == self.node_id else None
+        early = inbox.expect(spec.req_id) if inbox is not None else None   # the first token, sooner
         trace.path.dispatched(time.perf_counter(), time.time())
-        async with contextlib.aclosing(stream_call(prefill, "prefill", spec, transport, decode.actor,
-                                                   generation=at.prefill_gen)) as items:
-            async for item in items:
-                if isinstance(item, FirstToken):   # the client has it while the KV moves
-                    trace.path.back_wall_s, trace.path.first = time.time(), item
-                    sent = (item.token_id,)
-                    yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
-                else:
-                    result: PrefillResult = item
+        try:
+            async with contextlib.aclosing(stream_call(prefill, "prefill", spec, transport, decode.actor,
+                                                       inbox.path if inbox else None, generation=at.prefill_gen)) as items, \
+                    contextlib.aclosing(first_ahead(items, early)) as items_first_ahead:
+                async for item in items_first_ahead:
+                    if isinstance(item, FirstToken):   # the client has it while the KV moves
+                        trace.path.back_wall_s, trace.path.first = time.time(), item
+                        sent = (item.token_id,)
+                        yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
+                    else:
+                        result: PrefillResult = item
+        finally:
+            if inbox is not None:
+                inbox.forget(spec.req_id)
         at.prefill = None   # its part is done: nothing left there to abort or to wait for
         first = await self._handed_off(at, prefill, trace, result, sent)
         if first is not None:

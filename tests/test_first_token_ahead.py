@@ -1,6 +1,7 @@
 """The prefill worker streams a request's first token ahead of its KV hand-off, with real Prefill
 and Decode workers in one process (tiny random Llama): the ``FirstToken`` is yielded while the
-decode worker's commit is still held back, the result follows once the KV has landed, the
+decode worker's commit is still held back (and reaches the router's first-token inbox too),
+the result follows once the KV has landed, the
 output equals HF generate, and both workers end with every block free. A request that ends at
 its first token, or whose reservation is refused, sends no token ahead (nothing to recompute
 after it); a retried call replays the same first token."""
@@ -17,6 +18,7 @@ from engine.errors import CapacityError
 from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, SamplingParams
 from engine.worker_base import WorkerSpec
 from prefill_worker.worker import PrefillWorker
+from router.first_token_inbox import FirstTokenInbox
 from tests.conftest import hf_greedy
 from tests.test_prefix_disagg import InProcessPeer
 
@@ -69,11 +71,15 @@ def test_first_token_is_streamed_before_the_kv_lands(hf_reference, transport):
         prefill, decode = _workers()
         gate = asyncio.Event()
         peer = GatedPeer(decode, gate)
+        inbox = FirstTokenInbox()
         try:
             stream = decode.stream()
-            items = prefill.stream(spec, transport, peer)   # it reserves on the decode worker as it prefills
+            early = inbox.expect(spec.req_id)
+            # It reserves on the decode worker as it prefills; the first token goes to the inbox too.
+            items = prefill.stream(spec, transport, peer, await inbox.start())
             first = await asyncio.wait_for(items.__anext__(), 60)
             assert isinstance(first, FirstToken) and not peer.committed, "the first token waited for the hand-off"
+            assert await asyncio.wait_for(early, 10) == first
             assert first.received_s + first.queue_s + first.prefill_s + first.reserve_wait_s <= first.sent_s
             again = prefill.stream(spec, transport, peer)   # a retried call joins the running one
             assert await again.__anext__() == first
@@ -86,6 +92,8 @@ def test_first_token_is_streamed_before_the_kv_lands(hf_reference, transport):
         finally:
             prefill.shutdown()
             decode.shutdown()
+            inbox.forget(spec.req_id)
+            await inbox.close()
 
     tokens, *reports = asyncio.run(run())
     assert tokens == hf_greedy(hf_reference, list(PROMPT), MAX_NEW)
