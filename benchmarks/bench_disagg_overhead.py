@@ -463,12 +463,18 @@ def main() -> None:
             warm = i == 0
             runs = [lambda: run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
             runs += [lambda cl=cl, c=c: run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
-            if no_inbox is not None:
-                runs.append(lambda: run_without_inbox(clients[0], clusters[0][1], prompt, args.max_tokens))
+            if no_inbox is not None:   # its own prompt: the same one again would hit the prefix caches
+                other = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
+                runs.append(lambda: run_without_inbox(clients[0], clusters[0][1], other, args.max_tokens))
             order = range(len(runs)) if i % 2 else reversed(range(len(runs)))   # no system always first
             by_system = {k: runs[k]() for k in order}
             samples = [by_system[k] for k in range(len(runs))]
             extra = [no_inbox] if no_inbox is not None else []
+            if no_inbox is not None:
+                expected = run_inprocess(engine, f"inproc-other-{i}", other, args.max_tokens).token_ids
+                if samples[-1].token_ids != expected:
+                    raise AssertionError("no inbox: output differs from the in-process engine's")
+                samples[-1].token_ids = samples[0].token_ids   # checked: pass the loop's check below
             for system, sample in zip([inproc] + [s for s, _ in clusters] + extra, samples):
                 if sample.token_ids != samples[0].token_ids:
                     raise AssertionError(f"{system.name} output differs from the in-process engine's")
