@@ -296,9 +296,10 @@ class Orchestrator:
         inbox = self.inbox if self.inbox is not None and prefill.node_id == self.node_id else None
         early = inbox.expect(spec.req_id) if inbox is not None else None   # the first token, sooner
         trace.path.dispatched(time.perf_counter(), time.time())
+        call_items = stream_call(prefill, "prefill", spec, transport, decode.actor, inbox.path if inbox else None,
+                                 generation=at.prefill_gen)
         try:
-            async with contextlib.aclosing(stream_call(prefill, "prefill", spec, transport, decode.actor,
-                                                       inbox.path if inbox else None, generation=at.prefill_gen)) as items, \
+            async with contextlib.aclosing(call_items) as items, \
                     contextlib.aclosing(first_ahead(items, early)) as items_first_ahead:
                 async for item in items_first_ahead:
                     if isinstance(item, FirstToken):   # the client has it while the KV moves
