@@ -2,59 +2,72 @@
 best effort, never on the critical path of correctness.
 
 Life cycle: ``push(path, first)`` writes one JSON line on the connection to that inbox (opened
-on first use, one per router, kept for the worker's life; a write on an open connection goes
-out at once, without an event-loop hop) -> a connection that fails is dropped and reopened by
-the next push; the token it carried still reaches the router on the Ray stream -> ``close``.
+on first use, one per router, kept for the worker's life) and says whether it went out whole ->
+a connection that fails (or whose write would block or went out in part) is dropped and
+reopened by the next push; the caller then sends the token the other way (the Ray stream) ->
+``close``.
+
+Plain non-blocking sockets under a lock, not asyncio: the engine loop thread pushes a first
+token the moment its step ends (no hop to the event loop on the first token's path), the
+event loop pushes one whose reservation held only later. "Went out" means it is in the
+router's receive buffer (a unix socket refuses a write to a closed peer at once), so the
+worker may leave the token off its Ray stream: the result carries it anyway, so a line that
+is lost after all costs latency, never correctness. A write never blocks the engine thread:
+one that would is a failed push.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import socket
+import threading
 
 from engine.types import FirstToken
 
 logger = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 0.05   # a local unix socket: connect is immediate or the inbox is gone
+
 
 class FirstTokenPusher:
     def __init__(self) -> None:
-        self._writers: dict[str, asyncio.StreamWriter] = {}
-        self._opening: dict[str, asyncio.Lock] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._lock = threading.Lock()   # the engine thread and the event loop both push
+        self._socks: dict[str, socket.socket] = {}
 
-    def push(self, path: str, first: FirstToken) -> None:
-        writer = self._writers.get(path)
-        if writer is not None and not writer.is_closing():
-            self._write(path, writer, first)
-            return
-        task = asyncio.ensure_future(self._open_and_push(path, first))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def push(self, path: str, first: FirstToken) -> bool:
+        """True once ``first`` is whole in the inbox's receive buffer."""
+        line = first.to_json()
+        with self._lock:
+            sock = self._socks.get(path) or self._connect(path)
+            if sock is None:
+                return False
+            try:
+                if sock.send(line) == len(line):
+                    return True
+            except OSError as exc:   # the router closed it (EPIPE), or its buffer is full (EAGAIN)
+                logger.debug("first-token inbox %s: write failed: %s", path, exc)
+            self._drop(path)   # a partial line ends at EOF: the inbox drops it unread
+            return False
 
-    async def _open_and_push(self, path: str, first: FirstToken) -> None:
-        async with self._opening.setdefault(path, asyncio.Lock()):   # one connection per inbox
-            writer = self._writers.get(path)
-            if writer is None or writer.is_closing():
-                try:
-                    _, writer = await asyncio.open_unix_connection(path)
-                except OSError as exc:
-                    logger.debug("first-token inbox %s unreachable: %s", path, exc)
-                    return
-                self._writers[path] = writer
-        self._write(path, writer, first)
-
-    def _write(self, path: str, writer: asyncio.StreamWriter, first: FirstToken) -> None:
+    def _connect(self, path: str) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            writer.write(first.to_json())
-        except (OSError, RuntimeError) as exc:
-            logger.debug("first-token inbox %s: write failed: %s", path, exc)
-            self._writers.pop(path, None)
-            writer.close()
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.connect(path)
+            sock.setblocking(False)
+        except OSError as exc:
+            logger.debug("first-token inbox %s unreachable: %s", path, exc)
+            sock.close()
+            return None
+        self._socks[path] = sock
+        return sock
+
+    def _drop(self, path: str) -> None:
+        sock = self._socks.pop(path, None)
+        if sock is not None:
+            sock.close()
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
+        with self._lock:
+            for path in list(self._socks):
+                self._drop(path)

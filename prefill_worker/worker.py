@@ -6,8 +6,10 @@ Life cycle of one request here:
   budget, many prompts per step) and, at the same time, this worker asks the decode worker to
   ``reserve`` the prompt's blocks (its round trip overlaps the prefill; the router makes no
   call of its own for it) -> first token sampled, blocks *held* -> the reservation holds: the
-  first token goes to the router at once (``stream``: a ``FirstToken`` ahead of the result;
-  also written to the router's first-token inbox when it named one: ``first_token_push``) ->
+  first token goes to the router at once: written to the router's first-token inbox when it
+  named one (``first_token_push``; by the engine loop thread as the step ends when the
+  reservation already holds, the usual case), else a ``FirstToken`` on the ``stream`` ahead of
+  the result (one channel: never both, the result carries the token anyway) ->
   KV sent through the handle's transport -> decode worker's ``commit`` (it admits the request)
   -> blocks released -> PrefillResult (outcome + timings) back to the router. The first token
   leaves before the KV has landed because that is safe: a hand-off that then fails is
@@ -76,6 +78,10 @@ class _Running:
     result: asyncio.Task | None = None
     received_s: float = field(default_factory=time.time)   # wall clock: the router's path breakdown
     inbox: str | None = None   # the router's first-token inbox (same node), if it named one
+    # Set on the event loop once the decode reservation holds; read by the engine loop thread,
+    # which then pushes the first token to the inbox itself as its step ends (``pushed``).
+    reserved: bool = False
+    pushed: bool | None = None   # None: not tried (each request tries the inbox once)
 
 
 class PrefillWorker(WorkerBase):
@@ -102,7 +108,8 @@ class PrefillWorker(WorkerBase):
                      inbox: str | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
         """``prefill``, with the first token yielded as soon as it may go to the client (the
         reservation holds, the KV starts moving), then the result. ``inbox``: the router's
-        first-token inbox, which gets the first token too, sooner."""
+        first-token inbox, which gets the first token instead, sooner (when the push went
+        out, the stream yields only the result, which carries the token too)."""
         run = self._start(spec, transport, decode, inbox)
         first = await asyncio.shield(run.first)
         if first is not None:
@@ -134,6 +141,8 @@ class PrefillWorker(WorkerBase):
         added = self.loop.call(lambda e: e.add_request(spec))   # the compute first: it is the path
         # Resolved while the prompt is prefilled: the KV (and the first token) need not wait for it.
         reservation = _resolving(decode.reserve(spec, transport)) if transport is not None else None
+        if reservation is not None:
+            reservation.add_done_callback(lambda task: self._reserved(req_id, task))
         try:
             await asyncio.wrap_future(added)
             outcome = await waiter
@@ -161,12 +170,33 @@ class PrefillWorker(WorkerBase):
                           received_s=run.received_s if run else 0.0, sent_s=time.time(),
                           queue_s=done.queue_s, prefill_s=done.prefill_s, reserve_wait_s=reserve_wait_s)
 
-    def _first_token(self, req_id: str, first: FirstToken | None) -> None:
+    def _reserved(self, req_id: str, reservation: asyncio.Task) -> None:
         run = self._running.get(req_id)
-        if run is not None and not run.first.done():
-            run.first.set_result(first)
-            if first is not None and run.inbox is not None:
-                self._pusher.push(run.inbox, first)
+        if run is not None and not reservation.cancelled() and reservation.exception() is None:
+            run.reserved = True
+
+    def _first_token(self, req_id: str, first: FirstToken | None) -> None:
+        """The first token may go to the client now (``None``: none goes ahead). One channel:
+        the Ray stream carries it only if the inbox did not take it (a copy the router would
+        drop still costs its loop the item's delivery, as it writes the first token out)."""
+        run = self._running.get(req_id)
+        if run is None or run.first.done():
+            return
+        if first is not None and run.inbox is not None:
+            if run.pushed is None:
+                run.pushed = self._pusher.push(run.inbox, first)
+            if run.pushed:
+                first = None
+        run.first.set_result(first)
+
+    def _push_from_loop_thread(self, done: PrefillDone) -> None:
+        """Engine loop thread, as the prefill step ends: if the reservation already holds (its
+        round trip overlapped the compute, the usual case), the first token goes to the inbox
+        from here, without waiting for the hop to the event loop. Otherwise ``_hand_off`` sends
+        it once the reservation holds, as without an inbox."""
+        run = self._running.get(done.req_id)
+        if run is not None and run.inbox is not None and run.reserved and done.req_id not in self._aborted:
+            run.pushed = self._pusher.push(run.inbox, self._first_token_of(done, 0.0))
 
     async def abort(self, req_id: str) -> None:
         """Stop the request; returns once no write into its decode blocks can still happen."""
@@ -177,8 +207,14 @@ class PrefillWorker(WorkerBase):
         await self.call(lambda e: e.abort(req_id))
         await done.wait()
 
-    # ---- loop thread results, on the event loop --------------------------------------------------
+    # ---- loop thread results ------------------------------------------------------------------
+    def _on_step_thread(self, result: StepResult) -> None:
+        for done in result.prefilled:   # before the hop: ``pushed`` is set when the event loop sees it
+            self._push_from_loop_thread(done)
+        super()._on_step_thread(result)
+
     def on_step(self, result: StepResult) -> None:
+        """On the event loop."""
         for done in result.prefilled:
             self._resolve(done.req_id, done)
         for delta in result.deltas:

@@ -2,15 +2,18 @@
 
 A Ray actor call's reply (the prefill call's streamed ``FirstToken``) costs a Ray round trip's
 second half on the first token's path; a write on a unix socket costs a tenth of it (measured:
-benchmarks/results/disagg_overhead.txt). So a prefill worker on this node also writes each
-first token here, as one JSON line, the moment it may go to the client. The Ray stream stays
-the source of truth (retries, replays, failures, workers on other nodes): whichever copy
-arrives first is used and the other dropped (``router.orchestrator``); a lost or refused
-socket write costs only the speed-up.
+benchmarks/results/disagg_overhead.txt). So a prefill worker on this node writes each first
+token here, as one JSON line, the moment it may go to the client, and leaves it off its Ray
+stream when that write went out (one channel: a second copy, even one dropped unread, costs
+this loop its delivery just as it writes the first token to the client). The Ray stream stays
+the source of truth (its result carries the token; failures, retries, workers on other nodes);
+should both copies come, whichever arrives first is used and the other dropped
+(``first_ahead``); a lost line costs only the speed-up.
 
 Life cycle: ``start`` (a unix server in the router's event loop, in a private directory) ->
 per request ``expect(req_id)`` (a future the line resolves) ... ``forget(req_id)`` (always) ->
-``close`` (server down, socket and directory removed). One owner: the orchestrator's requests.
+``close`` (server and its connections down, so a worker's next write fails and goes by Ray;
+socket and directory removed). One owner: the orchestrator's requests.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class FirstTokenInbox:
         self._dir: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._waiting: dict[str, asyncio.Future] = {}
+        self._connections: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> str:
         self._dir = tempfile.mkdtemp(prefix="pdserve-inbox-")   # mode 0700: only this user writes
@@ -54,12 +58,14 @@ class FirstTokenInbox:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One connection per prefill worker, for its life."""
+        self._connections.add(writer)
         try:
             while line := await reader.readline():
                 self._deliver(line)
         except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
             logger.debug("first-token inbox connection dropped: %s", exc)
         finally:
+            self._connections.discard(writer)
             writer.close()
 
     def _deliver(self, line: bytes) -> None:
@@ -75,6 +81,8 @@ class FirstTokenInbox:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._connections):   # before 3.12 ``close`` leaves them open
+                writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
         for future in self._waiting.values():

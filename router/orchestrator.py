@@ -5,8 +5,8 @@ Life cycle of one attempt (disaggregated):
   worker's stream -> one streaming ``prefill`` call (the only actor call on the first token's
   path): the prefill worker asks the decode worker to ``reserve`` blocks while it prefills ->
   it streams the first token as soon as the reservation holds (a worker on the router's node
-  also writes it to the ``FirstTokenInbox``, a unix socket, which usually wins the race; the
-  copy that comes second is dropped): yielded to the client at once
+  writes it to the ``FirstTokenInbox``, a unix socket, instead: its stream then carries only
+  the result, which holds the token too): yielded to the client at once
   -> meanwhile it moves the KV and the decode worker ``commit``s -> the call's result (the
   hand-off's outcome) -> the rest arrive through the decode worker's batched stream -> finish.
 Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode

@@ -24,12 +24,12 @@ def test_a_pushed_first_token_arrives_whole():
         pusher = FirstTokenPusher()
         try:
             early = inbox.expect("r0")
-            pusher.push(path, FIRST)
+            assert pusher.push(path, FIRST)
             got = await asyncio.wait_for(early, 10)
             other = inbox.expect("r1")   # the connection stays open: the next push writes at once
-            pusher.push(path, FirstToken("r1", 3))
+            assert pusher.push(path, FirstToken("r1", 3))
             stray = FirstToken("nobody-waits", 5)
-            pusher.push(path, stray)   # dropped: nobody expects it
+            assert pusher.push(path, stray)   # dropped: nobody expects it
             return got, await asyncio.wait_for(other, 10)
         finally:
             pusher.close()
@@ -39,6 +39,34 @@ def test_a_pushed_first_token_arrives_whole():
 
     got, other = asyncio.run(run())
     assert got == FIRST and other == FirstToken("r1", 3)
+
+
+def test_a_push_to_a_closed_inbox_says_it_did_not_go_out():
+    """The router's side of the connection gone (its inbox closed), or no inbox at the path:
+    ``push`` is False (the worker then sends the token on its Ray stream), and it reconnects to
+    an inbox that is back."""
+    async def run():
+        inbox = FirstTokenInbox()
+        path = await inbox.start()
+        pusher = FirstTokenPusher()
+        try:
+            assert pusher.push(path, FIRST)
+            await inbox.close()   # closes the connection under the pusher
+            await asyncio.sleep(0.05)   # the close reaches the socket
+            went = [pusher.push(path, FIRST), pusher.push(path, FIRST)]   # the broken one, then no inbox
+            again = FirstTokenInbox()
+            again_path = await again.start()
+            early = again.expect("r0")
+            went.append(pusher.push(again_path, FIRST))
+            got = await asyncio.wait_for(early, 10)
+            again.forget("r0")
+            await again.close()
+            return went, got
+        finally:
+            pusher.close()
+
+    went, got = asyncio.run(run())
+    assert went == [False, False, True] and got == FIRST
 
 
 async def _stream(items, gate: asyncio.Event | None = None, error: Exception | None = None):
