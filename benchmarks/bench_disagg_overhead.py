@@ -17,8 +17,10 @@ numbers being compared come from the same minute of a shared machine. Three syst
     worker's own step times (``WorkerStats.recent_steps``, streamed with every batch).
 (c) colocated cluster (``--no-colocated`` skips it): one worker doing prefill and decode.
 (d) with ``--ab-inbox``: the disaggregated cluster again, its router's first-token inbox off (the
-    first token comes back on the prefill call's Ray stream only): the inbox's saving, measured
-    request by request in the same processes.
+    first token comes back on the prefill call's Ray stream only, and the call goes by Ray only):
+    the direct channels' saving, measured request by request in the same processes;
+    ``--ab-direct``: the same with only the direct prefill submission off (the call goes by Ray,
+    the first token still comes back through the inbox): that lever's own saving.
 
 The router runs in this process (``ClusterThread``), so the client's and the router's clocks
 are the same ``perf_counter`` and their stamps subtract exactly. Derived rows:
@@ -173,15 +175,24 @@ def run_cluster(client: PdserveClient, cluster: ClusterThread, prompt: list[int]
     return sample
 
 
-def run_without_inbox(client: PdserveClient, cluster: ClusterThread, prompt: list[int], max_tokens: int) -> Sample:
-    """``run_cluster`` with the router's first-token inbox off: the first token comes back on
-    the prefill call's Ray stream only (no request is in flight when it is switched)."""
+# The levers --ab-* switch off, by the orchestrator's attribute: "inbox" (the first-token inbox;
+# direct submissions need it, so both go: the first token comes back on the prefill call's Ray
+# stream, the call goes by Ray only), "submitter" (direct submissions only: the call goes by
+# Ray only, the first token still comes back through the inbox).
+LEVERS = {"no inbox": "inbox", "no direct": "submitter"}
+
+
+def run_without(lever: str, client: PdserveClient, cluster: ClusterThread, prompt: list[int],
+                max_tokens: int) -> Sample:
+    """``run_cluster`` with one of the router's ``LEVERS`` off (no request is in flight when it
+    is switched)."""
     orchestrator = cluster.cluster.orchestrator
-    inbox, orchestrator.inbox = orchestrator.inbox, None
+    kept = getattr(orchestrator, lever)
+    setattr(orchestrator, lever, None)
     try:
         return run_cluster(client, cluster, prompt, max_tokens)
     finally:
-        orchestrator.inbox = inbox
+        setattr(orchestrator, lever, kept)
 
 
 def _from_stamps(start: float, stamps: list[float], ids: list[int]) -> Sample:
@@ -418,6 +429,8 @@ def main() -> None:
     parser.add_argument("--no-colocated", action="store_true", help="skip (c), the colocated cluster")
     parser.add_argument("--ab-inbox", action="store_true",
                         help="also run each disaggregated request with the router's first-token inbox off")
+    parser.add_argument("--ab-direct", action="store_true",
+                        help="also run each disaggregated request with direct prefill submissions off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every system on it)")
     parser.add_argument("--dtype", default="float32")
@@ -455,27 +468,28 @@ def main() -> None:
         transport = disagg.registry.transport(disagg.registry.prefill[0], disagg.registry.decode[0])
         inproc = System("in-process")
         clients = [PdserveClient(f"127.0.0.1:{c.cluster.port}") for _, c in clusters]
-        # --ab-inbox: the disaggregated cluster once more per repeat, its first-token inbox off.
-        no_inbox = System("no inbox") if args.ab_inbox else None
+        # --ab-*: the disaggregated cluster once more per repeat for each, with that lever off.
+        variants = [System(name) for name, on in (("no inbox", args.ab_inbox), ("no direct", args.ab_direct)) if on]
         rng = random.Random(args.seed)
         for i in range(args.repeats + 1):
             prompt = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
             warm = i == 0
             runs = [lambda: run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
             runs += [lambda cl=cl, c=c: run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
-            if no_inbox is not None:   # its own prompt: the same one again would hit the prefix caches
-                other = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
-                runs.append(lambda: run_without_inbox(clients[0], clusters[0][1], other, args.max_tokens))
+            # Each its own prompt: the same one again would hit the prefix caches.
+            others = [[rng.randrange(*id_range) for _ in range(args.prompt_len)] for _ in variants]
+            runs += [lambda v=v, other=other: run_without(LEVERS[v.name], clients[0], clusters[0][1], other,
+                                                          args.max_tokens) for v, other in zip(variants, others)]
             order = range(len(runs)) if i % 2 else reversed(range(len(runs)))   # no system always first
             by_system = {k: runs[k]() for k in order}
             samples = [by_system[k] for k in range(len(runs))]
-            extra = [no_inbox] if no_inbox is not None else []
-            if no_inbox is not None:
-                expected = run_inprocess(engine, f"inproc-other-{i}", other, args.max_tokens).token_ids
-                if samples[-1].token_ids != expected:
-                    raise AssertionError("no inbox: output differs from the in-process engine's")
-                samples[-1].token_ids = samples[0].token_ids   # checked: pass the loop's check below
-            for system, sample in zip([inproc] + [s for s, _ in clusters] + extra, samples):
+            for k, (variant, other) in enumerate(zip(variants, others)):
+                sample = samples[1 + len(clusters) + k]
+                expected = run_inprocess(engine, f"inproc-other-{i}-{k}", other, args.max_tokens).token_ids
+                if sample.token_ids != expected:
+                    raise AssertionError(f"{variant.name}: output differs from the in-process engine's")
+                sample.token_ids = samples[0].token_ids   # checked: pass the loop's check below
+            for system, sample in zip([inproc] + [s for s, _ in clusters] + variants, samples):
                 if sample.token_ids != samples[0].token_ids:
                     raise AssertionError(f"{system.name} output differs from the in-process engine's")
                 if not warm:
@@ -488,7 +502,7 @@ def main() -> None:
                         " / ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples))
         for client in clients:
             client.close()
-        systems = [inproc] + [s for s, _ in clusters] + ([no_inbox] if no_inbox is not None else [])
+        systems = [inproc] + [s for s, _ in clusters] + variants
         text = report(systems, args, machine_header(args, loaded.name, transport, id_range))
     finally:
         for _, cluster in clusters:

@@ -57,6 +57,7 @@ class PrefillActor:
 
     async def start(self) -> dict:
         self.worker.start()
+        await self.worker.open_submissions()
         return self.worker.info(ray.get_runtime_context().get_node_id())
 
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
@@ -68,7 +69,7 @@ class PrefillActor:
         result (one call, so the first token does not wait for the hand-off's round trips).
         This worker reserves the KV's blocks on ``decode`` itself, over ``transport``, while
         it prefills; ``inbox``: the router's first-token inbox on this node (``None``: none)."""
-        peer = DecodePeer(decode) if decode is not None else None
+        peer = self.worker.known_peer(DecodePeer(decode)) if decode is not None else None
         async for item in self.worker.stream(spec, transport, peer, inbox):
             yield item
 

@@ -3,10 +3,13 @@
 Life cycle of one attempt (disaggregated):
   admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
   worker's stream -> one streaming ``prefill`` call (the only actor call on the first token's
-  path): the prefill worker asks the decode worker to ``reserve`` blocks while it prefills ->
-  it streams the first token as soon as the reservation holds (a worker on the router's node
-  writes it to the ``FirstTokenInbox``, a unix socket, instead: its stream then carries only
-  the result, which holds the token too): yielded to the client at once
+  path; a first attempt on a worker of the router's node is also sent straight to it just
+  before, on a unix socket, and starts there on whichever comes first: the Ray call joins it
+  and stays the one that reports the result or the worker's death): the prefill worker asks
+  the decode worker to ``reserve`` blocks while it prefills -> it streams the first token as
+  soon as the reservation holds (a worker on the router's node writes it to the
+  ``FirstTokenInbox``, a unix socket, instead: its stream then carries only the result, which
+  holds the token too): yielded to the client at once
   -> meanwhile it moves the KV and the decode worker ``commit``s -> the call's result (the
   hand-off's outcome) -> the rest arrive through the decode worker's batched stream -> finish.
 Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode
@@ -36,7 +39,8 @@ from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
 from engine.errors import CapacityError, WorkerFailedError
-from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
+from engine.types import FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec, TokenDelta
+from engine.unix_push import UnixPusher
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
 from router.first_token_inbox import FirstTokenInbox, first_ahead
@@ -147,22 +151,24 @@ class _Attempt:
     decode_gen: int
     prefill: WorkerHandle | None          # None once its part is done (nothing to abort there)
     prefill_gen: int = 0
+    fresh: bool = True                    # the request's first attempt (its id is new to the workers)
 
 
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
                  metrics: Any | None = None, on_lost: Callable[[WorkerLost], None] | None = None,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, inbox: FirstTokenInbox | None = None,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, submitter: UnixPusher | None = None) -> None:
         """``inbox``: first tokens written straight from the prefill workers on ``node_id``
-        (this router's node), ahead of their Ray stream."""
+        (this router's node), instead of on their Ray stream; ``submitter``: prefill calls
+        written straight to those workers, ahead of the same call on Ray (with an inbox only)."""
         self.registry = registry
         self.streams = streams
         self.admission = admission
         self.metrics = metrics
         self.on_lost = on_lost
         self.migration_limit = migration_limit
-        self.inbox, self.node_id = inbox, node_id
+        self.inbox, self.node_id, self.submitter = inbox, node_id, submitter
         self._cleanups: set[asyncio.Task] = set()
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
@@ -215,7 +221,7 @@ class Orchestrator:
                        learn: bool = True) -> AsyncIterator[TokenDelta]:
         """One attempt on ``pair``; ``learn``: its TTFT and TPOT feed admission's corrections."""
         prefill, decode = pair.prefill, pair.decode
-        at = _Attempt(spec, decode, decode.generation, prefill, prefill.generation if prefill else 0)
+        at = _Attempt(spec, decode, decode.generation, prefill, prefill.generation if prefill else 0, fresh=learn)
         trace.decode_worker = decode.worker_id
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
@@ -296,6 +302,8 @@ class Orchestrator:
         inbox = self.inbox if self.inbox is not None and prefill.node_id == self.node_id else None
         early = inbox.expect(spec.req_id) if inbox is not None else None   # the first token, sooner
         trace.path.dispatched(time.perf_counter(), time.time())
+        if early is not None:
+            self._submit_directly(at, prefill, transport)
         call_items = stream_call(prefill, "prefill", spec, transport, decode.actor, inbox.path if inbox else None,
                                  generation=at.prefill_gen)
         try:
@@ -315,6 +323,15 @@ class Orchestrator:
         first = await self._handed_off(at, prefill, trace, result, sent)
         if first is not None:
             yield first
+
+    def _submit_directly(self, at: _Attempt, prefill: WorkerHandle, transport: str) -> None:
+        """The prefill call, on the worker's socket too: its compute starts without waiting for
+        Ray's submission. A first attempt only: a later one's id may still be on that worker,
+        where an abort of the attempt before could overtake it."""
+        if self.submitter is not None and prefill.submit_path and at.fresh:
+            decode_id = at.decode.actor._actor_id.hex()
+            self.submitter.push(prefill.submit_path, PrefillSubmission(at.spec, transport, decode_id,
+                                                                       self.inbox.path).to_json())
 
     async def _handed_off(self, at: _Attempt, prefill: WorkerHandle, trace: RequestTrace, result: PrefillResult,
                           sent: tuple[int, ...]) -> TokenDelta | None:

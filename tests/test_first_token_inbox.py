@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from engine.types import FirstToken, PrefillResult
-from prefill_worker.first_token_push import FirstTokenPusher
+from engine.unix_push import UnixPusher
 from router.first_token_inbox import FirstTokenInbox, first_ahead
 
 FIRST = FirstToken("r0", 42, -0.5, ((42, -0.5), (7, -1.25)), received_s=1.0, sent_s=2.0, queue_s=0.1,
@@ -21,15 +21,15 @@ def test_a_pushed_first_token_arrives_whole():
     async def run():
         inbox = FirstTokenInbox()
         path = await inbox.start()
-        pusher = FirstTokenPusher()
+        pusher = UnixPusher()
         try:
             early = inbox.expect("r0")
-            assert pusher.push(path, FIRST)
+            assert pusher.push(path, FIRST.to_json())
             got = await asyncio.wait_for(early, 10)
             other = inbox.expect("r1")   # the connection stays open: the next push writes at once
-            assert pusher.push(path, FirstToken("r1", 3))
+            assert pusher.push(path, FirstToken("r1", 3).to_json())
             stray = FirstToken("nobody-waits", 5)
-            assert pusher.push(path, stray)   # dropped: nobody expects it
+            assert pusher.push(path, stray.to_json())   # dropped: nobody expects it
             return got, await asyncio.wait_for(other, 10)
         finally:
             pusher.close()
@@ -48,16 +48,17 @@ def test_a_push_to_a_closed_inbox_says_it_did_not_go_out():
     async def run():
         inbox = FirstTokenInbox()
         path = await inbox.start()
-        pusher = FirstTokenPusher()
+        pusher = UnixPusher()
         try:
-            assert pusher.push(path, FIRST)
+            assert pusher.push(path, FIRST.to_json())
             await inbox.close()   # closes the connection under the pusher
             await asyncio.sleep(0.05)   # the close reaches the socket
-            went = [pusher.push(path, FIRST), pusher.push(path, FIRST)]   # the broken one, then no inbox
+            line = FIRST.to_json()
+            went = [pusher.push(path, line), pusher.push(path, line)]   # on the broken one, then to no inbox
             again = FirstTokenInbox()
             again_path = await again.start()
             early = again.expect("r0")
-            went.append(pusher.push(again_path, FIRST))
+            went.append(pusher.push(again_path, FIRST.to_json()))
             got = await asyncio.wait_for(early, 10)
             again.forget("r0")
             await again.close()
