@@ -32,7 +32,8 @@ Procedure
      ladder). The same rates for every system.
   3. Sweeps, each on a fresh cluster/server, one ``pdserve bench`` call per rate (warm-ups before the first),
      ``--num-prompts`` seeded requests per rate (input ``--input-len`` +-50%, output ``--output-len`` +-50%,
-     same requests at every rate), Poisson arrivals. Each rate stops ``grace`` seconds after its last arrival
+     each rate its own requests, the same for every system: a rate that reused another's prompts would be
+     served from pdserve's prefix cache), Poisson arrivals. Each rate stops ``grace`` seconds after its last arrival
      (grace >= the longest latency a request can have and still meet the SLO, so cancelling never turns a good
      request bad); between rates pdserve is polled until every worker is idle with all KV blocks free (a leak
      is logged). Where a system's lowest rate misses 90% attainment, up to two halvings are added (fewer
@@ -404,7 +405,7 @@ class Bench:
         offsets = arrival_offsets(num_prompts, rate, seed=a.seed)
         max_out = math.floor(a.output_len * (1 + a.range_ratio))
         grace = max(a.min_grace_s, 1.5 * slo.max_good_latency_s(max_out) + 5.0)
-        extra = self.workload_flags(target) + [
+        extra = self.workload_flags(target, seed_offset=rate_seed_offset(rate)) + [
             "--num-prompts", str(num_prompts), "--num-warmups", str(warmups), "--request-rate", f"{rate:g}",
             "--max-duration-s", f"{offsets[-1] + grace:.1f}", *slo.goodput_flags()]
         if target.send_slo:
@@ -412,6 +413,14 @@ class Bench:
         doc = self.call(target, label, extra)
         target.settle()
         return doc
+
+
+def rate_seed_offset(rate: float) -> int:
+    """Each rate's prompts are its own (the same for every system): a rate that reused another's
+    would find them in pdserve's prefix cache, all but the first rate would be served from it, and
+    the peer has none. Even offsets far from the unloaded run's (+1000); ``pdserve bench`` seeds
+    its warm-ups with the seed + 1."""
+    return 100_000 + 2 * round(rate * 1000)
 
 
 def sweep(bench: Bench, target: Target, res: SystemResult, rates: list[float], slo: SLO, *,

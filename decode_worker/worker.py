@@ -15,7 +15,9 @@ when the router knows no writer can still touch it (the prefill worker confirmed
 died); otherwise the blocks stay fenced until the lease ends (a prefill worker never starts a
 write that late, and a fenced reservation refuses its commit), so a late writer can never land
 in blocks another request already owns. ``reserve``, ``add_request``, ``abort`` are idempotent
-per request id (the router retries them after a transient failure).
+per request id (the router retries them after a transient failure). A request the router has
+ended here refuses a ``reserve`` that arrives later (``EndedRequests``): the prefill worker
+submits the reserve and the router the free, so the free may overtake it.
 Output: one batched stream per worker. ``stream()`` yields a StreamBatch per step holding
 the token deltas of every request that advanced, plus the worker's stats and its prefix-cache
 events (``KVEvent``: blocks stored, removed) since the previous batch, for the router to split
@@ -31,6 +33,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from decode_worker.ended_requests import EndedRequests
 from engine.config import EngineRole
 from engine.tracing import RequestSpans
 from engine.engine import StepResult
@@ -59,6 +62,7 @@ class DecodeWorker(WorkerBase):
         self._stream: asyncio.Queue[StreamBatch] | None = None
         self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
         self._spans = RequestSpans()   # each traced request's ``decode`` span (engine/tracing.py)
+        self._ended = EndedRequests(RESERVATION_LEASE_S)   # a reserve of these arrives too late
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int):
         self.shm_path = shm_path_for(self.worker_id) if self.spec.engine.device == "cpu" else None
@@ -75,7 +79,11 @@ class DecodeWorker(WorkerBase):
     async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
         if spec.req_id in self._handles:   # a retried call: the reservation it made stands
             return self._handles[spec.req_id]
+        self._refuse_if_ended(spec.req_id)
         block_ids, num_cached = await self.call(lambda e: e.reserve_prefix(spec))
+        # An abort that ran meanwhile found no reservation; its engine abort, queued after
+        # reserve_prefix on the loop, frees these blocks.
+        self._refuse_if_ended(spec.req_id)
         self._spans.remember(spec.req_id, spec.traceparent)
         locator = self._receiver(transport).locator(self.engine.cache)
         handle = self._handles[spec.req_id] = KVBlocksHandle(
@@ -93,6 +101,10 @@ class DecodeWorker(WorkerBase):
         self.aio.call_later(RESERVATION_LEASE_S, lambda: self._handles.get(spec.req_id) is handle
                             and asyncio.ensure_future(self.abort(spec.req_id)))
         return handle
+
+    def _refuse_if_ended(self, req_id: str) -> None:
+        if req_id in self._ended:
+            raise KVTransferError(f"{req_id}: the router ended this request here before its reservation arrived")
 
     async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
         """Receive the KV (per transport) and admit the request; returns the receive seconds."""
@@ -134,6 +146,7 @@ class DecodeWorker(WorkerBase):
         """Free the request. ``writer_gone=False``: a prefill worker may still write into its
         reservation, so the blocks stay fenced until the lease ends."""
         self._spans.close(req_id, aborted=True)
+        self._ended.add(req_id)
         await self._free(req_id, self._handles.pop(req_id, None), writer_gone)
 
     async def _free(self, req_id: str, handle: KVBlocksHandle | None, writer_gone: bool) -> None:

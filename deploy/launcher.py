@@ -148,7 +148,7 @@ class Cluster:
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
                                          on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit,
                                          inbox=self.inbox, node_id=ray.get_runtime_context().get_node_id(),
-                                         submitter=UnixPusher())
+                                         submitter=UnixPusher(), on_stats=self._on_worker_stats)
         info = infos[0]
         name = cfg.served_model_name or name or info["model"]   # what gRPC's ServerInfo and /v1/models say
         # The longest request every worker can hold (each caps it to its KV pool).
@@ -177,6 +177,8 @@ class Cluster:
         self.http_port = await self.http.start()
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
+        """A worker's report (a decode worker's step batch, a prefill worker's result) reached
+        its handle: the one place it goes on to the metrics and admission's step models."""
         self.metrics.update_worker(worker.stats)
         self.admission.observe_stats(worker)
         if self.admission.num_queued:

@@ -6,9 +6,10 @@ Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja`
 system's, or the ``ninja`` pip package's even when the venv is not activated) with
 ``-O3 -march=native -fopenmp``, compiled on first use (~30 s) into
 ``~/.cache/pdserve/torch_extensions/<tag>`` and loaded from there afterwards (~0.2 s); the tag
-hashes the torch version and install path, the Python version and the CPU model/flags, so a home
-directory shared across machines never loads a binary built for another CPU, and two torch
-installs do not rebuild over each other. Any build or load failure logs one warning and leaves
+hashes the torch version and install path, the Python version, the CPU model/flags and the
+sources' bytes, so a home directory shared across machines never loads a binary built for another
+CPU, and two torch installs or two checkouts with different kernels (git worktrees) do not
+rebuild over each other. Any build or load failure logs one warning and leaves
 the torch paths in use. Parallelism runs on torch's own OpenMP pool (at::parallel_for), so the
 kernels never use more threads than ``torch.get_num_threads()``.
 
@@ -59,9 +60,17 @@ def _machine_tag() -> str:
     except OSError:
         cpu += platform.processor()
     # The torch install path too: ninja rebuilds whenever the include paths in its command change.
-    key = f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version_info[:2]}|{cpu}"
+    key = f"{torch.__version__}|{Path(torch.__file__).parent}|{sys.version_info[:2]}|{cpu}|{_sources_digest()}"
     return f"torch{torch.__version__.split('+')[0]}-py{sys.version_info[0]}{sys.version_info[1]}-" + \
         hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h", ".hpp"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _load():

@@ -1,7 +1,7 @@
 """Fault injection for tests, by design rather than by luck. Enabled per worker only with
 ``WorkerSpec.allow_fault_injection``; never on in a served cluster.
 
-Kinds: ``step`` — the next forward raises (the engine fails that batch, keeps serving);
+Kinds (``FaultKind``): ``step`` — the next forward raises (the engine fails that batch, keeps serving);
 ``poison`` — every forward that includes a request whose prompt starts with ``token_id``
 raises (the engine retries the batch request by request and fails only that one);
 ``die`` — the worker process exits at once (a crashed actor); ``hang_shutdown`` — the worker's
@@ -12,13 +12,29 @@ the engine's.
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 
 from engine.engine import LLMEngine
 
 
-HANG_SHUTDOWN = "hang_shutdown"
+class FaultKind(enum.StrEnum):
+    """What ``inject_fault`` does: the engine's, the worker's, or the prefill worker's next
+    hand-off's (``KV_SEND`` fails it: the router recomputes; ``HANG_KV_SEND`` never starts the
+    write: a worker that dies mid-hand-off, once killed). A StrEnum so a test's Ray call may
+    name it as text; an unknown name is a ValueError."""
+
+    STEP = "step"
+    POISON = "poison"
+    DIE = "die"
+    HANG_SHUTDOWN = "hang_shutdown"
+    KV_SEND = "kv_send"
+    HANG_KV_SEND = "hang_kv_send"
+
+
+ENGINE_FAULTS = (FaultKind.STEP, FaultKind.POISON, FaultKind.DIE)
+SEND_FAULTS = (FaultKind.KV_SEND, FaultKind.HANG_KV_SEND)
 
 
 class InjectedFault(RuntimeError):
@@ -30,8 +46,9 @@ def wedge() -> None:
     threading.Event().wait()
 
 
-def inject(engine: LLMEngine, kind: str, token_id: int | None = None) -> None:
-    if kind == "step":
+def inject(engine: LLMEngine, kind: FaultKind | str, token_id: int | None = None) -> None:
+    kind = FaultKind(kind)
+    if kind is FaultKind.STEP:
         execute = engine.runner.execute
 
         def failing_once(inputs):
@@ -39,12 +56,12 @@ def inject(engine: LLMEngine, kind: str, token_id: int | None = None) -> None:
             raise InjectedFault("injected fault in the forward pass")
 
         engine.runner.execute = failing_once
-    elif kind == "poison":
+    elif kind is FaultKind.POISON:
         _poison(engine, token_id)
-    elif kind == "die":
+    elif kind is FaultKind.DIE:
         os._exit(1)
     else:
-        raise ValueError(f"unknown fault kind {kind!r}")
+        raise ValueError(f"{kind} is not a fault of the engine")
 
 
 def _poison(engine: LLMEngine, token_id: int | None) -> None:

@@ -161,7 +161,8 @@ class WorkerBase:
             raise PermissionError("fault injection is disabled on this worker")
         from engine import faults
 
-        if kind == faults.HANG_SHUTDOWN:
+        kind = faults.FaultKind(kind)
+        if kind is faults.FaultKind.HANG_SHUTDOWN:
             self._hang_on_shutdown = True
             return
         await self.call(lambda e: faults.inject(e, kind))

@@ -19,13 +19,12 @@ and only the blocks the decode worker does not hold already move (the handle nam
 Every result also carries this worker's prefix-cache events not yet reported (blocks stored,
 removed), which keep the router's prefix index true.
 A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
-PrefillResult with its finish reason and no hand-off; the router frees the unused reservation,
-which this worker waits for (up to ``RESERVE_SETTLE_S``) before it answers, so that free never
-overtakes the reserve. Every result carries a ``HandoffOutcome`` (ok, ended at prefill,
+PrefillResult with its finish reason and no hand-off, at once; the router frees the unused
+reservation (a free that overtakes the reserve makes the decode worker refuse that reserve when
+it arrives: nothing stays held). Every result carries a ``HandoffOutcome`` (ok, ended at prefill,
 aborted, reserve refused for room, reserve failed, transfer failed, peer dead): the router
 acts on that value, never on error text. ``abort`` returns only once this worker will no
-longer write into the decode worker's reserved blocks, and its reserve call has settled, so
-the decode side may free them; and no write starts after the reservation's lease has run out
+longer write into the decode worker's reserved blocks, so the decode side may free them; and no write starts after the reservation's lease has run out
 (the decode side may have freed the blocks by then: a late writer is refused, never corrupts
 another request's KV).
 ``prefill`` and ``stream`` are idempotent per request id: a call retried by the router after
@@ -52,6 +51,7 @@ from engine import tracing
 from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
 from engine.errors import CapacityError, KVTransferError, PeerLostError
+from engine.faults import SEND_FAULTS, FaultKind
 from engine.types import (FinishReason, FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec,
                           TokenDelta)
 from engine.unix_push import UnixPusher
@@ -67,13 +67,6 @@ TRANSFER_TIMEOUT_S = 30.0
 # margin for clocks (the lease is wall-clock time) and scheduling, fit before the decode worker
 # may free the blocks.
 LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
-# Fault injection (tests) on the next hand-off: "kv_send" fails it (the router recomputes);
-# "hang_kv_send" never starts the write (a worker that dies mid-hand-off, once killed).
-SEND_FAULTS = ("kv_send", "hang_kv_send")
-# A request that ends without a hand-off waits this long at most for its reserve call to settle
-# (so the router's free of the unused reservation cannot overtake it); a reservation that lands
-# later still is freed when its lease ends.
-RESERVE_SETTLE_S = 5.0
 # A request started by the router's direct submission (``submissions``) waits this long at most
 # for its Ray call to join it once it is done (its router then gave up without one); an abort
 # for a request not here refuses a direct submission of it for this long (it may still be in
@@ -107,7 +100,7 @@ class PrefillWorker(WorkerBase):
         self._senders: dict[str, Any] = {}
         # Rendezvous transports (torch_dist) pair FIFO per peer: a stuck peer stalls only its own.
         self._transfer_locks: dict[str, asyncio.Lock] = {}
-        self._next_send_fault: str | None = None   # fault injection (tests): see SEND_FAULTS
+        self._next_send_fault: FaultKind | None = None   # fault injection (tests): see engine/faults.py
         self._pusher = UnixPusher()
         self.submissions = SubmissionServer(self._on_submission)
         self._peers: dict[str, Any] = {}   # decode peers by id, from Ray calls: direct submissions name them
@@ -213,8 +206,6 @@ class PrefillWorker(WorkerBase):
             return dataclasses.replace(result, stats=self.stats(), kv_events=self.take_kv_events())
         finally:
             self._first_token(req_id, None)   # none went ahead: the result carries it
-            if reservation is not None:   # the router frees what it reserved: after it landed
-                await asyncio.wait([reservation], timeout=RESERVE_SETTLE_S)
             self._waiters.pop(req_id, None)
             self._aborted.discard(req_id)
             self._done.pop(req_id).set()
@@ -327,9 +318,9 @@ class PrefillWorker(WorkerBase):
 
     async def _send(self, done: PrefillDone, handle: KVBlocksHandle, decode: Any) -> int:
         fault, self._next_send_fault = self._next_send_fault, None
-        if fault == "kv_send":
+        if fault is FaultKind.KV_SEND:
             raise KVTransferError("injected KV send failure")
-        if fault == "hang_kv_send":
+        if fault is FaultKind.HANG_KV_SEND:
             await asyncio.Event().wait()   # only the process's death ends this hand-off
         sender = self._sender(handle.transport)
         bound = sender.bind(handle, handle.source_blocks(done.block_ids))
@@ -351,8 +342,8 @@ class PrefillWorker(WorkerBase):
         return self._senders[transport]
 
     async def inject_fault(self, kind: str) -> None:
-        if kind in SEND_FAULTS and self.spec.allow_fault_injection:
-            self._next_send_fault = kind
+        if FaultKind(kind) in SEND_FAULTS and self.spec.allow_fault_injection:
+            self._next_send_fault = FaultKind(kind)
             return
         await super().inject_fault(kind)
 

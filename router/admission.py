@@ -80,6 +80,11 @@ PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targe
 MIN_PRIORITY_SCALE = 0.4
 RESUME_WAIT_S = 60.0      # a migrating request waits this long for a worker to come back
 MAX_WAKE_PER_NOTIFY = 8   # queued requests re-evaluated per worker report: bounded work per step
+# TTFT's fixed part (outside the worker's engine) is learned with this EMA weight, and the
+# engine part's correction only from prompts with at least this many tokens to prefill: below
+# it a step's floor, not the per-token rate, sets the engine time.
+OVERHEAD_EMA = 0.1
+MIN_TOKENS_TO_CORRECT = 64
 LOCAL_PREFILL_TOKENS = 16  # a decode worker prefilling this few is cheaper than a hand-off (~one decode step's cost)
 
 
@@ -94,6 +99,7 @@ class Prediction:
     num_prompt_tokens: int = 0
     cached_tokens: int = 0         # expected in the prefilling worker's prefix cache
     decode_cached_tokens: int = 0  # expected in the decode worker's (not moved in a hand-off)
+    ttft_overhead_s: float = 0.0   # the part of ``ttft_s`` outside the worker's engine (see Admission)
 
     @property
     def tokens_to_prefill(self) -> int:
@@ -162,9 +168,15 @@ class Admission:
         self.enabled = enabled
         self.conditional = conditional
         self.models: dict[str, StepTimeModel] = {}
-        # EMA of observed / predicted TTFT: absorbs what the step models leave out (router and
-        # RPC latency, batching granularity, a busy machine). Clamped so one outlier can't
-        # shut admission down.
+        # A TTFT is predicted as time queued here + the fixed part outside the worker's engine
+        # (dispatch, RPCs, the first token's way back: an EMA of what was observed) + the
+        # engine's part (prompt tokens queued and its own, at the step model's rate, times an
+        # EMA of observed / predicted engine time: batching granularity, a busy machine;
+        # clamped so one outlier can't shut admission down). Kept apart because a prompt found
+        # in the prefix cache costs the fixed part and almost no engine time: their ratio
+        # taught as one would push the correction to its clamp and refuse the next uncached
+        # prompt for a TTFT several times its real one.
+        self.ttft_overhead_s = 0.0
         self.ttft_correction = 1.0
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._waiters = FairWakeup()
@@ -176,11 +188,20 @@ class Admission:
         if worker.stats is not None:
             self.model(worker.worker_id).observe(worker.stats.recent_steps)
 
-    def observe_ttft(self, pair: Prediction, observed_s: float) -> None:
-        """``observed_s`` from arrival; the time queued is known exactly, only the rest was predicted."""
-        if pair.ttft_s is not None:
-            self.ttft_correction = _corrected(self.ttft_correction, pair.ttft_s - pair.waited_s,
-                                              observed_s - pair.waited_s, 0.8, 3.0)
+    def observe_ttft(self, pair: Prediction, observed_s: float, engine_s: float | None = None) -> None:
+        """``observed_s`` from arrival; the time queued is known exactly, only the rest was
+        predicted. ``engine_s``: the worker's own queue + compute time for the prompt, when it
+        reported it (a prefill worker does): what is left of ``observed_s`` is the fixed part."""
+        if pair.ttft_s is None:
+            return
+        outside = observed_s - pair.waited_s
+        if engine_s is not None:
+            self.ttft_overhead_s += OVERHEAD_EMA * (max(0.0, outside - engine_s) - self.ttft_overhead_s)
+        else:
+            engine_s = outside - pair.ttft_overhead_s
+        if pair.tokens_to_prefill >= MIN_TOKENS_TO_CORRECT:
+            self.ttft_correction = _corrected(self.ttft_correction, pair.ttft_s - pair.waited_s - pair.ttft_overhead_s,
+                                              engine_s, 0.8, 3.0)
 
     def expect_tpot(self, decode: WorkerHandle, progress: DecodeProgress, now: float | None = None) -> None:
         """At a request's first token: its projected TPOT from the state now, kept on
@@ -429,13 +450,14 @@ class _Search:
         if per_token is None:
             return None
         queued = _queued_prefill_tokens(worker)
-        return self.waited_s + (queued + tokens) * per_token * self.admission.ttft_correction
+        return self.waited_s + self.admission.ttft_overhead_s + (queued + tokens) * per_token * self.admission.ttft_correction
 
     def _local_ttft(self, d: _DecodeSide) -> float | None:
         return self._ttft(d.worker, self.prompt - d.cached, self.local_rate)
 
     def pair(self, p: _PrefillSide, d: _DecodeSide) -> Prediction:
-        return Prediction(p.worker, d.worker, p.ttft_s, d.tpot_s, None, self.waited_s, self.prompt, p.cached, d.cached)
+        return Prediction(p.worker, d.worker, p.ttft_s, d.tpot_s, None, self.waited_s, self.prompt, p.cached, d.cached,
+                          self.admission.ttft_overhead_s)
 
     def local(self, d: _DecodeSide) -> Prediction:
         """The decode worker prefills the prompt itself (what is not in its cache)."""
@@ -445,7 +467,7 @@ class _Search:
             stall = self.admission._stall_per_token(d.worker, self.local_rate or 0.0)
             running = self.admission._running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
         return Prediction(None, d.worker, self._local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
-                          d.cached, d.cached)
+                          d.cached, d.cached, self.admission.ttft_overhead_s)
 
     def has_timings(self) -> bool:
         """Every candidate has a TTFT prediction (each worker has reported its steps)."""

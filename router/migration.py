@@ -3,7 +3,8 @@
 Life cycle (Dynamo's request migration): the first attempt runs the client's spec. Every token
 the client has been sent is recorded here. When an attempt loses its worker, ``migrate`` counts
 it (past ``limit`` the request fails with UNAVAILABLE naming the cause) and the next attempt
-runs under a fresh internal id (nothing of the lost attempt can answer for it) with the prompt
+runs under a fresh internal id (nothing of the lost attempt can answer for it; so does a
+retry after a reservation refused for room) with the prompt
 plus every token already sent, ``max_tokens`` reduced by as many, and ``num_generated`` set so
 seeded sampling and stop strings continue where they were: the client sees one stream, no token
 repeated and none missing, and greedy output equals an uninterrupted run. ``resumed`` is
@@ -28,12 +29,20 @@ class RequestMigration:
     limit: int = DEFAULT_MIGRATION_LIMIT
     sent_token_ids: list[int] = field(default_factory=list)
     num_migrations: int = 0
+    num_refusals: int = 0   # reservations refused for room since the last migration
 
     def attempt_spec(self) -> RequestSpec:
         """What the current attempt runs."""
         if not self.num_migrations:
             return self.spec
-        return resumed(self.spec, tuple(self.sent_token_ids), f"{self.spec.req_id}.m{self.num_migrations}")
+        req_id = f"{self.spec.req_id}.m{self.num_migrations}" + (f".r{self.num_refusals}" if self.num_refusals else "")
+        return resumed(self.spec, tuple(self.sent_token_ids), req_id)
+
+    def refused(self) -> None:
+        """The attempt's reservation was refused for room: the next try runs under a fresh id,
+        because the refused attempt's free may still be on its way to a decode worker (which
+        then refuses any later reserve under that id)."""
+        self.num_refusals += 1
 
     def sent(self, delta: TokenDelta) -> TokenDelta:
         """Record a delta on its way to the client, under the client's request id."""
@@ -45,6 +54,7 @@ class RequestMigration:
         if self.num_migrations >= self.limit:
             raise WorkerFailedError(f"worker lost and the migration limit ({self.limit}) is reached: {cause}")
         self.num_migrations += 1
+        self.num_refusals = 0
 
 
 def resumed(spec: RequestSpec, sent: tuple[int, ...], req_id: str | None = None) -> RequestSpec:

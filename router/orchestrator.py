@@ -158,7 +158,8 @@ class Orchestrator:
     def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
                  metrics: Any | None = None, on_lost: Callable[[WorkerLost], None] | None = None,
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT, inbox: FirstTokenInbox | None = None,
-                 node_id: str | None = None, submitter: UnixPusher | None = None) -> None:
+                 node_id: str | None = None, submitter: UnixPusher | None = None,
+                 on_stats: Callable[[WorkerHandle], None] | None = None) -> None:
         """``inbox``: first tokens written straight from the prefill workers on ``node_id``
         (this router's node), instead of on their Ray stream; ``submitter``: prefill calls
         written straight to those workers, ahead of the same call on Ray (with an inbox only)."""
@@ -169,6 +170,7 @@ class Orchestrator:
         self.on_lost = on_lost
         self.migration_limit = migration_limit
         self.inbox, self.node_id, self.submitter = inbox, node_id, submitter
+        self.on_stats = on_stats   # a worker's fresh stats go on to admission and metrics (the launcher's rule)
         self._cleanups: set[asyncio.Task] = set()
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
@@ -198,6 +200,7 @@ class Orchestrator:
                 # a step) waits for capacity and tries again, until the resume deadline.
                 if resume_deadline is None or time.monotonic() > resume_deadline:
                     raise
+                run.refused()
                 await self.admission.capacity_changed(RESERVE_RETRY_S)
 
     async def _admit(self, spec: RequestSpec, num_migrations: int) -> Prediction:
@@ -283,7 +286,7 @@ class Orchestrator:
 
     def _observed_ttft(self, pair: Prediction, trace: RequestTrace) -> None:
         observed = time.perf_counter() - trace.start_s
-        self.admission.observe_ttft(pair, observed)
+        self.admission.observe_ttft(pair, observed, _engine_s(trace))
         if self.metrics is not None:
             self.metrics.prediction("ttft", pair.ttft_s, observed)
 
@@ -369,9 +372,8 @@ class Orchestrator:
         prefill.observe_kv_events(result.kv_events, generation)
         if result.stats is not None:
             prefill.observe_stats(result.stats)
-            self.admission.observe_stats(prefill)
-            if self.metrics is not None:
-                self.metrics.update_worker(result.stats)
+            if self.on_stats is not None:
+                self.on_stats(prefill)
 
     def _capacity_changed(self) -> None:
         asyncio.get_running_loop().create_task(self.admission.notify())
@@ -415,6 +417,13 @@ class Orchestrator:
     async def drain_cleanups(self) -> None:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+
+
+def _engine_s(trace: RequestTrace) -> float | None:
+    """The prefill worker's own queue + compute time for the prompt (None: the decode worker
+    prefilled it, and reports no such split)."""
+    report = trace.path.first or trace.prefill
+    return None if report is None else report.queue_s + report.prefill_s
 
 
 def _first(result: PrefillResult) -> tuple[int, ...]:

@@ -139,10 +139,12 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         report, one that is down none."""
         workers = self.core.orchestrator.registry.all
         fresh = await asyncio.gather(*(self._stats_of(w) for w in workers))
-        if self.core.metrics is not None:   # the KV gauges too (a prefill worker reports only with results)
-            for stats in fresh:
-                if stats is not None:
-                    self.core.metrics.update_worker(stats)
+        on_stats = self.core.orchestrator.on_stats   # the KV gauges and admission take them too
+        for worker, stats in zip(workers, fresh):   # (a prefill worker reports only with results)
+            if stats is not None and stats is not worker.stats:
+                worker.observe_stats(stats)
+                if on_stats is not None:
+                    on_stats(worker)
         return [convert.WorkerStatus(w.worker_id, w.role, w.state.value, w.restarts, stats)
                 for w, stats in zip(workers, fresh)]
 

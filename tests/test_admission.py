@@ -335,6 +335,25 @@ def test_ttft_correction_converges_on_the_observed_bias_and_stays_clamped():
     assert admission.ttft_correction == 3.0
 
 
+def test_ttft_fixed_part_is_learned_apart_so_cached_prompts_do_not_inflate_the_correction():
+    """Prompts served from the prefix cache cost the fixed part (dispatch, RPCs) and one short
+    step: taught as one ratio with uncached ones, the correction climbed to its clamp (3x) and
+    admission then refused an uncached prompt for a TTFT three times its real one."""
+    admission, w = colocated_worker()
+    s = spec(prompt=200, ttft=5.0, tpot=0.05)
+    fixed_s = 0.15
+    for i in range(120):
+        p = admission.predict(s, None, w, now=100.0)
+        engine_s = p.ttft_s - p.ttft_overhead_s   # the step model is right about the engine
+        if i % 4:   # three in four found in the cache: one short step in the engine
+            p, engine_s = dataclasses.replace(p, cached_tokens=192), 0.03
+        admission.observe_ttft(p, fixed_s + engine_s, engine_s=engine_s)
+    assert admission.ttft_correction == pytest.approx(1.0, abs=0.02)
+    assert admission.ttft_overhead_s == pytest.approx(fixed_s, rel=0.05)
+    uncached = admission.predict(s, None, w, now=100.0)
+    assert uncached.ttft_s == pytest.approx(fixed_s + 200 * admission._prefill_seconds_per_token(None), rel=0.05)
+
+
 def test_decode_step_model_ignores_steps_that_carry_prefill():
     """A colocated worker's mixed steps are long because of their prefill chunk; admission
     counts that as the worker's prefill share, so the decode step must not count it again."""

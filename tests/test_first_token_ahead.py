@@ -4,7 +4,8 @@ decode worker's commit is still held back (and reaches the router's first-token 
 the result follows once the KV has landed, the
 output equals HF generate, and both workers end with every block free. A request that ends at
 its first token, or whose reservation is refused, sends no token ahead (nothing to recompute
-after it); a retried call replays the same first token."""
+after it) and answers without waiting for its reserve; a reserve that arrives after the router
+freed the request is refused, so nothing stays held; a retried call replays the same first token."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.errors import CapacityError
+from engine.errors import CapacityError, KVTransferError
 from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, SamplingParams
 from engine.worker_base import WorkerSpec
 from prefill_worker.worker import PrefillWorker
@@ -46,6 +47,27 @@ class RefusingPeer(InProcessPeer):
 
     async def reserve(self, spec, transport: str):
         raise CapacityError("no room for the prompt's blocks")
+
+
+class LateReservePeer(InProcessPeer):
+    """The reserve reaches the decode worker only once ``gate`` opens: as when the router's free
+    overtakes it (two callers: Ray orders nothing between them), or the prefill worker died
+    after submitting it. ``outcome`` gets what the decode worker answered."""
+
+    def __init__(self, worker: DecodeWorker, gate: asyncio.Event) -> None:
+        super().__init__(worker)
+        self.gate = gate
+        self.outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def reserve(self, spec, transport: str):
+        await self.gate.wait()
+        try:
+            handle = await super().reserve(spec, transport)
+        except Exception as exc:
+            self.outcome.set_result(exc)
+            raise
+        self.outcome.set_result(handle)
+        return handle
 
 
 def _workers():
@@ -192,3 +214,32 @@ def test_no_token_goes_ahead_without_a_hand_off(case):
     assert items[0].outcome is expected and items[0].first_token_id is not None
     for report in reports:
         assert report["requests"] == 0 and report["free_blocks"] == report["total_blocks"]
+
+
+def test_a_reserve_that_arrives_after_the_routers_free_is_refused():
+    """Ends at its first token while its reserve is still on its way: the result comes at once,
+    the router frees the request on the decode worker, and the late reserve is refused there."""
+    spec = RequestSpec("r2", PROMPT, SamplingParams(max_tokens=1, ignore_eos=True))
+
+    async def run():
+        prefill, decode = _workers()
+        try:
+            peer = LateReservePeer(decode, asyncio.Event())
+            items = await asyncio.wait_for(_collect(prefill.stream(spec, "shm", peer)), 60)
+            await decode.abort(spec.req_id)   # the router frees the unused reservation
+            peer.gate.set()
+            late = await asyncio.wait_for(peer.outcome, 30)
+            return items, late, await prefill.leak_report(), await decode.leak_report()
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+
+    items, late, *reports = asyncio.run(run())
+    assert [item.outcome for item in items] == [HandoffOutcome.ENDED_AT_PREFILL]
+    assert isinstance(late, KVTransferError) and "ended this request" in str(late), late
+    for report in reports:
+        assert report["requests"] == 0 and report["free_blocks"] == report["total_blocks"]
+
+
+async def _collect(stream) -> list:
+    return [item async for item in stream]

@@ -242,6 +242,66 @@ def test_decode_reservation_aborted_under_a_possible_writer_stays_fenced_until_i
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("moment", ["before_reserve", "during_reserve"])
+def test_a_reserve_overtaken_by_its_free_is_refused_and_holds_nothing(moment):
+    """The prefill worker submits ``reserve`` and the router ``abort``: Ray orders nothing between
+    two callers, so the free can come first (or while the reserve waits for the engine). The
+    reserve is then refused, and no block stays held until a lease runs out."""
+    from decode_worker.worker import DecodeWorker
+    from engine.worker_base import WorkerSpec
+
+    spec = WorkerSpec("ended-test", random_model={"seed": 0}, engine=EngineConfig(num_kv_blocks=32))
+    request = RequestSpec("r", tuple(range(3, 40)), SamplingParams(max_tokens=4))
+
+    async def run():
+        worker = DecodeWorker(spec)
+        worker.start()
+        try:
+            if moment == "before_reserve":
+                await worker.abort("r")
+                reserving = asyncio.ensure_future(worker.reserve(request, "shm"))
+            else:
+                reserving = asyncio.ensure_future(worker.reserve(request, "shm"))
+                await asyncio.sleep(0)   # the reserve has asked the engine loop for blocks
+                await worker.abort("r")
+            with pytest.raises(KVTransferError, match="ended this request"):
+                await reserving
+            await worker.reserve(RequestSpec("q", (5, 6), SamplingParams(max_tokens=2)), "shm")
+            await worker.abort("q")   # other ids reserve as before
+            return await worker.leak_report(), worker.engine
+        finally:
+            worker.shutdown()
+
+    report, engine = asyncio.run(run())
+    assert report["free_blocks"] == report["total_blocks"] and report["requests"] == 0
+    assert_no_leaks(engine)
+
+
+def test_ended_requests_are_forgotten_after_their_ttl():
+    from decode_worker.ended_requests import EndedRequests
+
+    ended = EndedRequests(ttl_s=0.2)
+    ended.add("a")
+    ended.add("b")
+    assert "a" in ended and "b" in ended and "c" not in ended
+    time.sleep(0.3)
+    ended.add("c")
+    assert "a" not in ended and "b" not in ended and len(ended) == 1
+
+
+def test_a_retry_after_a_refused_reservation_runs_under_a_fresh_id():
+    run = RequestMigration(RequestSpec("r", (1, 2)))
+    run.migrate("worker died")
+    ids = [run.attempt_spec().req_id]
+    run.refused()
+    ids.append(run.attempt_spec().req_id)
+    run.refused()
+    ids.append(run.attempt_spec().req_id)
+    run.migrate("again")
+    ids.append(run.attempt_spec().req_id)
+    assert ids == ["r.m1", "r.m1.r1", "r.m1.r2", "r.m2"]
+
+
 def test_a_pair_whose_transport_keeps_failing_routes_around_it():
     registry = WorkerRegistry(dist_ready=True)
     p, d = WorkerHandle("p0", "prefill", None, "n1", "cpu"), WorkerHandle("d0", "decode", None, "n2", "cpu")

@@ -225,3 +225,15 @@ def test_releases_the_gil(kernel):
     margin = 0.2 * (end - start)
     inside = [s for s in stamps if start + margin < s < end - margin]
     assert end - start > 0.005 and len(inside) > 10, (end - start, len(inside))
+
+
+def test_build_directory_follows_the_kernel_sources(tmp_path, monkeypatch):
+    """Two checkouts with different kernel sources (git worktrees) on one machine build into
+    different directories instead of rebuilding over each other."""
+    for name in ("paged_attention.cpp", "module.cpp"):
+        (tmp_path / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", tmp_path)
+    before = cpu_kernels.build_directory()
+    assert cpu_kernels.build_directory() == before, "the tag is stable for the same sources"
+    (tmp_path / "module.cpp").write_text("// module.cpp, edited\n")
+    assert cpu_kernels.build_directory() != before
