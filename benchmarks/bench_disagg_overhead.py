@@ -55,6 +55,9 @@ unless ``--out`` is given). The full run writes benchmarks/results/disagg_overhe
 notes, from the first line starting with "notes", are kept). Shorter, on the tiny model:
 ``python benchmarks/bench_disagg_overhead.py --random-model --prompt-len 64 --max-tokens 16
 --repeats 10 --no-colocated --out /tmp/x.txt`` (the first token's path breakdown in ~1.5 min).
+The direct channels' levers, each switched off request by request in the same run (SmolLM2,
+~5 min on a quiet 2-core box): ``python benchmarks/bench_disagg_overhead.py --max-tokens 16
+--no-colocated --ab-inbox --ab-direct``.
 ``--device cuda [--model DIR] [--dtype bfloat16]`` runs all three on one GPU (the clusters'
 workers take a third of it each; the disaggregated pair hands KV over by CUDA IPC).
 """
