@@ -16,6 +16,11 @@ numbers being compared come from the same minute of a shared machine. Three syst
     (queue_s, prefill_s, kv_transfer_s, ttft_s, e2e_s, kv_transfer_bytes) and the decode
     worker's own step times (``WorkerStats.recent_steps``, streamed with every batch).
 (c) colocated cluster (``--no-colocated`` skips it): one worker doing prefill and decode.
+(d) with ``--ab-inbox``: the disaggregated cluster again, its router's first-token inbox off (the
+    first token comes back on the prefill call's Ray stream only, and the call goes by Ray only):
+    the direct channels' saving, measured request by request in the same processes;
+    ``--ab-direct``: the same with only the direct prefill submission off (the call goes by Ray,
+    the first token still comes back through the inbox): that lever's own saving.
 
 The router runs in this process (``ClusterThread``), so the client's and the router's clocks
 are the same ``perf_counter`` and their stamps subtract exactly. Derived rows:
@@ -50,6 +55,9 @@ unless ``--out`` is given). The full run writes benchmarks/results/disagg_overhe
 notes, from the first line starting with "notes", are kept). Shorter, on the tiny model:
 ``python benchmarks/bench_disagg_overhead.py --random-model --prompt-len 64 --max-tokens 16
 --repeats 10 --no-colocated --out /tmp/x.txt`` (the first token's path breakdown in ~1.5 min).
+The direct channels' levers, each switched off request by request in the same run (SmolLM2,
+~5 min on a quiet 2-core box): ``python benchmarks/bench_disagg_overhead.py --max-tokens 16
+--no-colocated --ab-inbox --ab-direct``.
 ``--device cuda [--model DIR] [--dtype bfloat16]`` runs all three on one GPU (the clusters'
 workers take a third of it each; the disaggregated pair hands KV over by CUDA IPC).
 """
@@ -168,6 +176,26 @@ def run_cluster(client: PdserveClient, cluster: ClusterThread, prompt: list[int]
         prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
         sample.prefill_step_s = prefill_steps[-1].duration_s if prefill_steps else None
     return sample
+
+
+# The levers --ab-* switch off, by the orchestrator's attribute: "inbox" (the first-token inbox;
+# direct submissions need it, so both go: the first token comes back on the prefill call's Ray
+# stream, the call goes by Ray only), "submitter" (direct submissions only: the call goes by
+# Ray only, the first token still comes back through the inbox).
+LEVERS = {"no inbox": "inbox", "no direct": "submitter"}
+
+
+def run_without(lever: str, client: PdserveClient, cluster: ClusterThread, prompt: list[int],
+                max_tokens: int) -> Sample:
+    """``run_cluster`` with one of the router's ``LEVERS`` off (no request is in flight when it
+    is switched)."""
+    orchestrator = cluster.cluster.orchestrator
+    kept = getattr(orchestrator, lever)
+    setattr(orchestrator, lever, None)
+    try:
+        return run_cluster(client, cluster, prompt, max_tokens)
+    finally:
+        setattr(orchestrator, lever, kept)
 
 
 def _from_stamps(start: float, stamps: list[float], ids: list[int]) -> Sample:
@@ -402,6 +430,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="default 5 (--quick: 2)")
     parser.add_argument("--no-colocated", action="store_true", help="skip (c), the colocated cluster")
+    parser.add_argument("--ab-inbox", action="store_true",
+                        help="also run each disaggregated request with the router's first-token inbox off")
+    parser.add_argument("--ab-direct", action="store_true",
+                        help="also run each disaggregated request with direct prefill submissions off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every system on it)")
     parser.add_argument("--dtype", default="float32")
@@ -439,16 +471,28 @@ def main() -> None:
         transport = disagg.registry.transport(disagg.registry.prefill[0], disagg.registry.decode[0])
         inproc = System("in-process")
         clients = [PdserveClient(f"127.0.0.1:{c.cluster.port}") for _, c in clusters]
+        # --ab-*: the disaggregated cluster once more per repeat for each, with that lever off.
+        variants = [System(name) for name, on in (("no inbox", args.ab_inbox), ("no direct", args.ab_direct)) if on]
         rng = random.Random(args.seed)
         for i in range(args.repeats + 1):
             prompt = [rng.randrange(*id_range) for _ in range(args.prompt_len)]
             warm = i == 0
             runs = [lambda: run_inprocess(engine, f"inproc-{i}", prompt, args.max_tokens)]
             runs += [lambda cl=cl, c=c: run_cluster(cl, c, prompt, args.max_tokens) for cl, (_, c) in zip(clients, clusters)]
+            # Each its own prompt: the same one again would hit the prefix caches.
+            others = [[rng.randrange(*id_range) for _ in range(args.prompt_len)] for _ in variants]
+            runs += [lambda v=v, other=other: run_without(LEVERS[v.name], clients[0], clusters[0][1], other,
+                                                          args.max_tokens) for v, other in zip(variants, others)]
             order = range(len(runs)) if i % 2 else reversed(range(len(runs)))   # no system always first
             by_system = {k: runs[k]() for k in order}
             samples = [by_system[k] for k in range(len(runs))]
-            for system, sample in zip([inproc] + [s for s, _ in clusters], samples):
+            for k, (variant, other) in enumerate(zip(variants, others)):
+                sample = samples[1 + len(clusters) + k]
+                expected = run_inprocess(engine, f"inproc-other-{i}-{k}", other, args.max_tokens).token_ids
+                if sample.token_ids != expected:
+                    raise AssertionError(f"{variant.name}: output differs from the in-process engine's")
+                sample.token_ids = samples[0].token_ids   # checked: pass the loop's check below
+            for system, sample in zip([inproc] + [s for s, _ in clusters] + variants, samples):
                 if sample.token_ids != samples[0].token_ids:
                     raise AssertionError(f"{system.name} output differs from the in-process engine's")
                 if not warm:
@@ -461,7 +505,8 @@ def main() -> None:
                         " / ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples))
         for client in clients:
             client.close()
-        text = report([inproc] + [s for s, _ in clusters], args, machine_header(args, loaded.name, transport, id_range))
+        systems = [inproc] + [s for s, _ in clusters] + variants
+        text = report(systems, args, machine_header(args, loaded.name, transport, id_range))
     finally:
         for _, cluster in clusters:
             cluster.stop()

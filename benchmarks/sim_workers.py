@@ -15,12 +15,13 @@ Life cycle of a request, as on the real workers:
   taken, request parked; ``CapacityError`` without room), its loop prefills up to
   ``max_num_batched_tokens`` per step (step time = tokens x the fitted seconds per prefill
   token) -> first token -> awaits the reservation, decode ``commit`` -> ``PrefillResult`` (OK,
-  or RESERVE_REFUSED / RESERVE_FAILED / ENDED_AT_PREFILL / ABORTED) -> the decode worker's one loop steps every running request at once (step time = the
-  fitted decode step for that batch and KV size, plus local prefill tokens when it prefills a
-  request itself: ``add_request``) and publishes one ``StreamBatch`` per step with its stats ->
-  finished at ``max_tokens`` (LENGTH; EOS is not simulated) -> blocks freed. ``abort`` frees at
-  once (there is no real writer to fence against). Each worker runs one loop: no work per token
-  per request beyond building that request's ``TokenDelta``.
+  or RESERVE_REFUSED / RESERVE_FAILED / ENDED_AT_PREFILL / ABORTED) -> the decode worker's one
+  loop steps every running request at once (step time = the fitted decode step for that batch
+  and KV size, plus local prefill tokens when it prefills a request itself: ``add_request``)
+  and publishes one ``StreamBatch`` per step with its stats -> finished at ``max_tokens``
+  (LENGTH; EOS is not simulated) -> blocks freed. ``abort`` frees at once (there is no real
+  writer to fence against). Each worker runs one loop: no work per token per request beyond
+  building that request's ``TokenDelta``.
 Token ids are a function of the prompt and position (``sim_token``), so a client can check
 every token it was sent. Loop-agnostic: ``benchmarks/sim_cluster.py`` runs them on a thread of
 their own behind Ray-like actor handles.
@@ -343,9 +344,10 @@ class SimPrefillWorker(_SimWorker):
         self._handoffs: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
-    async def prefill(self, spec: RequestSpec, transport: str, decode: Any) -> PrefillResult:
+    async def prefill(self, spec: RequestSpec, transport: str, decode: Any, inbox: str | None = None) -> PrefillResult:
         """``decode``: the decode worker's actor handle: this worker calls its ``reserve`` (over
-        ``transport``) as the prompt is queued and its ``commit`` once the KV is ready."""
+        ``transport``) as the prompt is queued and its ``commit`` once the KV is ready.
+        ``inbox`` (the router's first-token inbox) is not simulated: no first token goes ahead."""
         task = self._handoffs.get(spec.req_id)
         if task is None:
             task = self._handoffs[spec.req_id] = asyncio.ensure_future(self._prefill(spec, transport, decode))
@@ -383,7 +385,8 @@ class SimPrefillWorker(_SimWorker):
         try:
             reserved: KVBlocksHandle = await handle
         except Exception as exc:
-            outcome = HandoffOutcome.RESERVE_REFUSED if isinstance(exc, CapacityError) else HandoffOutcome.RESERVE_FAILED
+            refused = isinstance(exc, CapacityError)   # no room: the router queues or refuses
+            outcome = HandoffOutcome.RESERVE_REFUSED if refused else HandoffOutcome.RESERVE_FAILED
             return self._result(spec, first, queue_s, prefill_s, FinishReason.ERROR, outcome, error=str(exc))
         try:
             await decode.commit.remote(spec.req_id, first, reserved)

@@ -38,12 +38,14 @@ from deploy.standby import StandbyPool
 from deploy.ray_init import init_ray, shutdown_ray
 from engine import tracing
 from engine.config import EngineConfig
+from engine.unix_push import UnixPusher
 from engine.worker_base import WorkerSpec
 from kvtransfer.select import choose_transport
 from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router.convert import ServerDefaults
 from router.limits import ServerLimits
 from router.admission import Admission
+from router.first_token_inbox import FirstTokenInbox
 from router.health import ServingHealth
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
@@ -141,9 +143,12 @@ class Cluster:
         self.supervisor.start()
         for w in self.registry.all:
             self.metrics.worker_state(w.worker_id, w.role, up=True)
+        self.inbox = FirstTokenInbox()
+        await self.inbox.start()
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
                                          on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit,
-                                         on_stats=self._on_worker_stats)
+                                         inbox=self.inbox, node_id=ray.get_runtime_context().get_node_id(),
+                                         submitter=UnixPusher(), on_stats=self._on_worker_stats)
         info = infos[0]
         name = cfg.served_model_name or name or info["model"]   # what gRPC's ServerInfo and /v1/models say
         # The longest request every worker can hold (each caps it to its KV pool).
@@ -256,6 +261,7 @@ class Cluster:
         for (role, actor), info in zip(actors, infos):
             self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
                                            shm_path=info.get("shm_path"), pid=info.get("pid"),
+                                           submit_path=info.get("submit_path"),
                                            prefix=PrefixIndex(info["block_size"], info.get("prefix_caching", False))))
         return list(infos)
 
@@ -343,6 +349,9 @@ class Cluster:
             self.servicer.close()   # its tokenizer pool
         if getattr(self, "orchestrator", None):
             await _until(deadline, self.orchestrator.drain_cleanups(), "request cleanups")
+        if getattr(self, "inbox", None):
+            await self.inbox.close()
+            self.orchestrator.submitter.close()
         if getattr(self, "streams", None):
             await _until(deadline, self.streams.stop(), "decode streams")
         shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]

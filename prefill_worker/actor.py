@@ -57,18 +57,20 @@ class PrefillActor:
 
     async def start(self) -> dict:
         self.worker.start()
+        await self.worker.open_submissions()
         return self.worker.info(ray.get_runtime_context().get_node_id())
 
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
         await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
-    async def prefill(self, spec: RequestSpec, transport: str | None,
-                      decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
+    async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any,
+                      inbox: str | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
         """A streaming call: the first token as soon as it may go to the client, then the
         result (one call, so the first token does not wait for the hand-off's round trips).
         This worker reserves the KV's blocks on ``decode`` itself, over ``transport``, while
-        it prefills."""
-        async for item in self.worker.stream(spec, transport, DecodePeer(decode) if decode is not None else None):
+        it prefills; ``inbox``: the router's first-token inbox on this node (``None``: none)."""
+        peer = self.worker.known_peer(DecodePeer(decode)) if decode is not None else None
+        async for item in self.worker.stream(spec, transport, peer, inbox):
             yield item
 
     async def abort(self, req_id: str) -> None:

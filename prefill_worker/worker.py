@@ -6,7 +6,10 @@ Life cycle of one request here:
   budget, many prompts per step) and, at the same time, this worker asks the decode worker to
   ``reserve`` the prompt's blocks (its round trip overlaps the prefill; the router makes no
   call of its own for it) -> first token sampled, blocks *held* -> the reservation holds: the
-  first token goes to the router at once (``stream``: a ``FirstToken`` ahead of the result) ->
+  first token goes to the router at once: written to the router's first-token inbox when it
+  named one (``engine.unix_push``; by the engine loop thread as the step ends when the
+  reservation already holds, the usual case), else a ``FirstToken`` on the ``stream`` ahead of
+  the result (one channel: never both, the result carries the token anyway) ->
   KV sent through the handle's transport -> decode worker's ``commit`` (it admits the request)
   -> blocks released -> PrefillResult (outcome + timings) back to the router. The first token
   leaves before the KV has landed because that is safe: a hand-off that then fails is
@@ -26,6 +29,11 @@ longer write into the decode worker's reserved blocks, so the decode side may fr
 another request's KV).
 ``prefill`` and ``stream`` are idempotent per request id: a call retried by the router after
 a transient failure joins the one already running (``stream`` replays the first token).
+A router on this node also sends the call straight here first (``submissions``: a unix socket,
+~0.4 ms where Ray's call takes ~2-7 ms): the request starts on it, and the Ray call joins it
+(even after it ended: a run started that way stays until its Ray call has come). So Ray's call
+still delivers the result and a dead worker's error, as without it. An abort for a request not
+here yet leaves a tombstone that refuses its direct submission (it may still be in the socket).
 The decode worker is reached through a ``DecodePeer`` (the actor module wraps the Ray handle)
 whose calls raise ``PeerLostError`` when that worker died.
 """
@@ -44,10 +52,13 @@ from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
 from engine.errors import CapacityError, KVTransferError, PeerLostError
 from engine.faults import SEND_FAULTS, FaultKind
-from engine.types import FinishReason, FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
+from engine.types import (FinishReason, FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec,
+                          TokenDelta)
+from engine.unix_push import UnixPusher
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 from kvtransfer.select import make_sender
+from prefill_worker.submissions import SubmissionServer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +67,11 @@ TRANSFER_TIMEOUT_S = 30.0
 # margin for clocks (the lease is wall-clock time) and scheduling, fit before the decode worker
 # may free the blocks.
 LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
+# A request started by the router's direct submission (``submissions``) waits this long at most
+# for its Ray call to join it once it is done (its router then gave up without one); an abort
+# for a request not here refuses a direct submission of it for this long (it may still be in
+# the socket: the abort went by Ray, after it).
+UNJOINED_S = 60.0
 
 
 @dataclass(slots=True)
@@ -66,6 +82,12 @@ class _Running:
     first: asyncio.Future
     result: asyncio.Task | None = None
     received_s: float = field(default_factory=time.time)   # wall clock: the router's path breakdown
+    inbox: str | None = None   # the router's first-token inbox (same node), if it named one
+    joined: bool = True   # a Ray call has it (False: started by a direct submission, Ray's call not here yet)
+    # Set on the event loop once the decode reservation holds; read by the engine loop thread,
+    # which then pushes the first token to the inbox itself as its step ends (``pushed``).
+    reserved: bool = False
+    pushed: bool | None = None   # None: not tried (each request tries the inbox once)
 
 
 class PrefillWorker(WorkerBase):
@@ -79,6 +101,10 @@ class PrefillWorker(WorkerBase):
         # Rendezvous transports (torch_dist) pair FIFO per peer: a stuck peer stalls only its own.
         self._transfer_locks: dict[str, asyncio.Lock] = {}
         self._next_send_fault: FaultKind | None = None   # fault injection (tests): see engine/faults.py
+        self._pusher = UnixPusher()
+        self.submissions = SubmissionServer(self._on_submission)
+        self._peers: dict[str, Any] = {}   # decode peers by id, from Ray calls: direct submissions name them
+        self._tombstones: set[str] = set()   # aborted before they were here: no direct submission starts them
 
     async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         """Prefill ``spec``; with a ``transport``, reserve its blocks on ``decode`` (a
@@ -87,23 +113,65 @@ class PrefillWorker(WorkerBase):
         (a retry) waits for the first one's result."""
         return await asyncio.shield(self._start(spec, transport, decode).result)
 
-    async def stream(self, spec: RequestSpec, transport: str | None,
-                     decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
+    async def stream(self, spec: RequestSpec, transport: str | None, decode: Any,
+                     inbox: str | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
         """``prefill``, with the first token yielded as soon as it may go to the client (the
-        reservation holds, the KV starts moving), then the result."""
-        run = self._start(spec, transport, decode)
+        reservation holds, the KV starts moving), then the result. ``inbox``: the router's
+        first-token inbox, which gets the first token instead, sooner (when the push went
+        out, the stream yields only the result, which carries the token too)."""
+        run = self._start(spec, transport, decode, inbox)
         first = await asyncio.shield(run.first)
         if first is not None:
             yield first
         yield await asyncio.shield(run.result)
 
-    def _start(self, spec: RequestSpec, transport: str | None, decode: Any) -> _Running:
+    def _start(self, spec: RequestSpec, transport: str | None, decode: Any, inbox: str | None = None,
+               joined: bool = True) -> _Running:
+        """The request's run, started here unless it runs already (a retried call, or the Ray
+        call after the direct submission: ``joined``)."""
         run = self._running.get(spec.req_id)
         if run is None:
-            run = self._running[spec.req_id] = _Running(self.aio.create_future())
+            run = self._running[spec.req_id] = _Running(self.aio.create_future(), inbox=inbox, joined=joined)
+            self._done[spec.req_id] = asyncio.Event()   # now: an abort from here on waits for it
             run.result = asyncio.ensure_future(self._prefill(spec, transport, decode))
-            run.result.add_done_callback(lambda _: self._running.pop(spec.req_id, None))
+            run.result.add_done_callback(lambda _: self._retire(spec.req_id, run))
+        elif joined and not run.joined:
+            run.joined = True
+            if run.result.done():
+                self._retire(spec.req_id, run)
         return run
+
+    def _retire(self, req_id: str, run: _Running) -> None:
+        """A finished run leaves once a Ray call has it (so a Ray call that comes after a direct
+        submission's run ended joins it, never starts it again); an unjoined one after a while."""
+        if run.joined:
+            self._forget(req_id, run)
+        else:
+            self.aio.call_later(UNJOINED_S, self._forget, req_id, run)
+
+    def _forget(self, req_id: str, run: _Running) -> None:
+        if self._running.get(req_id) is run:
+            del self._running[req_id]
+
+    # ---- direct submissions (the router on this node) ---------------------------------------------
+    async def open_submissions(self) -> None:
+        await self.submissions.start()
+
+    def known_peer(self, peer: Any) -> Any:
+        """The decode peer a Ray call named, remembered by id for direct submissions."""
+        return self._peers.setdefault(peer.peer_id, peer)
+
+    def _on_submission(self, sub: PrefillSubmission) -> None:
+        """Start the request now; its Ray call joins it. Ignored when the decode peer is not known
+        yet (that Ray call starts it), when it runs already, or was aborted before it came."""
+        peer = self._peers.get(sub.decode_id)
+        req_id = sub.spec.req_id
+        if peer is None or req_id in self._running or req_id in self._tombstones:
+            return
+        self._start(sub.spec, sub.transport, peer, sub.inbox, joined=False)
+
+    def info(self, node_id: str) -> dict:
+        return {**super().info(node_id), "submit_path": self.submissions.path}
 
     async def _prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         parent = tracing.context_of(spec.traceparent)
@@ -118,10 +186,11 @@ class PrefillWorker(WorkerBase):
         req_id = spec.req_id
         waiter = self.aio.create_future()
         self._waiters[req_id] = waiter
-        self._done[req_id] = asyncio.Event()
         added = self.loop.call(lambda e: e.add_request(spec))   # the compute first: it is the path
         # Resolved while the prompt is prefilled: the KV (and the first token) need not wait for it.
         reservation = _resolving(decode.reserve(spec, transport)) if transport is not None else None
+        if reservation is not None:
+            reservation.add_done_callback(lambda task: self._reserved(req_id, task))
         try:
             await asyncio.wrap_future(added)
             outcome = await waiter
@@ -147,22 +216,57 @@ class PrefillWorker(WorkerBase):
                           received_s=run.received_s if run else 0.0, sent_s=time.time(),
                           queue_s=done.queue_s, prefill_s=done.prefill_s, reserve_wait_s=reserve_wait_s)
 
-    def _first_token(self, req_id: str, first: FirstToken | None) -> None:
+    def _reserved(self, req_id: str, reservation: asyncio.Task) -> None:
         run = self._running.get(req_id)
-        if run is not None and not run.first.done():
-            run.first.set_result(first)
+        if run is not None and not reservation.cancelled() and reservation.exception() is None:
+            run.reserved = True
+
+    def _first_token(self, req_id: str, first: FirstToken | None) -> None:
+        """The first token may go to the client now (``None``: none goes ahead). One channel:
+        the Ray stream carries it only if the inbox did not take it (a copy the router would
+        drop still costs its loop the item's delivery, as it writes the first token out)."""
+        run = self._running.get(req_id)
+        if run is None or run.first.done():
+            return
+        if first is not None and run.inbox is not None:
+            if run.pushed is None:
+                run.pushed = self._pusher.push(run.inbox, first.to_json())
+            if run.pushed:
+                first = None
+        run.first.set_result(first)
+
+    def _push_from_loop_thread(self, done: PrefillDone) -> None:
+        """Engine loop thread, as the prefill step ends: if the reservation already holds (its
+        round trip overlapped the compute, the usual case), the first token goes to the inbox
+        from here, without waiting for the hop to the event loop. Otherwise ``_hand_off`` sends
+        it once the reservation holds, as without an inbox."""
+        run = self._running.get(done.req_id)
+        if run is not None and run.inbox is not None and run.reserved and done.req_id not in self._aborted:
+            run.pushed = self._pusher.push(run.inbox, self._first_token_of(done, 0.0).to_json())
 
     async def abort(self, req_id: str) -> None:
         """Stop the request; returns once no write into its decode blocks can still happen."""
         done = self._done.get(req_id)
         if done is None:
+            if req_id not in self._running:   # a direct submission of it may still be on its way
+                self._tombstones.add(req_id)
+                self.aio.call_later(UNJOINED_S, self._tombstones.discard, req_id)
             return
         self._aborted.add(req_id)
         await self.call(lambda e: e.abort(req_id))
         await done.wait()
+        run = self._running.get(req_id)
+        if run is not None and not run.joined:   # its router gave up before its Ray call
+            self._forget(req_id, run)
 
-    # ---- loop thread results, on the event loop --------------------------------------------------
+    # ---- loop thread results ------------------------------------------------------------------
+    def _on_step_thread(self, result: StepResult) -> None:
+        for done in result.prefilled:   # before the hop: ``pushed`` is set when the event loop sees it
+            self._push_from_loop_thread(done)
+        super()._on_step_thread(result)
+
     def on_step(self, result: StepResult) -> None:
+        """On the event loop."""
         for done in result.prefilled:
             self._resolve(done.req_id, done)
         for delta in result.deltas:
@@ -245,6 +349,8 @@ class PrefillWorker(WorkerBase):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self._pusher.close()
+        self.submissions.close()
         for sender in self._senders.values():
             sender.close()
 

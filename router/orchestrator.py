@@ -3,8 +3,13 @@
 Life cycle of one attempt (disaggregated):
   admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
   worker's stream -> one streaming ``prefill`` call (the only actor call on the first token's
-  path): the prefill worker asks the decode worker to ``reserve`` blocks while it prefills ->
-  it streams the first token as soon as the reservation holds: yielded to the client at once
+  path; a first attempt on a worker of the router's node is also sent straight to it just
+  before, on a unix socket, and starts there on whichever comes first: the Ray call joins it
+  and stays the one that reports the result or the worker's death): the prefill worker asks
+  the decode worker to ``reserve`` blocks while it prefills -> it streams the first token as
+  soon as the reservation holds (a worker on the router's node writes it to the
+  ``FirstTokenInbox``, a unix socket, instead: its stream then carries only the result, which
+  holds the token too): yielded to the client at once
   -> meanwhile it moves the KV and the decode worker ``commit``s -> the call's result (the
   hand-off's outcome) -> the rest arrive through the decode worker's batched stream -> finish.
 Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode
@@ -34,9 +39,11 @@ from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
 from engine.errors import CapacityError, WorkerFailedError
-from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
+from engine.types import FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec, TokenDelta
+from engine.unix_push import UnixPusher
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
+from router.first_token_inbox import FirstTokenInbox, first_ahead
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
@@ -144,19 +151,25 @@ class _Attempt:
     decode_gen: int
     prefill: WorkerHandle | None          # None once its part is done (nothing to abort there)
     prefill_gen: int = 0
+    fresh: bool = True                    # the request's first attempt (its id is new to the workers)
 
 
 class Orchestrator:
     def __init__(self, registry: WorkerRegistry, streams: DecodeStreams, admission: Admission,
                  metrics: Any | None = None, on_lost: Callable[[WorkerLost], None] | None = None,
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT, inbox: FirstTokenInbox | None = None,
+                 node_id: str | None = None, submitter: UnixPusher | None = None,
                  on_stats: Callable[[WorkerHandle], None] | None = None) -> None:
+        """``inbox``: first tokens written straight from the prefill workers on ``node_id``
+        (this router's node), instead of on their Ray stream; ``submitter``: prefill calls
+        written straight to those workers, ahead of the same call on Ray (with an inbox only)."""
         self.registry = registry
         self.streams = streams
         self.admission = admission
         self.metrics = metrics
         self.on_lost = on_lost
         self.migration_limit = migration_limit
+        self.inbox, self.node_id, self.submitter = inbox, node_id, submitter
         self.on_stats = on_stats   # a worker's fresh stats go on to admission and metrics (the launcher's rule)
         self._cleanups: set[asyncio.Task] = set()
 
@@ -211,7 +224,7 @@ class Orchestrator:
                        learn: bool = True) -> AsyncIterator[TokenDelta]:
         """One attempt on ``pair``; ``learn``: its TTFT and TPOT feed admission's corrections."""
         prefill, decode = pair.prefill, pair.decode
-        at = _Attempt(spec, decode, decode.generation, prefill, prefill.generation if prefill else 0)
+        at = _Attempt(spec, decode, decode.generation, prefill, prefill.generation if prefill else 0, fresh=learn)
         trace.decode_worker = decode.worker_id
         trace.prefill_worker = prefill.worker_id if prefill else ""
         queue = self.streams.register(spec.req_id, decode)
@@ -289,20 +302,39 @@ class Orchestrator:
         transport = trace.transport = self.registry.transport(prefill, decode)
         # The prefill worker reserves on the decode worker itself, while it prefills.
         sent: tuple[int, ...] = ()
+        inbox = self.inbox if self.inbox is not None and prefill.node_id == self.node_id else None
+        early = inbox.expect(spec.req_id) if inbox is not None else None   # the first token, sooner
         trace.path.dispatched(time.perf_counter(), time.time())
-        async with contextlib.aclosing(stream_call(prefill, "prefill", spec, transport, decode.actor,
-                                                   generation=at.prefill_gen)) as items:
-            async for item in items:
-                if isinstance(item, FirstToken):   # the client has it while the KV moves
-                    trace.path.back_wall_s, trace.path.first = time.time(), item
-                    sent = (item.token_id,)
-                    yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
-                else:
-                    result: PrefillResult = item
+        if early is not None:
+            self._submit_directly(at, prefill, transport)
+        call_items = stream_call(prefill, "prefill", spec, transport, decode.actor, inbox.path if inbox else None,
+                                 generation=at.prefill_gen)
+        try:
+            async with contextlib.aclosing(call_items) as items, \
+                    contextlib.aclosing(first_ahead(items, early)) as items_first_ahead:
+                async for item in items_first_ahead:
+                    if isinstance(item, FirstToken):   # the client has it while the KV moves
+                        trace.path.back_wall_s, trace.path.first = time.time(), item
+                        sent = (item.token_id,)
+                        yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
+                    else:
+                        result: PrefillResult = item
+        finally:
+            if inbox is not None:
+                inbox.forget(spec.req_id)
         at.prefill = None   # its part is done: nothing left there to abort or to wait for
         first = await self._handed_off(at, prefill, trace, result, sent)
         if first is not None:
             yield first
+
+    def _submit_directly(self, at: _Attempt, prefill: WorkerHandle, transport: str) -> None:
+        """The prefill call, on the worker's socket too: its compute starts without waiting for
+        Ray's submission. A first attempt only: a later one's id may still be on that worker,
+        where an abort of the attempt before could overtake it."""
+        if self.submitter is not None and prefill.submit_path and at.fresh:
+            decode_id = at.decode.actor._actor_id.hex()
+            self.submitter.push(prefill.submit_path, PrefillSubmission(at.spec, transport, decode_id,
+                                                                       self.inbox.path).to_json())
 
     async def _handed_off(self, at: _Attempt, prefill: WorkerHandle, trace: RequestTrace, result: PrefillResult,
                           sent: tuple[int, ...]) -> TokenDelta | None:

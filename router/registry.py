@@ -76,6 +76,7 @@ class WorkerHandle:
     num_prefill_tokens: int = 0   # prompt tokens sent here to prefill, first token not yet seen
     prefill_tokens_sent: int = 0  # every prompt token ever sent here to prefill (orders the queue)
     shm_path: str | None = None   # a decode worker's /dev/shm KV pool (unlinked at shutdown)
+    submit_path: str | None = None   # a prefill worker's socket for direct submissions (same node only)
     decoding: dict[str, DecodeProgress] = field(default_factory=dict)  # by request id
     state: WorkerState = WorkerState.READY
     generation: int = 0           # bumped by every replacement: tells an old actor's failures apart
@@ -106,7 +107,7 @@ class WorkerHandle:
         """A fresh actor (``info``: what its ``start`` returned) takes this slot: nothing of the
         old one's load or stats carries over."""
         self.actor, self.node_id, self.device = actor, info["node_id"], info["device"]
-        self.shm_path, self.pid = info.get("shm_path"), info.get("pid")
+        self.shm_path, self.pid, self.submit_path = info.get("shm_path"), info.get("pid"), info.get("submit_path")
         self.generation += 1
         self.restarts += 1
         self.stats = None

@@ -1,6 +1,7 @@
 """The prefill worker streams a request's first token ahead of its KV hand-off, with real Prefill
 and Decode workers in one process (tiny random Llama): the ``FirstToken`` is yielded while the
-decode worker's commit is still held back, the result follows once the KV has landed, the
+decode worker's commit is still held back (and reaches the router's first-token inbox too),
+the result follows once the KV has landed, the
 output equals HF generate, and both workers end with every block free. A request that ends at
 its first token, or whose reservation is refused, sends no token ahead (nothing to recompute
 after it) and answers without waiting for its reserve; a reserve that arrives after the router
@@ -9,6 +10,7 @@ freed the request is refused, so nothing stays held; a retried call replays the 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -18,6 +20,7 @@ from engine.errors import CapacityError, KVTransferError
 from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, SamplingParams
 from engine.worker_base import WorkerSpec
 from prefill_worker.worker import PrefillWorker
+from router.first_token_inbox import FirstTokenInbox
 from tests.conftest import hf_greedy
 from tests.test_prefix_disagg import InProcessPeer
 
@@ -83,34 +86,108 @@ async def _decoded(stream, req_id: str, tokens: list[int], max_tokens: int) -> l
     return tokens
 
 
-@pytest.mark.parametrize("transport", ["local", "shm"])
-def test_first_token_is_streamed_before_the_kv_lands(hf_reference, transport):
+class LateReservingPeer(GatedPeer):
+    """Its reservation holds only once ``reserve_gate`` opens: after the prefill step ended."""
+
+    def __init__(self, worker: DecodeWorker, gate: asyncio.Event, reserve_gate: asyncio.Event) -> None:
+        super().__init__(worker, gate)
+        self.reserve_gate = reserve_gate
+
+    async def reserve(self, spec, transport: str):
+        await self.reserve_gate.wait()
+        return await super().reserve(spec, transport)
+
+
+def _spy(obj, name: str, after) -> None:
+    """``obj.name(*args)`` calls ``after(*args)`` once it returned (an instance attribute
+    shadows the method: the worker looks it up at each call)."""
+    method = getattr(obj, name)
+
+    def spied(*args):
+        method(*args)
+        after(*args)
+
+    setattr(obj, name, spied)
+
+
+def _pushes_by_thread(prefill: PrefillWorker) -> list[str]:
+    """The threads ``prefill``'s first-token pushes ran on, recorded as they happen."""
+    threads: list[str] = []
+    push = prefill._pusher.push
+
+    def recorded(path, first):
+        threads.append(threading.current_thread().name)
+        return push(path, first)
+
+    prefill._pusher.push = recorded
+    return threads
+
+
+# inbox: the router's first-token inbox takes the token (the stream carries only the result);
+# late_reserve: the same, but the reservation holds after the prefill step (the event loop
+# pushes, not the engine loop thread); none: no inbox named; gone: an inbox that is not there
+# (the push fails: the stream carries the token).
+@pytest.mark.parametrize("transport,inbox", [("local", "inbox"), ("shm", "inbox"), ("shm", "late_reserve"),
+                                             ("shm", "none"), ("local", "gone")])
+def test_first_token_is_streamed_before_the_kv_lands(hf_reference, transport, inbox):
     spec = RequestSpec("r0", PROMPT, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
 
     async def run():
         prefill, decode = _workers()
-        gate = asyncio.Event()
-        peer = GatedPeer(decode, gate)
+        gate, reserve_gate = asyncio.Event(), asyncio.Event()
+        peer = LateReservingPeer(decode, gate, reserve_gate) if inbox == "late_reserve" else GatedPeer(decode, gate)
+        if inbox != "late_reserve":
+            reserve_gate.set()
+        router_inbox = FirstTokenInbox()
+        threads = _pushes_by_thread(prefill)
+        reserved, prefilled = threading.Event(), asyncio.Event()
+        _spy(prefill, "_reserved", lambda *_: reserved.set())
+        loop = asyncio.get_running_loop()
+        _spy(prefill, "_push_from_loop_thread", lambda *_: loop.call_soon_threadsafe(prefilled.set))
         try:
             stream = decode.stream()
-            items = prefill.stream(spec, transport, peer)   # it reserves on the decode worker as it prefills
-            first = await asyncio.wait_for(items.__anext__(), 60)
+            early = router_inbox.expect(spec.req_id)
+            path = await router_inbox.start()
+            path = {"none": None, "gone": "/nonexistent/pdserve-inbox.sock"}.get(inbox, path)
+            if inbox != "late_reserve":   # the engine waits for the reservation (the usual order, made sure)
+                prefill.loop.call(lambda e: reserved.wait(60))
+            # It reserves on the decode worker as it prefills; the first token goes to the inbox.
+            items = prefill.stream(spec, transport, peer, path)
+            next_item = asyncio.ensure_future(items.__anext__())
+            if inbox == "late_reserve":   # the prefill step ends, then the reservation holds
+                await asyncio.wait_for(prefilled.wait(), 60)
+                reserve_gate.set()
+            if inbox in ("inbox", "late_reserve"):
+                first = await asyncio.wait_for(early, 60)
+                assert not next_item.done(), "the stream carried a copy of the first token too"
+            else:
+                first = await asyncio.wait_for(next_item, 60)
+                assert not early.done()
             assert isinstance(first, FirstToken) and not peer.committed, "the first token waited for the hand-off"
             assert first.received_s + first.queue_s + first.prefill_s + first.reserve_wait_s <= first.sent_s
             again = prefill.stream(spec, transport, peer)   # a retried call joins the running one
-            assert await again.__anext__() == first
+            again_next = asyncio.ensure_future(again.__anext__())
+            await asyncio.sleep(0)   # it has joined before the hand-off may end
+            if inbox not in ("inbox", "late_reserve"):
+                assert await again_next == first   # and replays the first token
+                again_next = asyncio.ensure_future(again.__anext__())
             gate.set()
-            result = await items.__anext__()
+            result = await (next_item if inbox in ("inbox", "late_reserve") else items.__anext__())
             assert isinstance(result, PrefillResult) and result.outcome is HandoffOutcome.OK and peer.committed
-            assert await again.__anext__() == result
+            assert result.first_token_id == first.token_id and await again_next == result
             tokens = await _decoded(stream, spec.req_id, [first.token_id], MAX_NEW)
-            return tokens, await prefill.leak_report(), await decode.leak_report()
+            return tokens, threads, await prefill.leak_report(), await decode.leak_report()
         finally:
             prefill.shutdown()
             decode.shutdown()
+            router_inbox.forget(spec.req_id)
+            await router_inbox.close()
 
-    tokens, *reports = asyncio.run(run())
+    tokens, threads, *reports = asyncio.run(run())
     assert tokens == hf_greedy(hf_reference, list(PROMPT), MAX_NEW)
+    # The engine loop thread pushes as its step ends when the reservation holds by then.
+    expected = {"inbox": ["prefill-t"], "late_reserve": ["MainThread"], "none": [], "gone": ["prefill-t"]}[inbox]
+    assert threads == expected
     for report in reports:
         assert report["requests"] == 0 and report["free_blocks"] == report["total_blocks"]
 

@@ -1,0 +1,117 @@
+"""The router's first-token inbox (a direct channel from prefill workers on its node): a pushed
+FirstToken arrives whole; ``first_ahead`` takes whichever copy of the first token comes first
+(inbox or Ray stream), drops the other, and passes the stream's other items and errors on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.types import FirstToken, PrefillResult
+from engine.unix_push import UnixPusher
+from router.first_token_inbox import FirstTokenInbox, first_ahead
+
+FIRST = FirstToken("r0", 42, -0.5, ((42, -0.5), (7, -1.25)), received_s=1.0, sent_s=2.0, queue_s=0.1,
+                   prefill_s=0.5, reserve_wait_s=0.01)
+RESULT = PrefillResult("r0", 42)
+
+
+def test_a_pushed_first_token_arrives_whole():
+    async def run():
+        inbox = FirstTokenInbox()
+        path = await inbox.start()
+        pusher = UnixPusher()
+        try:
+            early = inbox.expect("r0")
+            assert pusher.push(path, FIRST.to_json())
+            got = await asyncio.wait_for(early, 10)
+            other = inbox.expect("r1")   # the connection stays open: the next push writes at once
+            assert pusher.push(path, FirstToken("r1", 3).to_json())
+            stray = FirstToken("nobody-waits", 5)
+            assert pusher.push(path, stray.to_json())   # dropped: nobody expects it
+            return got, await asyncio.wait_for(other, 10)
+        finally:
+            pusher.close()
+            inbox.forget("r0")
+            inbox.forget("r1")
+            await inbox.close()
+
+    got, other = asyncio.run(run())
+    assert got == FIRST and other == FirstToken("r1", 3)
+
+
+def test_a_push_to_a_closed_inbox_says_it_did_not_go_out():
+    """The router's side of the connection gone (its inbox closed), or no inbox at the path:
+    ``push`` is False (the worker then sends the token on its Ray stream), and it reconnects to
+    an inbox that is back."""
+    async def run():
+        inbox = FirstTokenInbox()
+        path = await inbox.start()
+        pusher = UnixPusher()
+        try:
+            assert pusher.push(path, FIRST.to_json())
+            await inbox.close()   # closes the connection under the pusher
+            await asyncio.sleep(0.05)   # the close reaches the socket
+            line = FIRST.to_json()
+            went = [pusher.push(path, line), pusher.push(path, line)]   # on the broken one, then to no inbox
+            again = FirstTokenInbox()
+            again_path = await again.start()
+            early = again.expect("r0")
+            went.append(pusher.push(again_path, FIRST.to_json()))
+            got = await asyncio.wait_for(early, 10)
+            again.forget("r0")
+            await again.close()
+            return went, got
+        finally:
+            pusher.close()
+
+    went, got = asyncio.run(run())
+    assert went == [False, False, True] and got == FIRST
+
+
+async def _stream(items, gate: asyncio.Event | None = None, error: Exception | None = None):
+    for i, item in enumerate(items):
+        if i == 0 and gate is not None:
+            await gate.wait()   # the stream's first item comes late
+        yield item
+    if error is not None:
+        raise error
+
+
+@pytest.mark.parametrize("inbox_first", [True, False])
+def test_whichever_copy_comes_first_is_used_once(inbox_first):
+    async def run():
+        early = asyncio.get_running_loop().create_future()
+        gate = asyncio.Event()   # holds the stream's first item back
+        if inbox_first:
+            early.set_result(FIRST)
+        else:
+            gate.set()
+        out = []
+        async for item in first_ahead(_stream([FIRST, RESULT], gate), early):
+            out.append(item)
+            gate.set()   # the stream's copy follows (and is dropped when the inbox's went first)
+        return out
+
+    assert asyncio.run(run()) == [FIRST, RESULT]
+
+
+def test_errors_and_closing_pass_through():
+    async def run():
+        early = asyncio.get_running_loop().create_future()
+        early.set_result(FIRST)
+        seen = []
+        with pytest.raises(RuntimeError, match="worker lost"):   # after the inbox's first token
+            async for item in first_ahead(_stream([], None, RuntimeError("worker lost")), early):
+                seen.append(item)
+        stuck = first_ahead(_stream([FIRST], asyncio.Event()), early)
+        assert await anext(stuck) == FIRST
+        await stuck.aclose()   # the consumer leaves while the stream's next item is pending
+        never = asyncio.get_running_loop().create_future()
+        plain = [item async for item in first_ahead(_stream([FIRST, RESULT]), never)]
+        passthrough = [item async for item in first_ahead(_stream([FIRST, RESULT]), None)]
+        return seen, plain, passthrough
+
+    seen, plain, passthrough = asyncio.run(run())
+    assert seen == [FIRST] and plain == [FIRST, RESULT] and passthrough == [FIRST, RESULT]
