@@ -33,8 +33,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from decode_worker.ended_requests import EndedRequests
 from engine.config import EngineRole
+from engine.ended_requests import EndedRequests
 from engine.tracing import RequestSpans
 from engine.engine import StepResult
 from engine.errors import KVTransferError

@@ -49,6 +49,7 @@ from typing import Any, AsyncIterator
 
 from engine import tracing
 from engine.config import EngineRole
+from engine.ended_requests import EndedRequests
 from engine.engine import PrefillDone, StepResult
 from engine.errors import CapacityError, KVTransferError, PeerLostError
 from engine.faults import SEND_FAULTS, FaultKind
@@ -104,7 +105,7 @@ class PrefillWorker(WorkerBase):
         self._pusher = UnixPusher()
         self.submissions = SubmissionServer(self._on_submission)
         self._peers: dict[str, Any] = {}   # decode peers by id, from Ray calls: direct submissions name them
-        self._tombstones: set[str] = set()   # aborted before they were here: no direct submission starts them
+        self._tombstones = EndedRequests(UNJOINED_S)   # aborted before they were here: no direct submission starts them
 
     async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         """Prefill ``spec``; with a ``transport``, reserve its blocks on ``decode`` (a
@@ -250,7 +251,6 @@ class PrefillWorker(WorkerBase):
         if done is None:
             if req_id not in self._running:   # a direct submission of it may still be on its way
                 self._tombstones.add(req_id)
-                self.aio.call_later(UNJOINED_S, self._tombstones.discard, req_id)
             return
         self._aborted.add(req_id)
         await self.call(lambda e: e.abort(req_id))

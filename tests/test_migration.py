@@ -278,7 +278,7 @@ def test_a_reserve_overtaken_by_its_free_is_refused_and_holds_nothing(moment):
 
 
 def test_ended_requests_are_forgotten_after_their_ttl():
-    from decode_worker.ended_requests import EndedRequests
+    from engine.ended_requests import EndedRequests
 
     ended = EndedRequests(ttl_s=0.2)
     ended.add("a")
