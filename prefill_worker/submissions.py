@@ -17,7 +17,6 @@ not decode is dropped) -> ``close`` (server and connections down, directory remo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
