@@ -111,12 +111,15 @@ async def _user(i: int, client, args: dict, begin: float, stop_at: float, out: d
 
     rng = random.Random(i)
     await asyncio.sleep(max(0.0, begin - time.monotonic()))
+    k = 0
     while time.monotonic() < stop_at:
+        k += 1
+        rid = f"u{i}-{k}"
         prompt = [rng.randrange(1000, 40000) for _ in range(args["prompt_len"])]
         sent, tokens = time.monotonic(), 0
         try:
-            async for resp in client.generate(token_ids=prompt, max_tokens=args["max_tokens"], ignore_eos=True,
-                                              ttft_ms=args["ttft_ms"], tpot_ms=args["tpot_ms"]):
+            async for resp in client.generate(token_ids=prompt, request_id=rid, max_tokens=args["max_tokens"],
+                                              ignore_eos=True, ttft_ms=args["ttft_ms"], tpot_ms=args["tpot_ms"]):
                 now = time.monotonic()
                 if resp.token_ids:
                     if not tokens:
@@ -133,9 +136,11 @@ async def _user(i: int, client, args: dict, begin: float, stop_at: float, out: d
             else:
                 out["errors"] += 1
                 if len(out["error_samples"]) < 5:
-                    out["error_samples"].append(f"{exc.code().name}: {exc.details()} after"
+                    out["error_samples"].append(f"{rid} {exc.code().name}: {exc.details()} after"
                                                 f" {time.monotonic() - sent:.1f} s, {tokens} tokens,"
-                                                f" {stop_at - time.monotonic():.1f} s before the end")
+                                                f" {stop_at - time.monotonic():.1f} s before the end;"
+                                                f" {exc.debug_error_string()}")
+                await asyncio.sleep(0.5)   # a failed user too (a retry storm would measure itself)
 
 
 # ---------------------------------------------------------------- the router process

@@ -44,6 +44,18 @@ from router.security import ServerSecurity
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 1.0       # ServerInfo's fresh-stats call per worker; a slower one shows its last report
+GRPC_DEFAULT_PENDING_HARD_LIMIT = 3000   # grpc core's own default for calls not yet picked up
+
+
+def pending_calls_limit(max_concurrent_streams: int) -> int:
+    """How many calls grpc core may hold before the event loop picks them up. grpc.aio takes
+    new calls one at a time on the loop, so while the loop is busy they wait in core; past its
+    defaults (1,000, then 3,000) core CANCELS new calls before any handler runs, and the client
+    sees a CANCELLED it never asked for (thousands of them at 5,000 streams: the retries refill
+    the backlog). Load is refused by the router's own limits (``max_concurrent_streams``, the
+    admission queue) with RESOURCE_EXHAUSTED; core's backlog only holds a burst of such calls,
+    so it is sized to hold every allowed stream twice over."""
+    return max(GRPC_DEFAULT_PENDING_HARD_LIMIT, 2 * max_concurrent_streams)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,9 +188,13 @@ async def start_server(servicer: PdserveServicer, host: str, port: int,
     adds TLS / mTLS on the port and the bearer-token interceptor (``router/security.py``);
     ``health`` (made here when not given) starts at ``serving``."""
     security = security or ServerSecurity()
+    limits = servicer.core.limits
+    pending = pending_calls_limit(limits.max_concurrent_streams)
     server = grpc.aio.server(options=[
         ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", servicer.core.limits.max_receive_message_bytes),
+        ("grpc.max_receive_message_length", limits.max_receive_message_bytes),
+        ("grpc.server.max_pending_requests", pending),        # no random CANCELLED below the hard limit
+        ("grpc.server.max_pending_requests_hard_limit", pending),
     ], interceptors=security.interceptors())
     _add_servicer(servicer, server)
     health = health or ServingHealth()

@@ -1,0 +1,97 @@
+"""A burst of calls while the router's event loop is busy: every call reaches the router's
+handler and is answered by it. grpc.aio picks new calls up one at a time on the loop; while the
+loop is busy they wait in grpc core, which by default CANCELS calls past 1,000 waiting (all past
+3,000) before any handler runs (``router.server.pending_calls_limit`` sizes that backlog to the
+router's own stream limit). No Ray, no model: a one-token orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import multiprocessing as mp
+import threading
+from types import SimpleNamespace
+
+import grpc
+
+from engine.types import FinishReason, TokenDelta
+from router.client import AsyncPdserveClient
+from router.convert import ServerDefaults
+from router.limits import ServerLimits
+from router.server import PdserveServicer, ServerInfo, pending_calls_limit, start_server
+from tests.conftest import ByteTokenizer
+
+BURST = 2500          # past grpc core's default soft limit (1,000), where it cancels at random
+CHANNELS = 8
+
+
+class OneTokenOrchestrator:
+    """Answers every request with one finished token; counts the requests it saw."""
+
+    def __init__(self) -> None:
+        self.registry = SimpleNamespace(all=[])
+        self.admission = SimpleNamespace(max_queued=None)
+        self.seen = 0
+
+    async def generate(self, spec, trace):
+        self.seen += 1
+        yield TokenDelta(spec.req_id, (5,), FinishReason.LENGTH)
+
+
+def test_pending_calls_limit_holds_every_allowed_stream():
+    assert pending_calls_limit(256) == 3000                  # grpc's default hard limit at the least
+    assert pending_calls_limit(5064) >= 2 * 5064
+
+
+def test_burst_while_the_loop_is_busy_reaches_the_handler():
+    limits = ServerLimits(max_concurrent_streams=BURST + 100)
+    orchestrator = OneTokenOrchestrator()
+    servicer = PdserveServicer(orchestrator, ByteTokenizer(), ServerDefaults(max_model_len=4096, vocab_size=300,
+                                                                            limits=limits),
+                               ServerInfo("fake", "colocated", 16))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(start_server(servicer, "127.0.0.1", 0), loop).result(10)
+    ctx = mp.get_context("spawn")   # the clients in their own process (one grpc.aio loop per process)
+    sent, results = ctx.Event(), ctx.Queue()
+    client = ctx.Process(target=burst, args=(f"127.0.0.1:{port}", sent, results), daemon=True)
+    try:
+        loop.call_soon_threadsafe(sent.wait, 120)   # the router's loop is busy until every call waits in core
+        client.start()
+        outcomes = results.get(timeout=300)
+    finally:
+        sent.set()
+        client.join(10)
+        if client.is_alive():
+            client.kill()
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert outcomes == {"OK": BURST}, outcomes
+    assert orchestrator.seen == BURST
+
+
+def burst(address: str, sent, results) -> None:
+    """The client process: BURST calls at once over CHANNELS connections; their outcomes."""
+    results.put(dict(asyncio.run(_burst(address, sent))))
+
+
+async def _burst(address: str, sent) -> collections.Counter:
+    clients = [AsyncPdserveClient(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(CHANNELS)]
+    outcomes: collections.Counter = collections.Counter()
+
+    async def one(i: int) -> None:
+        try:
+            result = await clients[i % CHANNELS].generate_text(token_ids=[5, 6], max_tokens=1)
+            outcomes["OK" if result.token_ids == [5] else "wrong tokens"] += 1
+        except grpc.aio.AioRpcError as exc:
+            outcomes[exc.code().name] += 1
+
+    calls = [asyncio.create_task(one(i)) for i in range(BURST)]
+    await asyncio.sleep(3.0)     # every call sent, waiting in the server's core
+    sent.set()
+    await asyncio.gather(*calls)
+    for client in clients:
+        await client.close()
+    return outcomes
