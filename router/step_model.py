@@ -9,8 +9,12 @@ as a share of the worker's time). ``seconds_per_prefill_token`` is the throughpu
 prefill-dominated steps: what a worker needs per queued prompt token (TTFT);
 ``prefill_stall_per_token`` what each prompt token adds to the steps decodes wait on (TPOT).
 Until enough distinct steps have been seen the answers are None (admission is then optimistic).
-Per report the work is bounded: only the steps new in the report are read, and the decode fit
-is redone every ``REFIT_AFTER`` new decode steps (a worker reports every step).
+Every answer is computed when the steps arrive (``observe``, on a worker's report), never when it
+is asked for: admission asks per candidate worker in every decision, and a refit there made the
+decisions' tail (a decision after many reports refitted many workers). Per report the work is
+bounded: only the steps new in the report are read, the decode fit is redone every
+``REFIT_AFTER`` new decode steps (a worker reports every step), the prefill figures when
+prefill steps came or went or the fit changed.
 Torch-free (numpy only).
 """
 
@@ -18,8 +22,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -35,9 +37,10 @@ class StepTimeModel:
         self._steps: deque[StepTiming] = deque(maxlen=max_steps)
         self._seen: set[tuple] = set()
         self._unfitted = 0   # decode steps observed since the last fit
-        # Derived figures (fit, per-token times), dropped whenever new steps arrive: admission
-        # asks for them per candidate pair, again for every queued request at each worker report.
-        self._cache: dict[str, Any] = {}
+        # The answers, as of the last ``observe``: admission reads them per candidate worker.
+        self._coef: tuple[float, float, float] | None = None
+        self._spt: float | None = None
+        self._stall: float | None = None
 
     def observe(self, steps: tuple[StepTiming, ...]) -> None:
         """Add steps not seen before. A worker's recent steps arrive many times, as a window
@@ -51,18 +54,23 @@ class StepTimeModel:
             new.append(s)
         if not new:
             return
+        evicted = itertools.islice(self._steps, max(0, len(self._steps) + len(new) - self._steps.maxlen))
+        prefill_changed = any(s.num_prefill_tokens for s in itertools.chain(new, evicted))
         self._steps.extend(reversed(new))
         self._unfitted += sum(1 for s in new if s.num_prefill_tokens == 0)
-        coef = self._cache.get("coef")
-        self._cache.clear()
-        if coef is not None and self._unfitted < REFIT_AFTER:
-            self._cache["coef"] = coef   # refitted every REFIT_AFTER new decode steps, not every step
+        refit = self._unfitted and (self._coef is None or self._unfitted >= REFIT_AFTER)
+        if refit:
+            self._coef = self._fit_decode_steps()
+        if prefill_changed:
+            self._spt = self._seconds_per_prefill_token()
+        if prefill_changed or refit:
+            self._stall = self._prefill_stall_per_token()
         if len(self._seen) > 4 * self._steps.maxlen:
             self._seen = {(s.num_seqs, s.num_tokens, s.num_kv_tokens, s.duration_s) for s in self._steps}
 
     def predict(self, num_seqs: int, num_kv_tokens: int) -> float | None:
         """Duration of a decode step over ``num_seqs`` sequences holding ``num_kv_tokens``."""
-        coef = self.coefficients()
+        coef = self._coef
         if coef is None:
             return None
         a, b, c = coef   # plain floats: admission asks per candidate worker, per decision
@@ -70,22 +78,17 @@ class StepTimeModel:
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """The fitted (a, b, c) of ``a + b * num_seqs + c * num_kv_tokens``; None until fitted."""
-        return self._cached("coef", self._fit_decode_steps)
+        return self._coef
 
     def seconds_per_prefill_token(self) -> float | None:
         """Step time per token over steps that are mostly prefill (decode-only steps excluded)."""
-        return self._cached("spt", self._seconds_per_prefill_token)
+        return self._spt
 
     def prefill_stall_per_token(self) -> float | None:
         """What a prefill token adds to the step it rides in, beyond the decode step it shares
         (the step minus the fitted decode step of its decode sequences): the stall decodes on
         this worker see per prompt token. None until both kinds of step have been seen."""
-        return self._cached("stall", self._prefill_stall_per_token)
-
-    def _cached(self, key: str, compute: Callable[[], Any]) -> Any:
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
+        return self._stall
 
     def _seconds_per_prefill_token(self) -> float | None:
         steps = [s for s in self._steps if 2 * s.num_prefill_tokens >= s.num_tokens > 0]
@@ -119,7 +122,12 @@ class StepTimeModel:
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0: with 3 features, trying every subset is exact and cheap."""
+    """Least squares with coefficients >= 0: with 3 features, trying every subset is exact and
+    cheap. The usual case needs one solve: a unique unconstrained optimum (full rank) that is
+    positive is the constrained one too (every subset's answer is a point it strictly beats)."""
+    full, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
+    if rank == x.shape[1] and np.all(full > 0):
+        return full
     best, best_err = np.zeros(x.shape[1]), float(np.sum(y * y))
     for k in range(1, x.shape[1] + 1):
         for cols in itertools.combinations(range(x.shape[1]), k):

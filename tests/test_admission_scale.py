@@ -15,7 +15,7 @@ from engine.types import RequestSpec, SamplingParams, SLOTarget, StepTiming, Wor
 from router.admission import Action, Admission, Prediction, _has_kv_room
 from router.prefix_index import PrefixIndex
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
-from router.step_model import StepTimeModel
+from router.step_model import REFIT_AFTER, StepTimeModel
 from tests.test_admission import decode_steps, prefill_steps
 
 NOW = 1000.0
@@ -159,6 +159,27 @@ def test_when_decode_workers_must_prefill_only_the_chosen_ones_running_requests_
     decision = admission.decide(spec, now=NOW)
     assert decision.prediction.prefill is None
     assert counts.projections <= 2 * 100
+
+
+def test_a_decision_after_reports_fits_nothing(monkeypatch):
+    """Every worker just reported new steps (enough for a refit, prefill steps too): the step
+    models are brought up to date on the reports, and the decision after them only reads them
+    (the refits inside decisions were their tail)."""
+    admission = make_cluster(random.Random(3), 16, 48, 50, conditional=True, identical=True)
+    for w in admission.registry.all:
+        fresh = tuple(StepTiming(7, 7 + 64 * (w.role == "prefill"), 64 * (w.role == "prefill"), 900 + k,
+                                 0.03 + k * 1e-4) for k in range(REFIT_AFTER))
+        w.observe_stats(dataclasses.replace(w.stats, recent_steps=(w.stats.recent_steps + fresh)[-64:]))
+        admission.observe_stats(w)
+    spec = RequestSpec("x", tuple(range(3, 35)), SamplingParams(max_tokens=64), SLOTarget(2.0, 0.5))
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a step model computed inside a decision")
+
+    for name in ("_fit_decode_steps", "_seconds_per_prefill_token", "_prefill_stall_per_token"):
+        monkeypatch.setattr(StepTimeModel, name, no_work)
+    decision = admission.decide(spec, now=NOW)
+    assert decision.prediction is not None
 
 
 def test_per_report_work_does_not_grow_with_the_queue(monkeypatch):
