@@ -148,7 +148,8 @@ async def _user(i: int, client, args: dict, begin: float, stop_at: float, out: d
 
 
 class GCTimer:
-    """Every garbage collection in this process: its generation and pause (wall)."""
+    """Every garbage collection in this process: its generation and pause (CPU time of the
+    thread it ran in: wall time on a loaded machine counts the waits for a core too)."""
 
     def __init__(self) -> None:
         self.pauses: list[tuple[int, float]] = []   # (generation, seconds)
@@ -157,12 +158,46 @@ class GCTimer:
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = time.thread_time()
         else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+            self.pauses.append((info["generation"], time.thread_time() - self._start))
 
     def close(self) -> None:
         gc.callbacks.remove(self._callback)
+
+
+class StallWatch:
+    """A thread that wakes every 50 ms and keeps the gaps it sees over 0.5 s: the process was
+    stopped (SIGSTOP: a shared machine pausing niced work) or starved of a core that long. A
+    stopped router keeps grpc core's clocks running: calls then time out unrequested (30 s) and
+    the run measures the pause, not the router."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            if now - last > 0.5:
+                self.gaps.append(now - last)
+            last = now
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def loop_lag(out: list[float], period_s: float = 0.01) -> None:
+    """On the router's loop: how late a 10 ms sleep wakes (about one loop iteration's length:
+    grpc.aio picks a new call up only every few iterations, so long ones slow admission of calls)."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period_s)
+        out.append(time.perf_counter() - t - period_s)
 
 
 class DecisionTimer:
@@ -275,6 +310,7 @@ def measure(args, speed, address_holder: dict) -> dict:
     cluster = thread.cluster
     address = f"127.0.0.1:{cluster.port}"
     gc_timer = GCTimer()
+    stalls = StallWatch()
     timer = DecisionTimer(cluster.admission, gc_timer)
     ttft_ms, tpot_ms = slo_targets(args, speed)
     client_args = {"streams": args.streams, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -297,11 +333,14 @@ def measure(args, speed, address_holder: dict) -> dict:
             profiler = start_py_spy(args)
         w0 = (time.monotonic(), process_cpu_s(), cluster.host.cpu_s(), thread_cpu_s(thread._thread), timer.calls)
         gc0 = len(gc_timer.pauses)
+        lags: list[float] = []
+        lag_probe = asyncio.run_coroutine_threadsafe(loop_lag(lags), thread.loop)
         queued_max = 0
         while time.monotonic() < t1:
             time.sleep(0.05)
             queued_max = max(queued_max, cluster.admission.num_queued)
         w1 = (time.monotonic(), process_cpu_s(), cluster.host.cpu_s(), thread_cpu_s(thread._thread), timer.calls)
+        lag_probe.cancel()
         decisions = (list(timer.wall_s), list(timer.cpu_s), list(timer.with_gc))
         gc_window = gc_timer.pauses[gc0:]
         window = Window(w0[0], w1[0], w1[1] - w0[1], w1[2] - w0[2], w1[3] - w0[3], w1[4] - w0[4])
@@ -318,7 +357,8 @@ def measure(args, speed, address_holder: dict) -> dict:
             child.kill()
         thread.stop()
         gc_timer.close()
-    return {"window": window, "gc": gc_window, "client": result, "decisions": decisions, "queued_max": queued_max,
+        stalls.close()
+    return {"window": window, "gc": gc_window, "stalls": stalls.gaps, "lags": lags, "client": result, "decisions": decisions, "queued_max": queued_max,
             "leaks": leaks, "steps": steps, "profile": profile, "targets": (ttft_ms, tpot_ms),
             "metrics_bytes": len(metrics)}
 
@@ -577,6 +617,10 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         f"  admission queue, max seen in the window: {run['queued_max']}",
         f"  client process CPU: {res['client_cpu_s']:.1f} s",
         f"  leak check after the run: {'none' if not run['leaks'] else run['leaks']}",
+        f"  router loop lag in the window (a 10 ms sleep wakes late by) p50 / p99 / max:"
+        f" {pct(run['lags'], .5) * 1e3:.1f} / {pct(run['lags'], .99) * 1e3:.1f} / {max(run['lags'], default=0) * 1e3:.1f} ms",
+        f"  router process stopped or starved over 0.5 s: {len(run['stalls'])} times, longest"
+        f" {max(run['stalls'], default=0):.1f} s" + ("  (RUN NOT VALID: it measured the pauses)" if max(run['stalls'], default=0) > 2 else ""),
         "",
         "targets",
         f"  ADMISSION DECISION p50 / p99 / max (ms, wall): {pct(wall, .5) * 1e3:.3f} / {pct(wall, .99) * 1e3:.3f} /"
@@ -585,7 +629,7 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         f"    same, thread CPU time: {pct(cpu, .5) * 1e3:.3f} / {pct(cpu, .99) * 1e3:.3f} ms; {sum(with_gc)} decisions had a"
         f" garbage collection inside, the others' thread CPU p99 {pct(no_gc, .99) * 1e3:.3f} ms",
         f"    garbage collections in the window (gen 0 / 1 / 2): {gcs[0]} / {gcs[1]} / {gcs[2]}; gen 2 pauses max"
-        f" {max(gc2, default=0) * 1e3:.0f} ms, total {sum(d for _, d in run['gc']) * 1e3:.0f} ms",
+        f" {max(gc2, default=0) * 1e3:.0f} ms, all {sum(d for _, d in run['gc']) * 1e3:.0f} ms (thread CPU)",
         f"  ROUTER CPU PER STREAMED TOKEN: {per_token_us:.1f} us  (process {w.process_cpu_s:.2f} s - simulated workers'"
         f" thread {w.sim_cpu_s:.2f} s = {w.router_cpu_s:.2f} s over {w.t1 - w.t0:.1f} s, {w.router_cpu_s / (w.t1 - w.t0):.0%}"
         f" of a core)   target <= 20 us: {'MET' if per_token_us <= 20 else 'MISSED'}",

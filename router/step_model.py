@@ -122,20 +122,48 @@ class StepTimeModel:
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients >= 0: with 3 features, trying every subset is exact and
-    cheap. The usual case needs one solve: a unique unconstrained optimum (full rank) that is
-    positive is the constrained one too (every subset's answer is a point it strictly beats)."""
-    full, _, rank, _ = np.linalg.lstsq(x, y, rcond=None)
-    if rank == x.shape[1] and np.all(full > 0):
-        return full
-    best, best_err = np.zeros(x.shape[1]), float(np.sum(y * y))
-    for k in range(1, x.shape[1] + 1):
-        for cols in itertools.combinations(range(x.shape[1]), k):
-            sub, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-            if np.all(sub >= 0):
-                coef = np.zeros(x.shape[1])
-                coef[list(cols)] = sub
-                err = float(np.sum((x @ coef - y) ** 2))
-                if err < best_err:
-                    best, best_err = coef, err
-    return best
+    """Least squares with coefficients >= 0: with 3 features, trying every subset of them is
+    exact and cheap. All seven come from one Gram matrix of the columns scaled to [0, 1]: each
+    is a 1-3 unknown solve of its normal equations and its squared error a quadratic form, in
+    plain floats (microseconds; a least-squares solve over every row for each was most of a
+    refit, and admission refits each worker every few of its steps)."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    gram, moment, total = (xs.T @ xs).tolist(), (xs.T @ y).tolist(), float(y @ y)
+    n = x.shape[1]
+    best, best_err = [0.0] * n, total
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = _solve([[gram[i][j] for j in cols] for i in cols], [moment[i] for i in cols])
+            if sub is None or min(sub) < 0:
+                continue   # collinear columns (a smaller subset reaches the same fits), or infeasible
+            coef = [0.0] * n
+            for i, c in zip(cols, sub):
+                coef[i] = c
+            err = total - 2 * sum(c * m for c, m in zip(coef, moment)) \
+                + sum(coef[i] * gram[i][j] * coef[j] for i in cols for j in cols)
+            if err < best_err:
+                best, best_err = coef, err
+    return np.array(best) / scale
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a`` x = ``b`` for a small symmetric positive semi-definite ``a`` (Gaussian elimination
+    with partial pivoting); None when ``a`` is singular."""
+    n = len(b)
+    tiny = 1e-10 * max(abs(a[i][i]) for i in range(n))
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= tiny:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
