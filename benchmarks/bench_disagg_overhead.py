@@ -24,8 +24,12 @@ are the same ``perf_counter`` and their stamps subtract exactly. Derived rows:
     everything on the first token's path that is not the engine's work on it: the prefill
     worker streams the first token ahead of the KV hand-off, so the transfer is not in it
     (it is shown apart: it delays the second token, not the first); split into gRPC + handler
-    (client TTFT - server ttft_s) and Ray control plane (server ttft_s - queue - prefill:
-    pair choice, the ``prefill`` call reaching the worker, its first token coming back);
+    (client TTFT - server ttft_s) and Ray control plane (server ttft_s - queue - prefill),
+    itself split as the router and the prefill worker stamp it (the final message's Timings):
+    admission (request validated -> pair chosen), dispatch (-> the ``prefill`` call made), to
+    the prefill worker (-> its method runs), in the prefill worker outside queue and compute
+    (hops to its engine loop and back; of which waiting for the decode reservation), first
+    token back (the worker sent it -> the router has it);
   streaming per token  = client TPOT - the decode worker's mean decode-step time, and the
     TPOT ratio cluster / in-process.
 Targets checked: router + control plane <= 2 ms per request (TTFT), disaggregated TTFT within
@@ -42,7 +46,10 @@ the overhead. Idle round trips of one Ray actor call and one unary gRPC call giv
 
 Run: ``python benchmarks/bench_disagg_overhead.py`` (SmolLM2-135M fp32, ~3.5 min on 2 cores);
 ``--quick`` uses the tiny random model and short requests to check the script (printed only,
-unless ``--out`` is given). The full run writes benchmarks/results/disagg_overhead.txt.
+unless ``--out`` is given). The full run writes benchmarks/results/disagg_overhead.txt (its
+notes, from the first line starting with "notes", are kept). Shorter, on the tiny model:
+``python benchmarks/bench_disagg_overhead.py --random-model --prompt-len 64 --max-tokens 16
+--repeats 10 --no-colocated --out /tmp/x.txt`` (the first token's path breakdown in ~1.5 min).
 ``--device cuda [--model DIR] [--dtype bfloat16]`` runs all three on one GPU (the clusters'
 workers take a third of it each; the disaggregated pair hands KV over by CUDA IPC).
 """
@@ -241,10 +248,10 @@ def report(systems: list[System], args, header: list[str]) -> str:
     names = [s.name for s in systems]
     width = 14
     lines = header + ["", f"medians over {args.repeats} requests (ms unless noted)", ""]
-    lines.append(f"{'':<52}" + "".join(f"{n:>{width}}" for n in names))
+    lines.append(f"{'':<60}" + "".join(f"{n:>{width}}" for n in names))
 
     def row(label: str, values: list[str]) -> None:
-        lines.append(f"{label:<52}" + "".join(values))
+        lines.append(f"{label:<60}" + "".join(values))
 
     def per_system(label: str, fn, systems_=systems, fmt=ms) -> None:
         row(label, [fmt(s.median(fn), width) if s in systems_ else f"{'-':>{width}}" for s in systems])
@@ -258,6 +265,8 @@ def report(systems: list[System], args, header: list[str]) -> str:
     per_system("  router + control plane (client TTFT - queue-prefill)", overhead, clusters)
     per_system("    Ray control plane (server ttft_s - queue-prefill)",
                lambda s: s.timings.ttft_s - served(s) if s.timings and served(s) is not None else None, clusters)
+    for label, name in PATH_SEGMENTS:
+        per_system(f"      {label}", server(lambda t, name=name: getattr(t, name) or None), clusters)
     per_system("    gRPC + handler (client TTFT - server ttft_s)",
                lambda s: s.ttft_s - s.timings.ttft_s if s.timings else None, clusters)
     row("    (one idle unary gRPC call round trip, for scale)",
@@ -297,6 +306,19 @@ def report(systems: list[System], args, header: list[str]) -> str:
             extra = f" / {t.prefill_s * 1e3:.2f} / {t.kv_transfer_s * 1e3:.2f} / {t.ttft_s * 1e3:.2f}" if t else ""
             lines.append(f"  {s.name:<14} #{i}: {x.ttft_s * 1e3:8.2f} / {x.tpot_s * 1e3:7.2f}{extra}")
     return "\n".join(lines) + "\n"
+
+
+# The first token's path outside the engine, as the router and the prefill worker stamp it
+# (proto Timings; router/orchestrator.py's FirstTokenPath). Their sum is the "Ray control plane"
+# row but for the router's own few steps after the token is back (a yield to the handler).
+PATH_SEGMENTS = (
+    ("admission (request validated -> pair chosen)", "admission_s"),
+    ("dispatch (pair chosen -> prefill call made)", "dispatch_s"),
+    ("to the prefill worker (call made -> it has it)", "to_prefill_worker_s"),
+    ("in the prefill worker, not queue/compute", "prefill_worker_overhead_s"),
+    ("  of which waiting for the decode reservation", "reservation_wait_s"),
+    ("first token back (worker sent -> router has it)", "first_token_return_s"),
+)
 
 
 def served(s: Sample) -> float | None:
@@ -378,7 +400,7 @@ def main() -> None:
     parser.add_argument("--random-model", action="store_true", help="tiny random Llama instead of SmolLM2")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="default 5 (--quick: 2)")
     parser.add_argument("--no-colocated", action="store_true", help="skip (c), the colocated cluster")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (every system on it)")
@@ -388,7 +410,8 @@ def main() -> None:
                         help="default: benchmarks/results/disagg_overhead.txt (not written with --quick)")
     args = parser.parse_args()
     if args.quick:
-        args.random_model, args.prompt_len, args.max_tokens, args.repeats = True, 64, 16, 2
+        args.random_model, args.prompt_len, args.max_tokens = True, 64, 16
+    args.repeats = args.repeats or (2 if args.quick else 5)
     out = args.out or (None if args.quick else ROOT / "benchmarks" / "results" / "disagg_overhead.txt")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     random_model = RANDOM_MODEL if args.random_model else None
@@ -446,8 +469,18 @@ def main() -> None:
     sys.stdout.write(text)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        out.write_text(text + kept_notes(out))
         logger.info("wrote %s", out)
+
+
+def kept_notes(out: Path) -> str:
+    """The hand-written notes of the file being replaced (from its first line that starts with
+    "notes"): a rerun refreshes the figures and keeps the record of what each change saved."""
+    if not out.exists():
+        return ""
+    lines = out.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith("notes")), None)
+    return "" if start is None else "\n" + "".join(lines[start:])
 
 
 if __name__ == "__main__":

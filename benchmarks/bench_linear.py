@@ -10,13 +10,16 @@
    the engine's linear path step by step (``ModelRunner.skinny``).
 
     python -m benchmarks.bench_linear [--passes 7] [--steps 6] [--threads 1] [--skip-model]
+        [--batches 1,6,12,24] [--context 256] [--out FILE]
 
 Threads default to 1: a colocated or decode worker's setup in the goodput runs.
-Writes benchmarks/results/linear.txt.
+Writes benchmarks/results/linear.txt (one machine's run; that file keeps one section per SIMD
+path, AVX-512 and AVX2: write to --out and paste the section in).
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import sys
@@ -83,23 +86,23 @@ def _rel_err(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max())
 
 
-def bench_model(loaded, steps: int) -> list[str]:
+def bench_model(loaded, steps: int, batches: tuple[int, ...], context: int) -> list[str]:
     from engine.config import EngineConfig, EngineRole
     from engine.engine import LLMEngine
     from engine.types import RequestSpec, SamplingParams
 
     lines = [
-        f"full decode step, {loaded.name} fp32, context ~{CONTEXT} (median of {steps} steps per path, alternating)",
+        f"full decode step, {loaded.name} fp32, context ~{context} (median of {steps} steps per path, alternating)",
         f"  {'batch':>5}{'torch ms':>10}{'kernel ms':>11}{'speed-up':>10}",
     ]
     rng = random.Random(1)
-    for batch in BATCHES:
-        blocks = batch * (-(-(CONTEXT + 2 * steps + 8) // 16)) + 8
+    for batch in batches:
+        blocks = batch * (-(-(context + 2 * steps + 8) // 16)) + 8
         engine = LLMEngine(loaded, EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=batch))
         if not engine.runner.skinny:
             sys.exit("the engine did not enable the skinny kernel (PDSERVE_LINEAR=torch set?)")
         for i in range(batch):
-            prompt = tuple(rng.randrange(3, 10000) for _ in range(CONTEXT))
+            prompt = tuple(rng.randrange(3, 10000) for _ in range(context))
             spec = RequestSpec(f"r{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True))
             engine.reserve(spec)
             engine.commit_kv(spec.req_id, 42)
@@ -121,23 +124,30 @@ def bench_model(loaded, steps: int) -> list[str]:
     return lines
 
 
+def _options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--batches", type=lambda s: tuple(int(b) for b in s.split(",")), default=BATCHES,
+                    help="decode batch sizes of the full-step part, comma-separated")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="context length of each request")
+
+
 def main() -> None:
-    args = kernel_bench.parse_args(__doc__, threads=1, results=RESULTS)
+    args = kernel_bench.parse_args(__doc__, threads=1, results=RESULTS, extra=_options)
     if not skinny_linear.enabled():
-        sys.exit(f"skinny kernel unavailable: {cpu_kernels.unavailable_reason() or 'no AVX-512 or PDSERVE_LINEAR=torch'}")
+        why = cpu_kernels.unavailable_reason() or "neither AVX-512 nor AVX2+FMA, or PDSERVE_LINEAR=torch"
+        sys.exit(f"skinny kernel unavailable: {why}")
     from engine.model_loader import load_model
 
     loaded = load_model()
     lines = [
         *kernel_bench.header("bench_linear"),
-        f"kernel: engine/csrc/skinny_linear.cpp {' '.join(cpu_kernels.CFLAGS)}; engine uses it up to "
-        f"{skinny_linear.MAX_ROWS} rows",
+        f"kernel: engine/csrc/skinny_linear.cpp {' '.join(cpu_kernels.CFLAGS)}, "
+        f"{skinny_linear.simd_width()}-float vectors; engine uses it up to {skinny_linear.MAX_ROWS} rows",
         "",
         *bench_rows(forward_weights(loaded.model), args.passes),
     ]
     print("\n".join(lines), flush=True)
     if not args.skip_model:
-        model_lines = ["", *bench_model(loaded, args.steps)]
+        model_lines = ["", *bench_model(loaded, args.steps, args.batches, args.context)]
         print("\n".join(model_lines), flush=True)
         lines += model_lines
     kernel_bench.write(args.out, lines)

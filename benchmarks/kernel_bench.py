@@ -7,14 +7,19 @@ import argparse
 import datetime
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 
-def parse_args(doc: str, threads: int, results: Path) -> argparse.Namespace:
-    """``--passes --steps --threads --skip-model --out``; sets torch's threads before returning."""
+def parse_args(doc: str, threads: int, results: Path,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """``--passes --steps --threads --skip-model --out`` and what ``extra`` adds; sets torch's
+    threads before returning."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--passes", type=int, default=7)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=threads)
@@ -29,9 +34,21 @@ def header(name: str) -> list[str]:
     load = os.getloadavg()
     return [
         f"{name}  {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), load avg at start "
+        f"machine: {os.cpu_count()} cores ({cpu_model()}), load avg at start "
         f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads",
     ]
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the SIMD flags the kernels' build selects on, e.g. 'AMD EPYC; avx2 fma'."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), platform.machine())
+    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), [])
+    return f"{model}; {' '.join(f for f in ('avx512f', 'avx2', 'fma') if f in flags) or 'no AVX2/AVX-512'}"
 
 
 def write(out: Path, lines: list[str]) -> None:

@@ -6,12 +6,16 @@ Life cycle: ``OtlpSink()`` binds a loopback port and serves ``POST /v1/traces`` 
 thread (``url`` is the endpoint to give pdserve); each request body (protobuf
 ``ExportTraceServiceRequest``, gzip or not) is decoded, its spans counted per service name and
 span name, and answered with an empty ``ExportTraceServiceResponse``; ``close()`` stops it.
+``OtlpSinkProcess`` runs one in a child process, for benchmarks (a collector is not the
+measured process).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
+import multiprocessing
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -92,3 +96,59 @@ def _handler(sink: OtlpSink) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+class OtlpSinkProcess:
+    """An ``OtlpSink`` in a process of its own, with the same read-outs: a collector runs
+    outside the measured processes, and a sink thread in the benchmark's own process would take
+    its GIL (decoding every batch) from the gRPC client that timestamps the tokens, charging the
+    sink's work to the traced server's TPOT.
+
+    Life cycle: ``OtlpSinkProcess()`` spawns the child and waits for its URL; the read-outs ask
+    the child over a pipe; ``close()`` stops it."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_sink, args=(child,), name="otlp-sink", daemon=True)
+        self._proc.start()
+        self.url: str = self._conn.recv()
+
+    def _ask(self, what: str):
+        self._conn.send(what)
+        return self._conn.recv()
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        return self._ask("counts")
+
+    def traces(self) -> dict[str, set[str]]:
+        return self._ask("traces")
+
+    @property
+    def num_spans(self) -> int:
+        return self._ask("num_spans")
+
+    @property
+    def requests(self) -> int:
+        return self._ask("requests")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self._ask("close")
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+
+def _serve_sink(conn) -> None:
+    """The child: one sink, answering read-outs until told to close."""
+    sink = OtlpSink()
+    conn.send(sink.url)
+    while True:
+        what = conn.recv()
+        if what == "close":
+            sink.close()
+            conn.send(None)
+            return
+        value = getattr(sink, what)
+        conn.send(value() if callable(value) else value)

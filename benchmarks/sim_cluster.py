@@ -7,8 +7,7 @@ where the workers live: on ``SimHost``, one event loop in a thread of its own (a
 run elsewhere), reached through ``SimActor`` handles that mimic Ray's: ``actor.method.remote(...)``
 returns a ``SimRef`` (awaitable on any loop, any number of times, like an ``ObjectRef``) and
 ``actor.stream.remote()`` an async iterator of refs, one per ``StreamBatch``. So the router's
-code paths (``router.worker_calls.call``, the reserve ref handed to the prefill call, the
-stream consumer) are the ones it runs against Ray, and the simulated workers' CPU stays on their
+code paths (``router.worker_calls.call``, the streaming prefill call, the stream consumer) are the ones it runs against Ray, and the simulated workers' CPU stays on their
 own thread, where ``SimHost.cpu_s`` reads it apart from the router's.
 
 Life cycle: ``start()`` (the host thread, one simulated worker per slot, then the router as the

@@ -11,11 +11,11 @@ lasts what a ``StepTimeModel`` fitted to the real engine's step timings predicts
 (``SimSpeed``; ``benchmarks/step_timings.py`` records those timings).
 
 Life cycle of a request, as on the real workers:
-  decode ``reserve`` (prompt blocks taken, request parked; ``CapacityError`` without room) ->
-  prefill worker queues the prompt, its loop prefills up to ``max_num_batched_tokens`` per step
-  (step time = tokens x the fitted seconds per prefill token) -> first token -> awaits the
-  reservation, decode ``commit`` -> ``PrefillResult`` (OK, or RESERVE_FAILED / ENDED_AT_PREFILL /
-  ABORTED) -> the decode worker's one loop steps every running request at once (step time = the
+  prefill worker queues the prompt and calls the decode worker's ``reserve`` (prompt blocks
+  taken, request parked; ``CapacityError`` without room), its loop prefills up to
+  ``max_num_batched_tokens`` per step (step time = tokens x the fitted seconds per prefill
+  token) -> first token -> awaits the reservation, decode ``commit`` -> ``PrefillResult`` (OK,
+  or RESERVE_REFUSED / RESERVE_FAILED / ENDED_AT_PREFILL / ABORTED) -> the decode worker's one loop steps every running request at once (step time = the
   fitted decode step for that batch and KV size, plus local prefill tokens when it prefills a
   request itself: ``add_request``) and publishes one ``StreamBatch`` per step with its stats ->
   finished at ``max_tokens`` (LENGTH; EOS is not simulated) -> blocks freed. ``abort`` frees at
@@ -343,20 +343,22 @@ class SimPrefillWorker(_SimWorker):
         self._handoffs: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()
 
-    async def prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
-        """``handle``: ``[ref]`` of the decode worker's ``reserve`` (awaited once the KV is
-        ready); ``decode``: that worker's actor handle (``commit``)."""
+    async def prefill(self, spec: RequestSpec, transport: str, decode: Any) -> PrefillResult:
+        """``decode``: the decode worker's actor handle: this worker calls its ``reserve`` (over
+        ``transport``) as the prompt is queued and its ``commit`` once the KV is ready."""
         task = self._handoffs.get(spec.req_id)
         if task is None:
-            task = self._handoffs[spec.req_id] = asyncio.ensure_future(self._prefill(spec, handle, decode))
+            task = self._handoffs[spec.req_id] = asyncio.ensure_future(self._prefill(spec, transport, decode))
             task.add_done_callback(lambda _: self._handoffs.pop(spec.req_id, None))
         return await asyncio.shield(task)
 
-    async def _prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
+    async def _prefill(self, spec: RequestSpec, transport: str, decode: Any) -> PrefillResult:
         prompt = _Prompt(spec, len(spec.prompt_token_ids), done=asyncio.get_running_loop().create_future())
         self.blocks.take(spec.req_id, prompt.left)
         self._queue[spec.req_id] = self._pending[spec.req_id] = prompt
         self._wake.set()
+        handle = asyncio.ensure_future(_awaited(decode.reserve.remote(spec, transport)))
+        handle.add_done_callback(lambda t: t.cancelled() or t.exception())   # read by the hand-off, or nobody
         try:
             await prompt.done
             first = sim_token(prompt_seed(spec), spec.num_generated)
@@ -369,6 +371,7 @@ class SimPrefillWorker(_SimWorker):
                                     HandoffOutcome.ENDED_AT_PREFILL)
             return await self._hand_off(spec, first, queue_s, prefill_s, handle, decode)
         finally:
+            await asyncio.wait([handle])   # the router frees an unused reservation: after it landed
             self._queue.pop(spec.req_id, None)
             self._pending.pop(spec.req_id, None)
             self._aborted.discard(spec.req_id)
@@ -378,10 +381,10 @@ class SimPrefillWorker(_SimWorker):
                         decode: Any) -> PrefillResult:
         start = time.perf_counter()
         try:
-            reserved: KVBlocksHandle = await (handle[0] if isinstance(handle, list) else handle)
-        except Exception as exc:   # the router re-raises the reservation's own error
-            return self._result(spec, first, queue_s, prefill_s, FinishReason.ERROR, HandoffOutcome.RESERVE_FAILED,
-                                error=str(exc))
+            reserved: KVBlocksHandle = await handle
+        except Exception as exc:
+            outcome = HandoffOutcome.RESERVE_REFUSED if isinstance(exc, CapacityError) else HandoffOutcome.RESERVE_FAILED
+            return self._result(spec, first, queue_s, prefill_s, FinishReason.ERROR, outcome, error=str(exc))
         try:
             await decode.commit.remote(spec.req_id, first, reserved)
         except KVTransferError as exc:
@@ -435,3 +438,7 @@ class SimPrefillWorker(_SimWorker):
             if not prompt.left:
                 del self._pending[prompt.spec.req_id]
                 prompt.done.set_result(None)
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref

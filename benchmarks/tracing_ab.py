@@ -1,6 +1,6 @@
 """Tracing on vs off as a deployment runs it, for ``bench_http.py``: two ``pdserve serve``
 processes side by side on this machine, ``off`` without tracing and ``on`` with
-``--otlp-traces-endpoint`` pointed at a local ``OtlpSink`` (the OTLP exporter behind a
+``--otlp-traces-endpoint`` pointed at a local ``OtlpSinkProcess`` (the OTLP exporter behind a
 ``BatchSpanProcessor`` in the router and in every worker); the same load (N concurrent gRPC
 streams, token-id prompts, ``ignore_eos``) alternates between them round by round, so the
 machine's drift (a shared 2-core box) hits both alike.
@@ -10,9 +10,14 @@ processes (not Ray's own services) spent, per request. The verdict compares the 
 rounds and the median of the paired ratios (each ``on`` round against the ``off`` round just
 before it).
 
-Life cycle: ``run(model, quick)`` starts the sink and both servers, waits for their ready lines,
-warms each, runs the rounds, stops both (SIGTERM: a graceful stop, then the session is killed
-if anything is left) and returns the result lines.
+A server instance has a speed of its own (measured: one pair's arms differed by 7-12 % in TPOT
+with tracing on in neither's favour, the sign flipping between runs: page placement, which
+core each process lands on), so the rounds are spread over ``pairs`` fresh pairs of servers,
+started in swapped order, and the per-pair ratios are printed beside the pooled verdict.
+
+Life cycle: ``run(model, quick)`` starts the sink; per pair, starts both servers, waits for
+their ready lines, warms each, runs the rounds, stops both (SIGTERM: a graceful stop, then the
+session is killed if anything is left); returns the result lines.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.otlp_sink import OtlpSink
+from benchmarks.otlp_sink import OtlpSinkProcess
 from router.client import AsyncPdserveClient
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"pdserve ready: gRPC on ([\d.]+):(\d+)")
 START_TIMEOUT_S = 600
+WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor")
 
 
 @dataclass(frozen=True)
@@ -44,15 +50,16 @@ class Load:
     streams: int
     max_tokens: int
     prompt_len: int
-    rounds: int          # per arm
+    rounds: int          # per arm and pair of servers
+    pairs: int           # fresh pairs of servers: a server instance's own speed is not the arm's
     id_range: tuple[int, int]
 
 
 MODELS = {   # serve flags, the load
-    "smollm2": (["--kv-cache-gib", "0.5"], Load(64, 32, 32, 8, (1000, 40000))),
-    "tiny": (["--random-model", "--kv-cache-gib", "0.1"], Load(64, 64, 32, 10, (3, 500))),
+    "smollm2": (["--kv-cache-gib", "0.5"], Load(64, 32, 32, 4, 3, (1000, 40000))),
+    "tiny": (["--random-model", "--kv-cache-gib", "0.1"], Load(64, 64, 32, 4, 3, (3, 500))),
 }
-QUICK = {"smollm2": Load(8, 8, 16, 1, (1000, 40000)), "tiny": Load(8, 8, 16, 1, (3, 500))}
+QUICK = {"smollm2": Load(8, 8, 16, 1, 1, (1000, 40000)), "tiny": Load(8, 8, 16, 1, 1, (3, 500))}
 
 
 def load_average() -> str:
@@ -89,11 +96,13 @@ class Server:
         return self.address
 
     def serving_processes(self) -> list[psutil.Process]:
-        """The router (the CLI process) and its Ray actors (titled ``ray::...``)."""
+        """The router (the CLI process) and its worker actors (titled ``ray::PrefillActor`` /
+        ``ray::DecodeActor``; not Ray's own agents, whose titles start ``ray::`` too)."""
         out = [psutil.Process(self.proc.pid)]
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                if p.name().startswith("ray::") or " ".join(p.cmdline()[:1]).startswith("ray::"):
+                title = " ".join(p.cmdline()[:1]) or p.name()
+                if title.startswith(WORKER_TITLES):
                     out.append(p)
             except psutil.Error:
                 continue
@@ -157,33 +166,59 @@ def _measure(server: Server, load: Load, seed: int) -> dict:
 def run(model: str, quick: bool) -> list[str]:
     flags, load = MODELS[model]
     load = QUICK[model] if quick else load
-    sink = OtlpSink()
-    servers = {"off": Server("off", flags), "on": Server("on", [*flags, "--otlp-traces-endpoint", sink.url])}
+    sink = OtlpSinkProcess()   # its own process: it must not share the client's GIL
+    arm_flags = {"off": flags, "on": [*flags, "--otlp-traces-endpoint", sink.url]}
     lines = [f"tracing on vs off, {model}: two `pdserve serve` (disaggregated, 1+1 workers, 1 thread each) side by "
              f"side, on: --otlp-traces-endpoint to a local OTLP sink; {load.streams} gRPC streams x {load.max_tokens} "
-             f"tokens ({load.prompt_len}-token prompts) per round, {load.rounds} rounds each, alternating; "
+             f"tokens ({load.prompt_len}-token prompts) per round; {load.pairs} fresh pairs of servers (started in "
+             f"swapped order) x {load.rounds} rounds each per arm, alternating ABBA; "
              f"load average at start {load_average()}"]
+    rounds: dict[str, list[dict]] = {"off": [], "on": []}
+    per_pair: list[float] = []
     try:
-        for server in servers.values():
-            server.wait_ready()
-        for server in servers.values():   # warm-up: first-call costs (imports, buffers) out of the rounds
-            _measure(server, load, seed=10_000)
-        rounds: dict[str, list[dict]] = {"off": [], "on": []}
-        for i in range(load.rounds):
-            order = ("off", "on") if i % 2 == 0 else ("on", "off")   # neither always goes first
-            for arm in order:
-                rounds[arm].append(_measure(servers[arm], load, seed=i))
+        for pair in range(load.pairs):
+            start_order = ("off", "on") if pair % 2 == 0 else ("on", "off")
+            got = _run_pair({arm: arm_flags[arm] for arm in start_order}, load, seed=pair * 1000)
+            for arm in rounds:
+                rounds[arm] += got[arm]
+            per_pair.append(_paired(got))
         time.sleep(6)   # the batch processors' schedule delay (5 s): the last spans reach the sink
         lines += _verdict(rounds, sink, load)
+        lines.append("  paired on/off TPOT ratio median per pair of servers: "
+                     + " ".join(f"{100 * (r - 1):+.1f} %" for r in per_pair)
+                     + " (the spread between pairs is what a server instance alone moves TPOT by)")
     finally:
-        for server in servers.values():
-            server.stop()
         sink.close()
     lines.append(f"load average at the end: {load_average()}")
     return lines
 
 
-def _verdict(rounds: dict[str, list[dict]], sink: OtlpSink, load: Load) -> list[str]:
+def _run_pair(arm_flags: dict[str, list[str]], load: Load, seed: int) -> dict[str, list[dict]]:
+    """One pair of fresh servers (started in ``arm_flags``' order): warm-up, then ``load.rounds``
+    rounds per arm, ABBA, so neither always goes first."""
+    servers = {arm: Server(arm, flags) for arm, flags in arm_flags.items()}
+    rounds: dict[str, list[dict]] = {"off": [], "on": []}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        for server in servers.values():   # warm-up: first-call costs (imports, buffers) out of the rounds
+            _measure(server, load, seed=10_000 + seed)
+        for i in range(load.rounds):
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")
+            for arm in order:
+                rounds[arm].append(_measure(servers[arm], load, seed=seed + i))
+    finally:
+        for server in servers.values():
+            server.stop()
+    return rounds
+
+
+def _paired(rounds: dict[str, list[dict]]) -> float:
+    """Median of on/off TPOT over the rounds paired in order."""
+    return statistics.median(on["tpot_ms"] / off["tpot_ms"] for on, off in zip(rounds["on"], rounds["off"]))
+
+
+def _verdict(rounds: dict[str, list[dict]], sink: OtlpSinkProcess, load: Load) -> list[str]:
     lines = []
     for arm in ("off", "on"):
         lines.append(f"  {arm:3}: TPOT p50 per round (ms) " + " ".join(f"{r['tpot_ms']:.1f}" for r in rounds[arm])
@@ -191,7 +226,7 @@ def _verdict(rounds: dict[str, list[dict]], sink: OtlpSink, load: Load) -> list[
                      + " ".join(f"{r['cpu_ms_per_request']:.0f}" for r in rounds[arm]))
     t_off = statistics.median(r["tpot_ms"] for r in rounds["off"])
     t_on = statistics.median(r["tpot_ms"] for r in rounds["on"])
-    paired = statistics.median(on["tpot_ms"] / off["tpot_ms"] for on, off in zip(rounds["on"], rounds["off"]))
+    paired = _paired(rounds)
     c_off = statistics.median(r["cpu_ms_per_request"] for r in rounds["off"])
     c_on = statistics.median(r["cpu_ms_per_request"] for r in rounds["on"])
     change = 100 * (t_on / t_off - 1)

@@ -11,6 +11,12 @@ directory shared across machines never loads a binary built for another CPU, and
 installs do not rebuild over each other. Any build or load failure logs one warning and leaves
 the torch paths in use. Parallelism runs on torch's own OpenMP pool (at::parallel_for), so the
 kernels never use more threads than ``torch.get_num_threads()``.
+
+SIMD: each kernel has an AVX-512 path and an AVX2+FMA path, and ``-march=native`` compiles the one
+the build machine has (``simd_width`` / ``skinny_linear_simd_width``: 16, 8, or 0 where neither
+exists and the torch paths stay in use). Both are kept because the machines differ: a CI runner,
+a developer's laptop or a serving host may have either (AMD EPYC before Zen 4 and many Intel
+client CPUs have no AVX-512), and each path is tested on the machine that builds it.
 """
 
 from __future__ import annotations

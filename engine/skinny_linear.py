@@ -2,14 +2,16 @@
 
 A decode step multiplies one row per running request by every weight matrix. At 2-32 rows MKL's
 sgemm repacks the weight on each call and the step, memory-bound on the weights (536 MB of
-float32 for SmolLM2-135M), costs ~2x a single row's; the kernel (``engine/csrc/skinny_linear.cpp``)
-streams each weight row once for all rows. Larger inputs (prefill chunks) stay on torch's linear.
+float32 for SmolLM2-135M), costs ~2x a single row's; the kernel (``engine/csrc/skinny_linear.cpp``,
+AVX-512 or AVX2+FMA) streams each weight row once for all rows. Larger inputs (prefill chunks)
+stay on torch's linear.
 
 Life cycle: ``install(model)`` (ModelRunner, once) turns the model's ``nn.Linear`` modules into
 ``SkinnyLinear`` in place (same parameters, tied weights stay tied). They take the kernel only
 inside ``active()``, which the ModelRunner enters around its own forward; everywhere else (a Hugging
 Face ``generate`` reference on a deep copy, training code) they are plain ``nn.Linear``.
-Off with ``PDSERVE_LINEAR=torch``, on machines without AVX-512, or when the kernels cannot be built.
+Off with ``PDSERVE_LINEAR=torch``, on machines with neither AVX-512 nor AVX2+FMA, or when the
+kernels cannot be built.
 """
 
 from __future__ import annotations
@@ -23,17 +25,25 @@ from engine import cpu_kernels
 from engine.thread_switch import ThreadSwitch
 
 ENV_VAR = "PDSERVE_LINEAR"   # "torch": every linear on torch (comparison, tests)
-MAX_ROWS = 32                # beyond, MKL catches up (benchmarks/results/linear.txt: 1.14x at 32, 1.00x at 64)
+# Beyond, MKL catches up (benchmarks/results/linear.txt): AVX-512 1.14x at 32 rows, 1.00x at 64;
+# AVX2 1.17x at 32 rows.
+MAX_ROWS = 32
 
 active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.thread_switch)
 
 
 def enabled() -> bool:
-    """The kernel is built with AVX-512 and not switched off with ``PDSERVE_LINEAR=torch``."""
+    """The kernel is built with a SIMD path (AVX-512, or AVX2+FMA) and not switched off with
+    ``PDSERVE_LINEAR=torch``."""
     if os.environ.get(ENV_VAR, "").lower() == "torch":
         return False
+    return simd_width() > 0
+
+
+def simd_width() -> int:
+    """Floats per vector of the kernel's build: 16 (AVX-512), 8 (AVX2+FMA), 0 (none, or not built)."""
     module = cpu_kernels.module()
-    return module is not None and int(module.skinny_linear_simd_width) > 0
+    return int(module.skinny_linear_simd_width) if module is not None else 0
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -177,7 +177,8 @@ class HandoffOutcome(str, enum.Enum):
     OK = "ok"                              # KV moved into the reserved blocks, decode committed
     ENDED_AT_PREFILL = "ended_at_prefill"  # finished with its first token (EOS, max_tokens=1) or failed there
     ABORTED = "aborted"                    # cancelled before the hand-off
-    RESERVE_FAILED = "reserve_failed"      # the decode worker refused the reservation
+    RESERVE_REFUSED = "reserve_refused"    # the decode worker had no room for the prompt's blocks
+    RESERVE_FAILED = "reserve_failed"      # the decode worker's reserve raised anything else
     TRANSFER_FAILED = "transfer_failed"    # the bytes did not land (or the lease ran out): recompute
     PEER_DEAD = "peer_dead"                # the decode worker died during the hand-off
     LOCAL = "prefilled_locally"            # no prefill worker: the decode worker prefilled it
@@ -194,6 +195,15 @@ class FirstToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
+    # The prefill worker's part of the first token's path (``router.orchestrator.FirstTokenPath``),
+    # wall clock (``time.time``: comparable with the router's on one node): when its ``prefill``
+    # call arrived, when this token left; and the engine's own queue and compute time between,
+    # and how long the token waited for the decode worker's reservation after it was sampled.
+    received_s: float = 0.0
+    sent_s: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    reserve_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,10 +24,11 @@ class DecodePeer:
         self.actor = actor
         self.peer_id = actor._actor_id.hex()
 
-    async def reservation(self, handle: Any) -> KVBlocksHandle:
-        """The handle ``reserve`` returned (passed as ``[ObjectRef]`` so Ray does not resolve
-        it before the prefill starts)."""
-        return await self._peer_call(handle[0] if isinstance(handle, list) else handle)
+    async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
+        """Reserve the prompt's blocks there. Made by this worker, not by the router, so the
+        router's ``prefill`` call is the one actor call on the first token's path: no second
+        submission, no object ref lent to this call (Ray's borrower protocol costs ~1-2 ms)."""
+        return await self._peer_call(self.actor.reserve.remote(spec, transport))
 
     async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
         return await self._peer_call(self.actor.commit.remote(req_id, first_token_id, handle))
@@ -61,11 +62,13 @@ class PrefillActor:
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
         await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
-    async def prefill(self, spec: RequestSpec, handle: KVBlocksHandle | None,
+    async def prefill(self, spec: RequestSpec, transport: str | None,
                       decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
         """A streaming call: the first token as soon as it may go to the client, then the
-        result (one call, so the first token does not wait for the hand-off's round trips)."""
-        async for item in self.worker.stream(spec, handle, DecodePeer(decode) if decode is not None else None):
+        result (one call, so the first token does not wait for the hand-off's round trips).
+        This worker reserves the KV's blocks on ``decode`` itself, over ``transport``, while
+        it prefills."""
+        async for item in self.worker.stream(spec, transport, DecodePeer(decode) if decode is not None else None):
             yield item
 
     async def abort(self, req_id: str) -> None:

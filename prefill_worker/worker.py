@@ -2,25 +2,29 @@
 its decode worker.
 
 Life cycle of one request here:
-  prefill(spec, handle, decode) -> queued in the engine (chunked prefill under the token
-  budget, many prompts per step; the decode worker's reservation resolves meanwhile) -> first
-  token sampled, blocks *held* -> the reservation holds: the first token goes to the router at
-  once (``stream``: a ``FirstToken`` ahead of the result) -> KV sent through the handle's
-  transport -> decode worker's ``commit`` (it admits the request) -> blocks released ->
-  PrefillResult (outcome + timings) back to the router. The first token leaves before the KV
-  has landed because that is safe: a hand-off that then fails is recomputed (or migrated) with
-  that token in the prompt.
+  prefill(spec, transport, decode) -> queued in the engine (chunked prefill under the token
+  budget, many prompts per step) and, at the same time, this worker asks the decode worker to
+  ``reserve`` the prompt's blocks (its round trip overlaps the prefill; the router makes no
+  call of its own for it) -> first token sampled, blocks *held* -> the reservation holds: the
+  first token goes to the router at once (``stream``: a ``FirstToken`` ahead of the result) ->
+  KV sent through the handle's transport -> decode worker's ``commit`` (it admits the request)
+  -> blocks released -> PrefillResult (outcome + timings) back to the router. The first token
+  leaves before the KV has landed because that is safe: a hand-off that then fails is
+  recomputed (or migrated) with that token in the prompt.
 Prefix caching on both sides: the engine starts the prefill after this worker's cached prefix,
 and only the blocks the decode worker does not hold already move (the handle names them).
 Every result also carries this worker's prefix-cache events not yet reported (blocks stored,
 removed), which keep the router's prefix index true.
 A request that ends at its first token (EOS, max_tokens=1), is aborted, or fails returns a
-PrefillResult with its finish reason and no hand-off. Every result carries a ``HandoffOutcome``
-(ok, ended at prefill, aborted, reserve failed, transfer failed, peer dead): the router acts on
-that value, never on error text. ``abort`` returns only once this worker will no longer write
-into the decode worker's reserved blocks, so the decode side may free them; and no write
-starts after the reservation's lease has run out (the decode side may have freed the blocks
-by then: a late writer is refused, never corrupts another request's KV).
+PrefillResult with its finish reason and no hand-off; the router frees the unused reservation,
+which this worker waits for (up to ``RESERVE_SETTLE_S``) before it answers, so that free never
+overtakes the reserve. Every result carries a ``HandoffOutcome`` (ok, ended at prefill,
+aborted, reserve refused for room, reserve failed, transfer failed, peer dead): the router
+acts on that value, never on error text. ``abort`` returns only once this worker will no
+longer write into the decode worker's reserved blocks, and its reserve call has settled, so
+the decode side may free them; and no write starts after the reservation's lease has run out
+(the decode side may have freed the blocks by then: a late writer is refused, never corrupts
+another request's KV).
 ``prefill`` and ``stream`` are idempotent per request id: a call retried by the router after
 a transient failure joins the one already running (``stream`` replays the first token).
 The decode worker is reached through a ``DecodePeer`` (the actor module wraps the Ray handle)
@@ -33,13 +37,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine import tracing
 from engine.config import EngineRole
 from engine.engine import PrefillDone, StepResult
-from engine.errors import KVTransferError, PeerLostError
+from engine.errors import CapacityError, KVTransferError, PeerLostError
 from engine.types import FinishReason, FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
@@ -55,6 +59,10 @@ LEASE_MARGIN_S = TRANSFER_TIMEOUT_S + 5.0
 # Fault injection (tests) on the next hand-off: "kv_send" fails it (the router recomputes);
 # "hang_kv_send" never starts the write (a worker that dies mid-hand-off, once killed).
 SEND_FAULTS = ("kv_send", "hang_kv_send")
+# A request that ends without a hand-off waits this long at most for its reserve call to settle
+# (so the router's free of the unused reservation cannot overtake it); a reservation that lands
+# later still is freed when its lease ends.
+RESERVE_SETTLE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -64,6 +72,7 @@ class _Running:
 
     first: asyncio.Future
     result: asyncio.Task | None = None
+    received_s: float = field(default_factory=time.time)   # wall clock: the router's path breakdown
 
 
 class PrefillWorker(WorkerBase):
@@ -78,50 +87,50 @@ class PrefillWorker(WorkerBase):
         self._transfer_locks: dict[str, asyncio.Lock] = {}
         self._next_send_fault: str | None = None   # fault injection (tests): see SEND_FAULTS
 
-    async def prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
-        """Prefill ``spec``; with a handle, move its KV to ``decode`` (a ``DecodePeer``).
+    async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
+        """Prefill ``spec``; with a ``transport``, reserve its blocks on ``decode`` (a
+        ``DecodePeer``) while the prompt is prefilled and move its KV there. Without one, no
+        hand-off (tests of the prefill path alone). A second call for a request already here
+        (a retry) waits for the first one's result."""
+        return await asyncio.shield(self._start(spec, transport, decode).result)
 
-        ``handle`` may be awaitable (the decode worker's ``reserve`` in flight): the router
-        starts both at once and the handle resolves while the prompt is prefilled, so the
-        reservation's round trip overlaps the prefill. A second call for a request already
-        here (a retry) waits for the first one's result."""
-        return await asyncio.shield(self._start(spec, handle, decode).result)
-
-    async def stream(self, spec: RequestSpec, handle: Any, decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
+    async def stream(self, spec: RequestSpec, transport: str | None,
+                     decode: Any) -> AsyncIterator[FirstToken | PrefillResult]:
         """``prefill``, with the first token yielded as soon as it may go to the client (the
         reservation holds, the KV starts moving), then the result."""
-        run = self._start(spec, handle, decode)
+        run = self._start(spec, transport, decode)
         first = await asyncio.shield(run.first)
         if first is not None:
             yield first
         yield await asyncio.shield(run.result)
 
-    def _start(self, spec: RequestSpec, handle: Any, decode: Any) -> _Running:
+    def _start(self, spec: RequestSpec, transport: str | None, decode: Any) -> _Running:
         run = self._running.get(spec.req_id)
         if run is None:
             run = self._running[spec.req_id] = _Running(self.aio.create_future())
-            run.result = asyncio.ensure_future(self._prefill(spec, handle, decode))
+            run.result = asyncio.ensure_future(self._prefill(spec, transport, decode))
             run.result.add_done_callback(lambda _: self._running.pop(spec.req_id, None))
         return run
 
-    async def _prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
+    async def _prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         parent = tracing.context_of(spec.traceparent)
         if parent is None:   # untraced: no span, no cost
-            return await self._run_prefill(spec, handle, decode)
+            return await self._run_prefill(spec, transport, decode)
         with tracing.tracer().start_as_current_span("prefill", context=parent, kind=tracing.trace.SpanKind.SERVER,
                                                     attributes={"pdserve.worker": self.worker_id,
                                                                 "pdserve.prompt_tokens": len(spec.prompt_token_ids)}):
-            return await self._run_prefill(spec, handle, decode)
+            return await self._run_prefill(spec, transport, decode)
 
-    async def _run_prefill(self, spec: RequestSpec, handle: Any, decode: Any) -> PrefillResult:
+    async def _run_prefill(self, spec: RequestSpec, transport: str | None, decode: Any) -> PrefillResult:
         req_id = spec.req_id
         waiter = self.aio.create_future()
         self._waiters[req_id] = waiter
         self._done[req_id] = asyncio.Event()
+        added = self.loop.call(lambda e: e.add_request(spec))   # the compute first: it is the path
         # Resolved while the prompt is prefilled: the KV (and the first token) need not wait for it.
-        reservation = _resolving(decode.reservation(handle)) if handle is not None else None
+        reservation = _resolving(decode.reserve(spec, transport)) if transport is not None else None
         try:
-            await self.call(lambda e: e.add_request(spec))
+            await asyncio.wrap_future(added)
             outcome = await waiter
             if isinstance(outcome, TokenDelta):
                 result = _ended_at_prefill(outcome)
@@ -135,11 +144,17 @@ class PrefillWorker(WorkerBase):
             return dataclasses.replace(result, stats=self.stats(), kv_events=self.take_kv_events())
         finally:
             self._first_token(req_id, None)   # none went ahead: the result carries it
-            if reservation is not None:
-                reservation.cancel()
+            if reservation is not None:   # the router frees what it reserved: after it landed
+                await asyncio.wait([reservation], timeout=RESERVE_SETTLE_S)
             self._waiters.pop(req_id, None)
             self._aborted.discard(req_id)
             self._done.pop(req_id).set()
+
+    def _first_token_of(self, done: PrefillDone, reserve_wait_s: float) -> FirstToken:
+        run = self._running.get(done.req_id)
+        return FirstToken(done.req_id, done.first_token_id, done.first_logprob, done.first_top_logprobs,
+                          received_s=run.received_s if run else 0.0, sent_s=time.time(),
+                          queue_s=done.queue_s, prefill_s=done.prefill_s, reserve_wait_s=reserve_wait_s)
 
     def _first_token(self, req_id: str, first: FirstToken | None) -> None:
         run = self._running.get(req_id)
@@ -181,13 +196,16 @@ class PrefillWorker(WorkerBase):
                 return _result(done, None)
             try:
                 handle = await reservation
+                reserve_wait_s = time.perf_counter() - start
             except PeerLostError as exc:
                 return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
-            except Exception as exc:  # the router re-raises the reservation's own error
+            except CapacityError as exc:   # no room there now: the router queues or refuses
+                return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.RESERVE_REFUSED)
+            except Exception as exc:
                 return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.RESERVE_FAILED)
             # From here every outcome (ok, transfer failed: recomputed, peer dead: migrated)
             # continues after this token: the client may have it now.
-            self._first_token(req_id, FirstToken(req_id, done.first_token_id, done.first_logprob, done.first_top_logprobs))
+            self._first_token(req_id, self._first_token_of(done, reserve_wait_s))
             num_bytes = await self._send(done, handle, decode)
             result = _result(done, None, time.perf_counter() - start, num_bytes, handle.transport)
             saved = handle.num_cached_tokens // handle.layout.block_size * handle.layout.bytes_per_block

@@ -124,7 +124,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s", "e2e_s", "kv_transfer_bytes", "prefill_worker_id", "decode_worker_id", "kv_handoff", "recomputed_on_decode", "migrations", "prefill_cached_tokens", "decode_cached_tokens", "kv_transfer_saved_bytes")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "decode_s", "ttft_s", "tpot_s", "e2e_s", "kv_transfer_bytes", "prefill_worker_id", "decode_worker_id", "kv_handoff", "recomputed_on_decode", "migrations", "prefill_cached_tokens", "decode_cached_tokens", "kv_transfer_saved_bytes", "admission_s", "dispatch_s", "to_prefill_worker_s", "prefill_worker_overhead_s", "first_token_return_s", "reservation_wait_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,12 @@ class Timings(_message.Message):
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_S_FIELD_NUMBER: _ClassVar[int]
+    TO_PREFILL_WORKER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_RETURN_S_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
@@ -157,7 +163,13 @@ class Timings(_message.Message):
     prefill_cached_tokens: int
     decode_cached_tokens: int
     kv_transfer_saved_bytes: int
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_handoff: _Optional[str] = ..., recomputed_on_decode: _Optional[bool] = ..., migrations: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_transfer_saved_bytes: _Optional[int] = ...) -> None: ...
+    admission_s: float
+    dispatch_s: float
+    to_prefill_worker_s: float
+    prefill_worker_overhead_s: float
+    first_token_return_s: float
+    reservation_wait_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., kv_handoff: _Optional[str] = ..., recomputed_on_decode: _Optional[bool] = ..., migrations: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., kv_transfer_saved_bytes: _Optional[int] = ..., admission_s: _Optional[float] = ..., dispatch_s: _Optional[float] = ..., to_prefill_worker_s: _Optional[float] = ..., prefill_worker_overhead_s: _Optional[float] = ..., first_token_return_s: _Optional[float] = ..., reservation_wait_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs", "error", "top_logprobs")

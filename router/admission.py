@@ -292,8 +292,7 @@ class Admission:
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
             return Decision(Action.ADMIT, Cause.IDLE, prediction=best)
         if not best.fits_ttft(ttft_t):
-            queued = f" ({best.waited_s * 1e3:.0f} ms of it queued)" if best.waited_s else ""
-            return Decision(Action.REJECT, Cause.TTFT, f"predicted TTFT {best.ttft_s * 1e3:.0f} ms{queued} > target {ttft_t * 1e3:.0f} ms", best)
+            return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t), best)
         if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
@@ -575,6 +574,19 @@ def _fits_ttft(ttft_s: float | None, waited_s: float, target: float | None) -> b
     if not target or ttft_s is None:
         return True
     return ttft_s - waited_s <= (target - waited_s) * TTFT_SAFETY
+
+
+def _ttft_miss_message(best: Prediction, target: float) -> str:
+    """Why a request is refused for TTFT, in the terms ``_fits_ttft`` decides by (a prediction
+    under its target can still miss the safety share)."""
+    msg = f"predicted TTFT {best.ttft_s * 1e3:.0f} ms"
+    if best.waited_s:
+        msg += f" ({best.waited_s * 1e3:.0f} ms of it queued)"
+    if best.ttft_s <= target:
+        left = (target - best.waited_s) * 1e3
+        return msg + (f" leaves less than a {1 - TTFT_SAFETY:.0%} safety margin of the {left:.0f} ms left "
+                      f"of the TTFT target {target * 1e3:.0f} ms")
+    return msg + f" > target {target * 1e3:.0f} ms"
 
 
 def _idle(p: Prediction) -> bool:

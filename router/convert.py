@@ -91,6 +91,13 @@ class RequestTimings:
     prefill_cached_tokens: int = 0  # prefix caching: not computed by the worker that prefilled
     decode_cached_tokens: int = 0   # held by the decode worker already: not moved
     kv_transfer_saved_bytes: int = 0
+    # The first token's path outside the engine (the proto's Timings says what each spans).
+    admission_s: float = 0.0
+    dispatch_s: float = 0.0
+    to_prefill_worker_s: float = 0.0
+    prefill_worker_overhead_s: float = 0.0
+    first_token_return_s: float = 0.0
+    reservation_wait_s: float = 0.0
 
 
 # ---------------------------------------------------------------- request -> engine

@@ -2,16 +2,17 @@
 
 Life cycle of one attempt (disaggregated):
   admission picks the (prefill, decode) pair (or refuses / queues) -> register for the decode
-  worker's stream -> decode ``reserve``s blocks while the prefill worker prefills (one
-  streaming ``prefill`` call carries the reservation's ref) -> the prefill worker streams the
-  first token as soon as the reservation holds: yielded to the client at once -> meanwhile it
-  moves the KV and the decode worker ``commit``s -> the call's result (the hand-off's outcome)
-  -> the rest arrive through the decode worker's batched stream -> finish.
+  worker's stream -> one streaming ``prefill`` call (the only actor call on the first token's
+  path): the prefill worker asks the decode worker to ``reserve`` blocks while it prefills ->
+  it streams the first token as soon as the reservation holds: yielded to the client at once
+  -> meanwhile it moves the KV and the decode worker ``commit``s -> the call's result (the
+  hand-off's outcome) -> the rest arrive through the decode worker's batched stream -> finish.
 Colocated mode, conditional disaggregation choosing it, or no prefill worker up: the decode
 worker runs the whole request. The prefill worker's ``HandoffOutcome`` decides what follows: a
 failed transfer is recomputed on the decode worker (never decoded from garbage; after the
-first token when that went ahead: ``migration.resumed``), a refused reservation raises its own
-error, a dead decode worker moves the request (the first token sent counts as sent). On cancel, deadline
+first token when that went ahead: ``migration.resumed``), a reservation refused for room
+raises ``ReservationRefused`` (any other reserve failure fails the request), a dead decode
+worker moves the request (the first token sent counts as sent). On cancel, deadline
 or error the request is aborted on the prefill worker first (its ``abort`` returns once it can
 no longer write into the reserved blocks) and then on the decode worker, which frees the
 reservation at once only when the writer is known to be gone (fenced until its lease ends
@@ -32,19 +33,50 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
-from engine.errors import CapacityError
+from engine.errors import CapacityError, WorkerFailedError
 from engine.types import FirstToken, HandoffOutcome, PrefillResult, RequestSpec, TokenDelta
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
-from router.worker_calls import WorkerLost, await_ref, call, stream_call
+from router.worker_calls import WorkerLost, call, stream_call
 
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS_FOR_TPOT = 8   # a shorter output's TPOT says little about the prediction
 RESERVE_RETRY_S = 0.5     # a refused reservation of a migrating request retries at least this often
+
+
+@dataclass(slots=True)
+class FirstTokenPath:
+    """Where the first token's time goes outside the engine, when a prefill worker sent it ahead
+    of the hand-off (``Timings``' admission_s ... first_token_return_s; the benchmark's
+    breakdown). Router-only spans on ``perf_counter``; the two that meet the prefill worker's
+    stamps (``FirstToken.received_s``, ``sent_s``) on the wall clock."""
+
+    admitted_s: float | None = None    # perf_counter: the pair was chosen
+    dispatched_s: float | None = None  # perf_counter: the prefill call is made
+    dispatched_wall_s: float = 0.0
+    back_wall_s: float = 0.0           # the first token reached the router
+    first: FirstToken | None = None
+
+    def admitted(self, now_s: float) -> None:
+        if self.first is None:   # the attempt that sends the first token is the one described
+            self.admitted_s = now_s
+
+    def dispatched(self, now_s: float, wall_s: float) -> None:
+        if self.first is None:
+            self.dispatched_s, self.dispatched_wall_s = now_s, wall_s
+
+    def timings(self, start_s: float) -> dict[str, float]:
+        first = self.first
+        if first is None or self.admitted_s is None or self.dispatched_s is None:
+            return {}
+        return {"admission_s": self.admitted_s - start_s, "dispatch_s": self.dispatched_s - self.admitted_s,
+                "to_prefill_worker_s": first.received_s - self.dispatched_wall_s,
+                "prefill_worker_overhead_s": first.sent_s - first.received_s - first.queue_s - first.prefill_s,
+                "first_token_return_s": self.back_wall_s - first.sent_s, "reservation_wait_s": first.reserve_wait_s}
 
 
 @dataclass(slots=True)
@@ -63,6 +95,7 @@ class RequestTrace:
     recomputed: bool = False                # the KV did not land: recomputed on the decode worker
     migrations: int = 0
     local_cached_tokens: int = 0            # prefilled on the decode worker: prompt tokens it found cached
+    path: FirstTokenPath = field(default_factory=FirstTokenPath)
 
     def on_tokens(self, n: int) -> None:
         now = time.perf_counter()
@@ -94,6 +127,7 @@ class RequestTrace:
             prefill_cached_tokens=p.cached_tokens if p and not self.recomputed else self.local_cached_tokens,
             decode_cached_tokens=p.decode_cached_tokens if p else 0,
             kv_transfer_saved_bytes=p.saved_bytes if p else 0,
+            **self.path.timings(self.start_s),
         )
 
 
@@ -130,6 +164,7 @@ class Orchestrator:
         while True:
             attempt_spec = run.attempt_spec()
             pair = await self._admit(attempt_spec, run.num_migrations)
+            trace.path.admitted(time.perf_counter())
             try:
                 # A resumed attempt's latency is the loss's, not admission's prediction's to learn from.
                 learn = run.num_migrations == 0
@@ -250,25 +285,25 @@ class Orchestrator:
             self._count_handoff(trace.handoff)
             return
         transport = trace.transport = self.registry.transport(prefill, decode)
-        # Reserve and prefill start together; the prefill worker resolves the handle while it
-        # prefills (wrapped in a list so Ray passes the ref instead of resolving it first).
-        handle_ref = decode.actor.reserve.remote(spec, transport)
+        # The prefill worker reserves on the decode worker itself, while it prefills.
         sent: tuple[int, ...] = ()
-        async with contextlib.aclosing(stream_call(prefill, "prefill", spec, [handle_ref], decode.actor,
+        trace.path.dispatched(time.perf_counter(), time.time())
+        async with contextlib.aclosing(stream_call(prefill, "prefill", spec, transport, decode.actor,
                                                    generation=at.prefill_gen)) as items:
             async for item in items:
                 if isinstance(item, FirstToken):   # the client has it while the KV moves
+                    trace.path.back_wall_s, trace.path.first = time.time(), item
                     sent = (item.token_id,)
                     yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
                 else:
                     result: PrefillResult = item
         at.prefill = None   # its part is done: nothing left there to abort or to wait for
-        first = await self._handed_off(at, prefill, trace, result, handle_ref, sent)
+        first = await self._handed_off(at, prefill, trace, result, sent)
         if first is not None:
             yield first
 
     async def _handed_off(self, at: _Attempt, prefill: WorkerHandle, trace: RequestTrace, result: PrefillResult,
-                          handle_ref, sent: tuple[int, ...]) -> TokenDelta | None:
+                          sent: tuple[int, ...]) -> TokenDelta | None:
         """Act on the hand-off's outcome; return the first token unless it went ahead (``sent``)
         or the decode worker recomputes the request."""
         spec, decode = at.spec, at.decode
@@ -281,8 +316,10 @@ class Orchestrator:
         match result.outcome:
             case HandoffOutcome.PEER_DEAD:
                 raise WorkerLost(decode, at.decode_gen, result.error or "the decode worker died during the hand-off")
+            case HandoffOutcome.RESERVE_REFUSED:
+                raise ReservationRefused(result.error or f"no room on {decode.worker_id}")
             case HandoffOutcome.RESERVE_FAILED:
-                await self._reservation_error(at, handle_ref)
+                raise WorkerFailedError(f"decode worker {decode.worker_id} failed the reservation: {result.error}")
             case HandoffOutcome.TRANSFER_FAILED:
                 await self._recompute(at, trace, result.error or "", sent)
                 return None
@@ -292,14 +329,6 @@ class Orchestrator:
             return None
         return _first_delta(spec.req_id, _first(result), result.first_logprob, result.first_top_logprobs,
                             result.finish_reason, result.error)
-
-    @staticmethod
-    async def _reservation_error(at: _Attempt, handle_ref) -> None:
-        """Raise the refused reservation's own error (a refusal for room as ReservationRefused)."""
-        try:
-            await await_ref(at.decode, at.decode_gen, lambda: handle_ref)
-        except CapacityError as exc:
-            raise ReservationRefused(str(exc)) from exc
 
     def _count_handoff(self, outcome: HandoffOutcome | None) -> None:
         if outcome is not None and self.metrics is not None:

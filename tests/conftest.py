@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 import sys
 from pathlib import Path
 
@@ -128,3 +133,32 @@ class ByteTokenizer:
     def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=True, **kwargs):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
         return self.encode(text)
+
+
+@contextlib.contextmanager
+def router_on_a_thread(orchestrator, limits, max_model_len: int) -> Iterator[RouterOnAThread]:
+    """A real gRPC servicer over a fake orchestrator, served from its own event loop thread (the
+    test's thread stays free to be the client); stopped on exit."""
+    from router.convert import ServerDefaults
+    from router.server import PdserveServicer, ServerInfo, start_server
+
+    servicer = PdserveServicer(orchestrator, ByteTokenizer(),
+                               ServerDefaults(max_model_len=max_model_len, vocab_size=300, limits=limits),
+                               ServerInfo("fake", "colocated", 16))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(start_server(servicer, "127.0.0.1", 0), loop).result(10)
+    try:
+        yield RouterOnAThread(servicer, loop, port)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+@dataclass
+class RouterOnAThread:
+    servicer: object
+    loop: asyncio.AbstractEventLoop
+    port: int

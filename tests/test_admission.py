@@ -256,6 +256,15 @@ def test_time_already_queued_is_not_held_to_the_ttft_margin():
     assert waited + predicted > 0.8 * 5.0, "the old rule (80% of the whole target) would reject"
     assert admission.decide(s, now=100.0, waited_s=waited).action is Action.ADMIT
     assert admission.decide(s, now=100.0, waited_s=waited + 0.2).action is Action.REJECT
+    in_margin = admission.decide(s, now=100.0, waited_s=waited + 0.15)   # under the target, past the margin
+    assert in_margin.prediction.ttft_s < 5.0 and in_margin.action is Action.REJECT
+    assert "safety margin" in in_margin.reason and "> target" not in in_margin.reason, \
+        "a prediction under the target is refused for its margin, and the message must say so"
+
+
+def test_ttft_refusal_past_the_target_names_both():
+    refused = cluster(prefill_inflight_tokens=20_000).decide(spec(ttft=0.5, tpot=0.05))
+    assert refused.action is Action.REJECT and "> target 500 ms" in refused.reason
 
 
 def test_colocated_pair_choice_balances_prefill_queues():

@@ -81,6 +81,10 @@ def test_final_message_carries_usage_and_timings(disagg):
     t = result.timings
     assert t.kv_transfer_bytes > 0 and t.ttft_s > 0 and t.e2e_s >= t.ttft_s
     assert t.prefill_worker_id == "prefill-0" and t.decode_worker_id == "decode-0"
+    # The first token's path outside the engine (one node: the cross-process spans are exact).
+    path = [t.admission_s, t.dispatch_s, t.to_prefill_worker_s, t.prefill_worker_overhead_s, t.first_token_return_s]
+    assert all(s > 0 for s in path) and 0 <= t.reservation_wait_s <= t.prefill_worker_overhead_s
+    assert sum(path) + t.queue_s + t.prefill_s <= t.ttft_s
     assert cluster_leaks(disagg) == {}
 
 
@@ -150,10 +154,12 @@ def test_deadline_exceeded_frees_everything(disagg):
 def test_worker_raising_mid_request_gets_internal(disagg, role, caplog):
     worker = disagg.cluster.registry.get(role)
     with PdserveClient(address(disagg)) as client:
+        if role.startswith("prefill"):   # armed first: the worker's next step is this request's prefill
+            ray.get(worker.actor.inject_fault.remote("step"))
         stream = client.generate(token_ids=list(range(10, 40)), max_tokens=300, ignore_eos=True)
         if role.startswith("decode"):
             next(stream)  # the request is decoding when the fault hits
-        ray.get(worker.actor.inject_fault.remote("step"))
+            ray.get(worker.actor.inject_fault.remote("step"))
         with pytest.raises(grpc.RpcError) as info:
             for _ in stream:
                 pass

@@ -238,9 +238,10 @@ def test_a_spare_that_died_idle_falls_back_to_a_cold_start(ray_session, workload
 
 
 def test_no_reservation_is_freed_under_a_paused_writer(cluster, long_workload):
-    """The prefill worker is paused (a live writer that cannot answer) while requests reserve
-    blocks on the decode worker, then their clients cancel: the reservations stay held until the
-    prefill worker confirms its aborts (after it resumes), then everything is freed."""
+    """The prefill worker reserves blocks on the decode worker as its prompts arrive, and is
+    paused (a live writer that cannot answer) while it still prefills them; then their clients
+    cancel: the reservations stay held until the prefill worker confirms its aborts (after it
+    resumes), then everything is freed."""
     prompts, _ = long_workload
     registry = cluster.cluster.registry
     prefill, decode = registry.get("prefill-0"), registry.get("decode-0")
@@ -253,12 +254,15 @@ def test_no_reservation_is_freed_under_a_paused_writer(cluster, long_workload):
         async with AsyncPdserveClient(address(cluster), timeout_s=60) as client:
             tasks = [asyncio.create_task(client.generate_text(token_ids=p, max_tokens=8, ignore_eos=True))
                      for p in prompts[:4]]
-            await asyncio.sleep(0.5)   # reserved on the decode worker; the prefill calls wait
+            deadline = time.monotonic() + 30
+            while (await decode_report())["free_blocks"] == total and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)   # until the prefill worker has reserved (its prompts take a while)
+            _kill(prefill.pid, signal.SIGSTOP)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    _kill(prefill.pid, signal.SIGSTOP)
+    total = cluster.run(decode_report())["total_blocks"]
     try:
         asyncio.run(cancelled_while_paused())
         time.sleep(1.0)   # the router's aborts are under way; the prefill worker's cannot finish

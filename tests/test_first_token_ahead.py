@@ -38,8 +38,11 @@ class GatedPeer(InProcessPeer):
         return await super().commit(req_id, first_token_id, handle)
 
 
-async def _refused(spec, transport):
-    raise CapacityError("no room for the prompt's blocks")
+class RefusingPeer(InProcessPeer):
+    """A decode worker with no room for the prompt."""
+
+    async def reserve(self, spec, transport: str):
+        raise CapacityError("no room for the prompt's blocks")
 
 
 def _workers():
@@ -68,11 +71,11 @@ def test_first_token_is_streamed_before_the_kv_lands(hf_reference, transport):
         peer = GatedPeer(decode, gate)
         try:
             stream = decode.stream()
-            # The reservation still in flight, as the router passes it.
-            items = prefill.stream(spec, decode.reserve(spec, transport), peer)
+            items = prefill.stream(spec, transport, peer)   # it reserves on the decode worker as it prefills
             first = await asyncio.wait_for(items.__anext__(), 60)
             assert isinstance(first, FirstToken) and not peer.committed, "the first token waited for the hand-off"
-            again = prefill.stream(spec, None, peer)   # a retried call joins the running one
+            assert first.received_s + first.queue_s + first.prefill_s + first.reserve_wait_s <= first.sent_s
+            again = prefill.stream(spec, transport, peer)   # a retried call joins the running one
             assert await again.__anext__() == first
             gate.set()
             result = await items.__anext__()
@@ -98,8 +101,8 @@ def test_no_token_goes_ahead_without_a_hand_off(case):
     async def run():
         prefill, decode = _workers()
         try:
-            handle = decode.reserve(spec, "shm") if case == "ends_at_prefill" else _refused(spec, "shm")
-            items = [item async for item in prefill.stream(spec, handle, InProcessPeer(decode))]
+            peer = InProcessPeer(decode) if case == "ends_at_prefill" else RefusingPeer(decode)
+            items = [item async for item in prefill.stream(spec, "shm", peer)]
             await decode.abort(spec.req_id)   # the unused reservation, as the router frees it
             return items, await prefill.leak_report(), await decode.leak_report()
         finally:
@@ -108,7 +111,7 @@ def test_no_token_goes_ahead_without_a_hand_off(case):
 
     items, *reports = asyncio.run(run())
     assert len(items) == 1 and isinstance(items[0], PrefillResult), items
-    expected = HandoffOutcome.ENDED_AT_PREFILL if case == "ends_at_prefill" else HandoffOutcome.RESERVE_FAILED
+    expected = HandoffOutcome.ENDED_AT_PREFILL if case == "ends_at_prefill" else HandoffOutcome.RESERVE_REFUSED
     assert items[0].outcome is expected and items[0].first_token_id is not None
     for report in reports:
         assert report["requests"] == 0 and report["free_blocks"] == report["total_blocks"]

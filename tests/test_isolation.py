@@ -16,11 +16,9 @@ import pytest
 
 from engine.types import TokenDelta
 from router.client import AsyncPdserveClient, PdserveClient
-from router.convert import ServerDefaults
 from router.delta_queue import DeltaQueue, SlowReaderError, merge
 from router.limits import ServerLimits
-from router.server import PdserveServicer, ServerInfo, start_server
-from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy
+from tests.conftest import cluster_leaks, hf_greedy, router_on_a_thread
 from tests.test_cluster_e2e import address, start_cluster
 
 PROMPT = [17, 18, 19, 20]
@@ -205,15 +203,9 @@ class EndlessOrchestrator:
 def test_slow_reader_is_cancelled_with_bounded_memory():
     limits = ServerLimits(max_pending_tokens=512)
     orchestrator = EndlessOrchestrator()
-    servicer = PdserveServicer(orchestrator, ByteTokenizer(), ServerDefaults(max_model_len=10**9, vocab_size=300,
-                                                                            limits=limits),
-                               ServerInfo("fake", "colocated", 16))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server, port = asyncio.run_coroutine_threadsafe(start_server(servicer, "127.0.0.1", 0), loop).result(10)
-    try:
-        with PdserveClient(f"127.0.0.1:{port}", timeout_s=60) as client:
+    with router_on_a_thread(orchestrator, limits, max_model_len=10**9) as router:
+        servicer = router.servicer
+        with PdserveClient(f"127.0.0.1:{router.port}", timeout_s=60) as client:
             stream = client.generate(token_ids=[5], max_tokens=10**8, request_id="slow")
             next(stream)                       # then stop reading
             assert orchestrator.ended.wait(30), "the slow reader was never cancelled"
@@ -228,7 +220,3 @@ def test_slow_reader_is_cancelled_with_bounded_memory():
             time.sleep(0.05)
         assert len(servicer.live) == 0
         print("slow reader got", info.value.code(), info.value.details())
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)

@@ -6,7 +6,6 @@ fewer bytes; output equals HF generate; both workers end with every block free."
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 
 import pytest
@@ -30,9 +29,11 @@ class InProcessPeer:
 
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
+        self.handles: dict = {}   # the reservations made, by request id
 
-    async def reservation(self, handle):
-        return await handle if inspect.isawaitable(handle) else handle
+    async def reserve(self, spec, transport: str):
+        handle = self.handles[spec.req_id] = await self.worker.reserve(spec, transport)
+        return handle
 
     async def commit(self, req_id: str, first_token_id: int, handle) -> float:
         return await self.worker.commit(req_id, first_token_id, handle)
@@ -40,16 +41,15 @@ class InProcessPeer:
 
 async def serve(prefill: PrefillWorker, decode: DecodeWorker, transport: str, specs,
                 stream=None, decode_events: list | None = None) -> tuple[dict, list]:
-    """Each request in turn: reserve, prefill + hand-off, decode to the end. The decode
-    worker's KV events on the batches read go to ``decode_events``."""
+    """Each request in turn: prefill (the prefill worker reserves) + hand-off, decode to the
+    end. The decode worker's KV events on the batches read go to ``decode_events``."""
     outputs, results = {}, []
     stream = stream or decode.stream()
     peer = InProcessPeer(decode)
     for spec in specs:
-        handle = await decode.reserve(spec, transport)
-        result = await prefill.prefill(spec, handle, peer)
+        result = await prefill.prefill(spec, transport, peer)
         assert result.outcome is HandoffOutcome.OK, result.error
-        results.append((handle, result))
+        results.append((peer.handles[spec.req_id], result))
         tokens = [result.first_token_id]
         while len(tokens) < spec.sampling.max_tokens:
             batch = await stream.__anext__()

@@ -95,7 +95,7 @@ def test_decode_worker_follows_the_step_model_and_reports_what_admission_fits():
 
 def test_prefill_hand_off_and_refusals():
     """A prefill hands its first token and KV over to the reserved decode slot; a reservation
-    refused for room comes back as RESERVE_FAILED, as from the real worker."""
+    refused for room comes back as RESERVE_REFUSED, as from the real worker."""
     from benchmarks.sim_cluster import SimActor, SimHost
     from engine.types import HandoffOutcome
 
@@ -108,17 +108,16 @@ def test_prefill_hand_off_and_refusals():
         await p_actor.start.remote()
         await d_actor.start.remote()
         ok = spec(1, prompt=40)
-        ref = d_actor.reserve.remote(ok, "shm")
-        result = await _last(p_actor.prefill.remote(ok, [ref], d_actor))
+        result = await _last(p_actor.prefill.remote(ok, "shm", d_actor))
         too_big = spec(2, prompt=200)
-        refused = await _last(p_actor.prefill.remote(too_big, [d_actor.reserve.remote(too_big, "shm")], d_actor))
+        refused = await _last(p_actor.prefill.remote(too_big, "shm", d_actor))
         return ok, result, refused
 
     try:
         ok, result, refused = asyncio.run(run())
         assert result.outcome is HandoffOutcome.OK and result.first_token_id == sim_token(prompt_seed(ok), 0)
         assert result.transfer_bytes == 3 * 30 * 2 * 16 * 3 * 64 * 4 and result.stats.role == "prefill"
-        assert refused.outcome is HandoffOutcome.RESERVE_FAILED and "KV blocks needed" in refused.error
+        assert refused.outcome is HandoffOutcome.RESERVE_REFUSED and "KV blocks needed" in refused.error
         assert prefill.leak_report()["requests"] == 0 and prefill.blocks.free == prefill.blocks.total
         assert decode.leak_report()["requests"] == 1   # r1 decodes on
     finally:

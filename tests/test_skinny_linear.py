@@ -1,6 +1,7 @@
 """The C++ few-rows linear kernel against float64 matmul, and its dispatch: only inside the
 engine's forward, only for few rows, never for a Hugging Face reference sharing the model.
-Skipped only where the kernel cannot run (no AVX-512 or no compiler; never under CI)."""
+Both SIMD paths (AVX-512, AVX2+FMA) are covered by whichever the machine builds; skipped only where
+the kernel cannot run (neither, or no compiler; never under CI)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import skinny_linear
+from engine import cpu_kernels, skinny_linear
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 
@@ -19,7 +20,7 @@ from engine.engine import LLMEngine
 @pytest.fixture(scope="module")
 def kernel():
     if not skinny_linear.enabled():
-        reason = "skinny linear kernel unavailable here (needs AVX-512 and a compiler)"
+        reason = "skinny linear kernel unavailable here (needs AVX-512 or AVX2+FMA, and a compiler)"
         if os.environ.get("CI") and os.environ.get(skinny_linear.ENV_VAR, "") != "torch":
             pytest.fail(reason)
         pytest.skip(reason)
@@ -30,16 +31,33 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 32])
-@pytest.mark.parametrize("out_features,in_features", [(1, 1), (3, 17), (5, 576), (193, 64), (1536, 577)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 32])
+@pytest.mark.parametrize("out_features,in_features",
+                         [(1, 1), (3, 17), (7, 24), (4, 31), (5, 576), (193, 64), (1536, 577)])
 def test_matches_float64_matmul(kernel, rows, out_features, in_features):
-    """Every tile shape: partial weight tiles (N % 4), partial row tiles (M % 6), a masked K tail."""
+    """Every tile shape of both paths: partial weight tiles (N % 4 on AVX-512, N % 3 on AVX2),
+    partial row tiles (M % 6, M % 4), K in whole cache lines, plus one 8-float vector (AVX2), plus
+    a masked tail."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
     got = kernel.skinny_linear(x, w)
     assert got.shape == (rows, out_features)
     assert rel_err(got, x.double() @ w.double().T) < 1e-5
+
+
+def test_simd_path_matches_the_cpu():
+    """A machine with AVX-512, or AVX2+FMA, builds that path: the kernel never silently falls back."""
+    module = cpu_kernels.module()
+    if module is None:
+        pytest.skip(f"CPU kernels not built here: {cpu_kernels.unavailable_reason()}")
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), []))
+    want = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 0
+    assert module.skinny_linear_simd_width == want
+    assert skinny_linear.simd_width() == want
 
 
 def test_threads_split_the_weight_rows(kernel):

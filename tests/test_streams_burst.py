@@ -9,17 +9,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import multiprocessing as mp
-import threading
 from types import SimpleNamespace
 
 import grpc
 
 from engine.types import FinishReason, TokenDelta
 from router.client import AsyncPdserveClient
-from router.convert import ServerDefaults
 from router.limits import ServerLimits
-from router.server import PdserveServicer, ServerInfo, pending_calls_limit, start_server
-from tests.conftest import ByteTokenizer
+from router.server import pending_calls_limit
+from tests.conftest import router_on_a_thread
 
 BURST = 2500          # past grpc core's default soft limit (1,000), where it cancels at random
 CHANNELS = 8
@@ -46,28 +44,19 @@ def test_pending_calls_limit_holds_every_allowed_stream():
 def test_burst_while_the_loop_is_busy_reaches_the_handler():
     limits = ServerLimits(max_concurrent_streams=BURST + 100)
     orchestrator = OneTokenOrchestrator()
-    servicer = PdserveServicer(orchestrator, ByteTokenizer(), ServerDefaults(max_model_len=4096, vocab_size=300,
-                                                                            limits=limits),
-                               ServerInfo("fake", "colocated", 16))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server, port = asyncio.run_coroutine_threadsafe(start_server(servicer, "127.0.0.1", 0), loop).result(10)
     ctx = mp.get_context("spawn")   # the clients in their own process (one grpc.aio loop per process)
     sent, results = ctx.Event(), ctx.Queue()
-    client = ctx.Process(target=burst, args=(f"127.0.0.1:{port}", sent, results), daemon=True)
-    try:
-        loop.call_soon_threadsafe(sent.wait, 120)   # the router's loop is busy until every call waits in core
-        client.start()
-        outcomes = results.get(timeout=300)
-    finally:
-        sent.set()
-        client.join(10)
-        if client.is_alive():
-            client.kill()
-        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
+    with router_on_a_thread(orchestrator, limits, max_model_len=4096) as router:
+        client = ctx.Process(target=burst, args=(f"127.0.0.1:{router.port}", sent, results), daemon=True)
+        try:
+            router.loop.call_soon_threadsafe(sent.wait, 120)   # the router's loop is busy until every call waits in core
+            client.start()
+            outcomes = results.get(timeout=300)
+        finally:
+            sent.set()
+            client.join(10)
+            if client.is_alive():
+                client.kill()
     assert outcomes == {"OK": BURST}, outcomes
     assert orchestrator.seen == BURST
 

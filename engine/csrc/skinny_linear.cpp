@@ -5,10 +5,17 @@
 // reads and writes each weight ~2-3 times, and at these sizes the step is memory-bound on the
 // weights (a 135M model is 536 MB of float32 per step). This kernel streams each weight row from
 // memory exactly once: a tile of NR consecutive weight rows is multiplied with MR input rows
-// at a time (NR x MR accumulators + NR weight vectors fit in the 32 AVX-512 registers); further
-// input rows reuse the tile from L1. The next tile is prefetched while the current one computes.
+// at a time (NR x MR accumulators + NR weight vectors + one input vector fit in the vector
+// registers); further input rows reuse the tile from L1. The next tile is prefetched while the
+// current one computes, one cache line per weight row per step.
 // Threads split the weight rows through at::parallel_for (torch.set_num_threads is respected).
-// AVX-512 only: elsewhere `skinny_linear_simd_width()` is 0 and Python keeps torch's linear.
+//
+// Two SIMD paths, chosen at build time by -march=native (engine/cpu_kernels.py): AVX-512 (32 ZMM
+// registers: NR=4, MR=6) and AVX2+FMA (16 YMM registers: NR=3, MR=4). Both exist because the
+// machines pdserve runs on differ (a CI or serving host may have either; AMD EPYC before Zen 4
+// has no AVX-512) and the kernel pays off on both (benchmarks/results/linear.txt). Each output is
+// one FMA chain per SIMD lane over K, then a horizontal sum, so results differ from torch's only
+// by float32 rounding. Elsewhere `skinny_linear_simd_width()` is 0 and Python keeps torch's linear.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,71 +23,93 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define PDSERVE_SKINNY_SIMD 1
 #endif
 
 namespace {
 
+#ifdef PDSERVE_SKINNY_SIMD
 #if defined(__AVX512F__)
-constexpr int NR = 4;   // weight rows per tile (tile() names them w0..w3)
+using vec = __m512;
+constexpr int W = 16;   // floats per vector
+constexpr int NR = 4;   // weight rows per tile
 constexpr int MR = 6;   // input rows per tile: 4 x 6 accumulators + 4 weight vectors <= 32 registers
-constexpr int64_t GRAIN = 16;  // tiles per parallel chunk
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vload_tail(const float* p, int64_t n) {  // p[0..n), zeros after; n < W
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using vec = __m256;
+constexpr int W = 8;
+// 3 x 4 accumulators + 3 weight vectors + 1 input vector = the 16 YMM registers. Measured against
+// 2x6, 4x3, 2x4 and 1x8 (every SmolLM2-135M linear, CPU time): best or within 5% at 1-32 rows.
+constexpr int NR = 3;
+constexpr int MR = 4;
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vload_tail(const float* p, int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+}
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline float hsum(vec v) {  // halves, as _mm512_reduce_add_ps does
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+constexpr int LINE = 16;         // floats per 64-byte cache line: one prefetch per weight row per line
+constexpr int GRAIN = 16;        // tiles per parallel chunk
+static_assert(LINE % W == 0, "a cache line holds whole vectors");
 
-// One masked K step of a tile (the tail of K when it is not a multiple of 16).
-template <int MT>
-inline void fma_step(const float* x, int64_t K, const float* const* w, int64_t k, __mmask16 mask,
-                     __m512 (&acc)[NR][MT]) {
-  __m512 wv[NR];
-  for (int r = 0; r < NR; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w[r] + k);
+// One K step of a tile: acc[r][m] += w[r][k..k+W) * x[m][k..k+W). `Tail` loads n < W floats.
+template <int MT, bool Tail>
+inline void fma_step(const float* x, int64_t K, const float* const* w, int64_t k, int64_t n,
+                     vec (&acc)[NR][MT]) {
+  vec wv[NR];
+  for (int r = 0; r < NR; ++r) wv[r] = Tail ? vload_tail(w[r] + k, n) : vload(w[r] + k);
   for (int m = 0; m < MT; ++m) {
-    const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-    for (int r = 0; r < NR; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    const vec xv = Tail ? vload_tail(x + m * K + k, n) : vload(x + m * K + k);
+    for (int r = 0; r < NR; ++r) acc[r][m] = vfma(wv[r], xv, acc[r][m]);
   }
 }
 
 // rows x MT outputs of one tile: y[m * ldy + r] = dot(x[m], w[r]); `prefetch` is the next tile.
-// The full-vector loop uses plain loads (the masked form kept GCC from holding the accumulators
-// in registers: measured 2x slower at 12 rows).
+// The full-vector loop uses plain loads (a masked load in it kept GCC from holding the
+// accumulators in registers: measured 2x slower at 12 rows).
 template <int MT>
 void tile(const float* x, int64_t K, const float* const* w, int rows, float* y, int64_t ldy,
           const float* prefetch) {
-  __m512 acc[NR][MT];
+  vec acc[NR][MT];
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  const float* w0 = w[0];
-  const float* w1 = w[1];
-  const float* w2 = w[2];
-  const float* w3 = w[3];
+    for (int m = 0; m < MT; ++m) acc[r][m] = vzero();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 a0 = _mm512_loadu_ps(w0 + k), a1 = _mm512_loadu_ps(w1 + k);
-    const __m512 a2 = _mm512_loadu_ps(w2 + k), a3 = _mm512_loadu_ps(w3 + k);
+  for (; k + LINE <= K; k += LINE) {
     if (prefetch != nullptr)
       for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * K + k), _MM_HINT_T0);
-    for (int m = 0; m < MT; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      acc[0][m] = _mm512_fmadd_ps(a0, xv, acc[0][m]);
-      acc[1][m] = _mm512_fmadd_ps(a1, xv, acc[1][m]);
-      acc[2][m] = _mm512_fmadd_ps(a2, xv, acc[2][m]);
-      acc[3][m] = _mm512_fmadd_ps(a3, xv, acc[3][m]);
-    }
+#pragma GCC unroll 2
+    for (int v = 0; v < LINE; v += W) fma_step<MT, false>(x, K, w, k + v, W, acc);
   }
-  if (k < K) fma_step<MT>(x, K, w, k, static_cast<__mmask16>((1u << (K - k)) - 1), acc);
+  for (; k + W <= K; k += W) fma_step<MT, false>(x, K, w, k, W, acc);
+  if (k < K) fma_step<MT, true>(x, K, w, k, K - k, acc);
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < rows; ++r) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int r = 0; r < rows; ++r) y[m * ldy + r] = hsum(acc[r][m]);
 }
 
+// tile<mt> for 1 <= mt <= MT.
+template <int MT>
 void tile_rows(int mt, const float* x, int64_t K, const float* const* w, int rows, float* y, int64_t ldy,
                const float* prefetch) {
-  switch (mt) {
-    case 1: return tile<1>(x, K, w, rows, y, ldy, prefetch);
-    case 2: return tile<2>(x, K, w, rows, y, ldy, prefetch);
-    case 3: return tile<3>(x, K, w, rows, y, ldy, prefetch);
-    case 4: return tile<4>(x, K, w, rows, y, ldy, prefetch);
-    case 5: return tile<5>(x, K, w, rows, y, ldy, prefetch);
-    default: return tile<MR>(x, K, w, rows, y, ldy, prefetch);
+  if constexpr (MT > 1) {
+    if (mt < MT) return tile_rows<MT - 1>(mt, x, K, w, rows, y, ldy, prefetch);
   }
+  tile<MT>(x, K, w, rows, y, ldy, prefetch);
 }
 
 void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
@@ -94,7 +123,7 @@ void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t
       const float* next = (t + 1 < t1 && n0 + 2 * NR <= N) ? w + (n0 + NR) * K : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += MR) {  // later row groups find the tile in L1
         const int mt = static_cast<int>(std::min<int64_t>(MR, M - m0));
-        tile_rows(mt, x + m0 * K, K, w_rows, rows, y + m0 * N + n0, N, m0 == 0 ? next : nullptr);
+        tile_rows<MR>(mt, x + m0 * K, K, w_rows, rows, y + m0 * N + n0, N, m0 == 0 ? next : nullptr);
       }
     }
   });
@@ -111,16 +140,16 @@ void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "skinny_linear: contiguous tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "skinny_linear: shapes do not match");
-#if defined(__AVX512F__)
+#ifdef PDSERVE_SKINNY_SIMD
   if (M > 0 && N > 0) run(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
 #else
-  TORCH_CHECK(false, "skinny_linear: built without AVX-512");
+  TORCH_CHECK(false, "skinny_linear: built without AVX-512 or AVX2+FMA");
 #endif
 }
 
 int skinny_linear_simd_width() {
-#if defined(__AVX512F__)
-  return 16;
+#ifdef PDSERVE_SKINNY_SIMD
+  return W;
 #else
   return 0;
 #endif
