@@ -291,8 +291,10 @@ def start_cluster(args, speed):
     sim = SimConfig(num_blocks=blocks, max_num_seqs=2 * per_decode, max_num_batched_tokens=2048)
     thread = ClusterThread(config, SimCluster(config, speed, sim))
     thread.start(120)
-    if args.gc_freeze:   # what startup made (torch, transformers, grpc, ...) out of every collection's scan
-        gc.freeze()
+    if not args.no_gc_freeze:   # as ``pdserve serve`` does once started (router/gc_freeze.py)
+        from router.gc_freeze import freeze_startup_heap
+
+        freeze_startup_heap()
     return thread
 
 
@@ -588,7 +590,7 @@ def header(args, speed) -> list[str]:
         f"load: {args.streams} concurrent streams (closed loop, ramp {args.ramp_s:g} s, warm-up {args.warmup_s:g} s,"
         f" measured {args.measure_s:g} s) x ({args.prompt_len} prompt + {args.max_tokens} output tokens),"
         f" {args.channels} gRPC channels from a separate client process; router --stream-interval {args.stream_interval}"
-        f"{'; gc.freeze() after startup' if args.gc_freeze else ''}",
+        f"{'; start-up heap NOT frozen (--no-gc-freeze)' if args.no_gc_freeze else '; start-up heap frozen (as serve does)'}",
     ]
 
 
@@ -700,7 +702,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="py-spy the window (slows the router: separate run)")
     p.add_argument("--profile-out", type=Path, default=None)
     p.add_argument("--skip-report-cost", action="store_true")
-    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the router has started (an experiment)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave start-up's heap in the collector's scans (pdserve serve freezes it: router/gc_freeze.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
