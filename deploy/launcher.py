@@ -147,7 +147,7 @@ class Cluster:
         await self.inbox.start()
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
                                          on_lost=self.supervisor.worker_lost, migration_limit=cfg.migration_limit,
-                                         inbox=self.inbox, node_id=ray.get_runtime_context().get_node_id(),
+                                         inbox=self.inbox, node_id=_this_node_id(),
                                          submitter=UnixPusher(), on_stats=self._on_worker_stats)
         info = infos[0]
         name = cfg.served_model_name or name or info["model"]   # what gRPC's ServerInfo and /v1/models say
@@ -455,3 +455,10 @@ def holds_anything(report: dict) -> bool:
     requests and prompt tokens the router still counts against it."""
     return bool(report["requests"] or report["free_blocks"] != report["total_blocks"]
                 or report["router_requests"] or report["router_prefill_tokens"])
+
+
+def _this_node_id() -> str | None:
+    """The Ray node this router runs on; None when this process has no Ray (a simulated cluster):
+    asking Ray's runtime context would start a Ray instance in this process (auto-init), which
+    outlives the cluster and which the next ``ray.init`` on this machine joins."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -184,3 +184,12 @@ async def _router_idle(cluster, timeout_s: float = 5.0) -> bool:
             return True
         await asyncio.sleep(0.05)
     return False
+
+
+def test_the_simulated_cluster_left_no_ray_in_this_process():
+    """After the module's simulated cluster (no Ray in it): a Ray instance started here by
+    accident (Ray's runtime context auto-inits) outlives it, and the next ``ray.init`` on the
+    machine (a ``pdserve serve``) joins it and takes it down at its exit, and this process with it."""
+    import ray
+
+    assert not ray.is_initialized()
