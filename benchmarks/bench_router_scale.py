@@ -35,6 +35,7 @@ import asyncio
 import collections
 import dataclasses
 import datetime
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -146,22 +147,79 @@ async def _user(i: int, client, args: dict, begin: float, stop_at: float, out: d
 # ---------------------------------------------------------------- the router process
 
 
-class DecisionTimer:
-    """Times every call of ``admission.decide`` (the decision itself: predictions, pair choice)."""
+class GCTimer:
+    """Every garbage collection in this process: its generation and pause (CPU time of the
+    thread it ran in: wall time on a loaded machine counts the waits for a core too)."""
 
-    def __init__(self, admission) -> None:
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []   # (generation, seconds)
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.pauses.append((info["generation"], time.thread_time() - self._start))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+class StallWatch:
+    """A thread that wakes every 50 ms and keeps the gaps it sees over 0.5 s: the process was
+    stopped (SIGSTOP: a shared machine pausing niced work) or starved of a core that long. A
+    stopped router keeps grpc core's clocks running: calls then time out unrequested (30 s) and
+    the run measures the pause, not the router."""
+
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            if now - last > 0.5:
+                self.gaps.append(now - last)
+            last = now
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def loop_lag(out: list[float], period_s: float = 0.01) -> None:
+    """On the router's loop: how late a 10 ms sleep wakes (about one loop iteration's length:
+    grpc.aio picks a new call up only every few iterations, so long ones slow admission of calls)."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period_s)
+        out.append(time.perf_counter() - t - period_s)
+
+
+class DecisionTimer:
+    """Times every call of ``admission.decide`` (the decision itself: predictions, pair choice),
+    and notes the decisions a garbage collection ran inside (``gc_timer``)."""
+
+    def __init__(self, admission, gc_timer: GCTimer | None = None) -> None:
         self.wall_s: list[float] = []
         self.cpu_s: list[float] = []
+        self.with_gc: list[bool] = []
         self.calls = 0
         decide = admission.decide
 
         def timed(*args, **kwargs):
+            n = len(gc_timer.pauses) if gc_timer else 0
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return decide(*args, **kwargs)
             finally:
                 self.cpu_s.append(time.thread_time() - c0)
                 self.wall_s.append(time.perf_counter() - t0)
+                self.with_gc.append(bool(gc_timer) and len(gc_timer.pauses) > n)
                 self.calls += 1
 
         admission.decide = timed
@@ -169,6 +227,7 @@ class DecisionTimer:
     def reset(self) -> None:
         self.wall_s.clear()
         self.cpu_s.clear()
+        self.with_gc.clear()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -225,12 +284,17 @@ def start_cluster(args, speed):
 
     per_decode = -(-args.streams // args.decode)
     blocks = per_decode * -(-(args.prompt_len + args.max_tokens) // 16) * 2
-    limits = ServerLimits(max_concurrent_streams=args.streams + 64, max_queued_requests=args.streams)
+    limits = ServerLimits(max_concurrent_streams=args.streams + 64, max_queued_requests=args.streams,
+                          stream_interval=args.stream_interval)
     config = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, port=0, metrics_port=0,
                            defaults={"limits": limits})
     sim = SimConfig(num_blocks=blocks, max_num_seqs=2 * per_decode, max_num_batched_tokens=2048)
     thread = ClusterThread(config, SimCluster(config, speed, sim))
     thread.start(120)
+    if not args.no_gc_freeze:   # as ``pdserve serve`` does once started (router/gc_freeze.py)
+        from router.gc_freeze import freeze_startup_heap
+
+        freeze_startup_heap()
     return thread
 
 
@@ -249,7 +313,9 @@ def measure(args, speed, address_holder: dict) -> dict:
     thread = start_cluster(args, speed)
     cluster = thread.cluster
     address = f"127.0.0.1:{cluster.port}"
-    timer = DecisionTimer(cluster.admission)
+    gc_timer = GCTimer()
+    stalls = StallWatch()
+    timer = DecisionTimer(cluster.admission, gc_timer)
     ttft_ms, tpot_ms = slo_targets(args, speed)
     client_args = {"streams": args.streams, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                    "channels": args.channels, "ramp_s": args.ramp_s, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
@@ -270,12 +336,17 @@ def measure(args, speed, address_holder: dict) -> dict:
         if args.profile:
             profiler = start_py_spy(args)
         w0 = (time.monotonic(), process_cpu_s(), cluster.host.cpu_s(), thread_cpu_s(thread._thread), timer.calls)
+        gc0 = len(gc_timer.pauses)
+        lags: list[float] = []
+        lag_probe = asyncio.run_coroutine_threadsafe(loop_lag(lags), thread.loop)
         queued_max = 0
         while time.monotonic() < t1:
             time.sleep(0.05)
             queued_max = max(queued_max, cluster.admission.num_queued)
         w1 = (time.monotonic(), process_cpu_s(), cluster.host.cpu_s(), thread_cpu_s(thread._thread), timer.calls)
-        decisions = (list(timer.wall_s), list(timer.cpu_s))
+        lag_probe.cancel()
+        decisions = (list(timer.wall_s), list(timer.cpu_s), list(timer.with_gc))
+        gc_window = gc_timer.pauses[gc0:]
         window = Window(w0[0], w1[0], w1[1] - w0[1], w1[2] - w0[2], w1[3] - w0[3], w1[4] - w0[4])
         kind, result = parent.recv()
         if kind != "done":
@@ -289,7 +360,9 @@ def measure(args, speed, address_holder: dict) -> dict:
         if child.is_alive():
             child.kill()
         thread.stop()
-    return {"window": window, "client": result, "decisions": decisions, "queued_max": queued_max,
+        gc_timer.close()
+        stalls.close()
+    return {"window": window, "gc": gc_window, "stalls": stalls.gaps, "lags": lags, "client": result, "decisions": decisions, "queued_max": queued_max,
             "leaks": leaks, "steps": steps, "profile": profile, "targets": (ttft_ms, tpot_ms),
             "metrics_bytes": len(metrics)}
 
@@ -516,7 +589,8 @@ def header(args, speed) -> list[str]:
         f" prefill {speed.prefill_s_per_token * 1e6:.1f} us/token",
         f"load: {args.streams} concurrent streams (closed loop, ramp {args.ramp_s:g} s, warm-up {args.warmup_s:g} s,"
         f" measured {args.measure_s:g} s) x ({args.prompt_len} prompt + {args.max_tokens} output tokens),"
-        f" {args.channels} gRPC channels from a separate client process",
+        f" {args.channels} gRPC channels from a separate client process; router --stream-interval {args.stream_interval}"
+        f"{'; start-up heap NOT frozen (--no-gc-freeze)' if args.no_gc_freeze else '; start-up heap frozen (as serve does)'}",
     ]
 
 
@@ -528,7 +602,10 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
     rate = tokens / span if span > 0 else float("nan")
     per_token_us = w.router_cpu_s / (rate * (w.t1 - w.t0)) * 1e6 if tokens else float("nan")
     loop_us = w.loop_cpu_s / (rate * (w.t1 - w.t0)) * 1e6 if tokens else float("nan")
-    wall, cpu = run["decisions"]
+    wall, cpu, with_gc = run["decisions"]
+    no_gc = [c for c, g in zip(cpu, with_gc) if not g]
+    gcs = collections.Counter(g for g, _ in run["gc"])
+    gc2 = [d for g, d in run["gc"] if g == 2]
     ttft_ms, tpot_ms = run["targets"]
     lines = header(args, speed) + [
         f"SLO targets sent with every request: TTFT {ttft_ms:.0f} ms, TPOT {tpot_ms:.0f} ms",
@@ -545,12 +622,19 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         f"  admission queue, max seen in the window: {run['queued_max']}",
         f"  client process CPU: {res['client_cpu_s']:.1f} s",
         f"  leak check after the run: {'none' if not run['leaks'] else run['leaks']}",
+        f"  router loop lag in the window (a 10 ms sleep wakes late by) p50 / p99 / max:"
+        f" {pct(run['lags'], .5) * 1e3:.1f} / {pct(run['lags'], .99) * 1e3:.1f} / {max(run['lags'], default=0) * 1e3:.1f} ms",
+        f"  router process stopped or starved over 0.5 s: {len(run['stalls'])} times, longest"
+        f" {max(run['stalls'], default=0):.1f} s" + ("  (RUN NOT VALID: it measured the pauses)" if max(run['stalls'], default=0) > 2 else ""),
         "",
         "targets",
         f"  ADMISSION DECISION p50 / p99 / max (ms, wall): {pct(wall, .5) * 1e3:.3f} / {pct(wall, .99) * 1e3:.3f} /"
         f" {max(wall, default=float('nan')) * 1e3:.3f}  over {len(wall):,} decisions (ramp, warm-up and window)   target p99 <= 1 ms:"
         f" {'MET' if pct(wall, .99) <= 1e-3 else 'MISSED'}",
-        f"    same, thread CPU time: {pct(cpu, .5) * 1e3:.3f} / {pct(cpu, .99) * 1e3:.3f} ms",
+        f"    same, thread CPU time: {pct(cpu, .5) * 1e3:.3f} / {pct(cpu, .99) * 1e3:.3f} ms; {sum(with_gc)} decisions had a"
+        f" garbage collection inside, the others' thread CPU p99 {pct(no_gc, .99) * 1e3:.3f} ms",
+        f"    garbage collections in the window (gen 0 / 1 / 2): {gcs[0]} / {gcs[1]} / {gcs[2]}; gen 2 pauses max"
+        f" {max(gc2, default=0) * 1e3:.0f} ms, all {sum(d for _, d in run['gc']) * 1e3:.0f} ms (thread CPU)",
         f"  ROUTER CPU PER STREAMED TOKEN: {per_token_us:.1f} us  (process {w.process_cpu_s:.2f} s - simulated workers'"
         f" thread {w.sim_cpu_s:.2f} s = {w.router_cpu_s:.2f} s over {w.t1 - w.t0:.1f} s, {w.router_cpu_s / (w.t1 - w.t0):.0%}"
         f" of a core)   target <= 20 us: {'MET' if per_token_us <= 20 else 'MISSED'}",
@@ -601,6 +685,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the router's --stream-interval: tokens per stream message (1: every token as it comes)")
     p.add_argument("--ramp-s", type=float, default=30.0)
     p.add_argument("--warmup-s", type=float, default=15.0)
     p.add_argument("--measure-s", type=float, default=30.0)
@@ -616,6 +702,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="py-spy the window (slows the router: separate run)")
     p.add_argument("--profile-out", type=Path, default=None)
     p.add_argument("--skip-report-cost", action="store_true")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave start-up's heap in the collector's scans (pdserve serve freezes it: router/gc_freeze.py)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.quick:

@@ -244,7 +244,7 @@ class Range(_message.Message):
     def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens", "ttft_ms_range", "tpot_ms_range", "scheduling_policy", "min_priority", "max_priority")
+    __slots__ = ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens", "ttft_ms_range", "tpot_ms_range", "scheduling_policy", "min_priority", "max_priority", "stream_interval")
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class Limits(_message.Message):
     SCHEDULING_POLICY_FIELD_NUMBER: _ClassVar[int]
     MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int
@@ -279,7 +280,8 @@ class Limits(_message.Message):
     scheduling_policy: SchedulingPolicy
     min_priority: int
     max_priority: int
-    def __init__(self, max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., max_chat_messages: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_pending_tokens: _Optional[int] = ..., ttft_ms_range: _Optional[_Union[Range, _Mapping]] = ..., tpot_ms_range: _Optional[_Union[Range, _Mapping]] = ..., scheduling_policy: _Optional[_Union[SchedulingPolicy, str]] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., max_chat_messages: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_pending_tokens: _Optional[int] = ..., ttft_ms_range: _Optional[_Union[Range, _Mapping]] = ..., tpot_ms_range: _Optional[_Union[Range, _Mapping]] = ..., scheduling_policy: _Optional[_Union[SchedulingPolicy, str]] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "mode", "workers", "default_slo", "limits")

@@ -32,7 +32,7 @@ from engine.types import FinishReason, RequestSpec, TokenDelta
 from protos import pdserve_pb2 as pb
 from router import convert, limits as request_limits
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
-from router.delta_queue import MAX_PENDING_TOKENS, SLOW_READER, SlowReaderError
+from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
 from router.errors import RequestFailedError, status_for
 from router.identity import DuplicateRequestError, LiveRequests, RequestIdentity
 from router.metrics import RouterMetrics
@@ -70,6 +70,7 @@ class GenerationCore:
         self.limits = defaults.limits
         self.metrics = metrics
         self.live = LiveRequests(self.limits.max_concurrent_streams)
+        self._queue_policy = QueuePolicy(self.limits.max_pending_tokens, self.limits.stream_interval)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize")
 
     # ---- one request ------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class GenerationCore:
         trim = StopTextTrimmer(spec.sampling.stop) if spec.sampling.stop else None
         outcome = FinishReason.ABORT  # until the stream says otherwise
         rejected = False
-        MAX_PENDING_TOKENS.set(self.limits.max_pending_tokens)  # read by the request's DeltaQueue
+        QUEUE_POLICY.set(self._queue_policy)  # read by the request's DeltaQueue
         try:
             async with contextlib.aclosing(self.orchestrator.generate(spec, trace)) as deltas:
                 async for delta in deltas:

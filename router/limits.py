@@ -49,6 +49,9 @@ class ServerLimits:
     max_concurrent_streams: int = _limit(256, "live Generate calls; more get RESOURCE_EXHAUSTED at once")
     max_queued_requests: int = _limit(128, "requests waiting in admission; more get RESOURCE_EXHAUSTED at once")
     max_pending_tokens: int = _limit(4096, "tokens a stream's reader may leave unread before it is cancelled")
+    stream_interval: int = _limit(1, "tokens per stream message (vLLM's --stream-interval): a stream's first "
+                                     "tokens and its last go at once, the rest when this many are pending; "
+                                     "larger costs the router less per token, the client a burstier stream")
     min_ttft_ms: float = _limit(10.0, "client TTFT hints are clamped into [min, max]")
     max_ttft_ms: float = _limit(600_000.0)
     min_tpot_ms: float = _limit(1.0, "client TPOT hints are clamped into [min, max]")
@@ -63,6 +66,8 @@ class ServerLimits:
             raise ValueError("SLO hint ranges must have min <= max")
         if self.min_priority > self.max_priority:
             raise ValueError("priority range must have min <= max")
+        if not 1 <= self.stream_interval <= self.max_pending_tokens:
+            raise ValueError("stream_interval must be in [1, max_pending_tokens]")
 
 
 
@@ -128,7 +133,7 @@ def limits_to_proto(limits: ServerLimits) -> dict:
         max_stop_token_ids=limits.max_stop_token_ids, max_prompt_bytes=limits.max_prompt_bytes,
         max_chat_messages=limits.max_chat_messages, max_receive_message_bytes=limits.max_receive_message_bytes,
         max_concurrent_streams=limits.max_concurrent_streams, max_queued_requests=limits.max_queued_requests,
-        max_pending_tokens=limits.max_pending_tokens,
+        max_pending_tokens=limits.max_pending_tokens, stream_interval=limits.stream_interval,
         ttft_ms_range=pb.Range(min=limits.min_ttft_ms, max=limits.max_ttft_ms),
         tpot_ms_range=pb.Range(min=limits.min_tpot_ms, max=limits.max_tpot_ms),
         scheduling_policy=_POLICY_TO_PROTO[limits.scheduling_policy],

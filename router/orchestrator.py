@@ -232,6 +232,7 @@ class Orchestrator:
                     if learn:
                         self._observed_ttft(pair, trace)
                     self._decoding(decode, progress, len(first.token_ids))
+                    queue.started()   # the client has its first token: the rest follow at the stream interval
                     yield first
                     finished = first.finished
             while not finished:

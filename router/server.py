@@ -101,10 +101,18 @@ class PdserveServicer(pb_grpc.PdserveServicer):
     # ---- Generate ---------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest | MalformedRequest, context: grpc.aio.ServicerContext) -> None:
         """Writes with ``context.write`` (not ``yield``) so a write cancelled because the client
-        stopped reading is seen here and answered."""
+        stopped reading is seen here and answered.
+
+        The headers go first, on their own, before the request's queue exists: grpc.aio marks
+        them sent only once a write completes, so a slow-reader cancel that lands in the first
+        write (still pending in core) would make the abort send them again, a batch core
+        refuses (TOO_MANY_OPERATIONS): no status would leave and the client would wait for its
+        deadline. With them sent, an abort is a status batch alone, which core takes while a
+        write is pending (the status follows the message once the client reads)."""
         identity: RequestIdentity | None = None
         try:
             identity = self.core.claim(request)
+            await context.send_initial_metadata(())
             async with contextlib.aclosing(self.core.stream(request, identity)) as events:
                 async for event in events:
                     await context.write(_response(event, identity.label))

@@ -51,7 +51,7 @@ class DecodeStreams:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    def register(self, req_id: str, worker: WorkerHandle) -> asyncio.Queue[QueueItem]:
+    def register(self, req_id: str, worker: WorkerHandle) -> DeltaQueue:
         queue = DeltaQueue()  # merges deltas for a reader that lags; bounded (router/delta_queue.py)
         self._queues[req_id] = queue
         self._owner[req_id] = (worker.worker_id, worker.generation)

@@ -200,9 +200,31 @@ class EndlessOrchestrator:
             self.ended.set()   # where the real orchestrator aborts on every worker
 
 
-def test_slow_reader_is_cancelled_with_bounded_memory():
+class FirstWriteFloodOrchestrator(EndlessOrchestrator):
+    """The first token, then more than ``max_pending_tokens`` at once while the handler's first
+    write is still pending: the slow-reader cancel lands in that write, every time."""
+
+    async def generate(self, spec, trace):
+        queue = DeltaQueue()
+        queue.put_nowait(TokenDelta(spec.req_id, (5,)))
+        first = await queue.get()
+        flood = TokenDelta(spec.req_id, (5,) * (queue.max_pending_tokens + 1))
+        # scheduled before the handler starts its write, so it runs while that write is pending
+        asyncio.get_running_loop().call_soon(queue.put_nowait, flood)
+        try:
+            yield first
+            item = await queue.get()
+            assert isinstance(item, SlowReaderError), item
+            raise item
+        finally:
+            self.ended.set()
+
+
+@pytest.mark.parametrize("orchestrator_type", [EndlessOrchestrator, FirstWriteFloodOrchestrator],
+                         ids=["mid-stream", "during-the-first-write"])
+def test_slow_reader_is_cancelled_with_bounded_memory(orchestrator_type):
     limits = ServerLimits(max_pending_tokens=512)
-    orchestrator = EndlessOrchestrator()
+    orchestrator = orchestrator_type()
     with router_on_a_thread(orchestrator, limits, max_model_len=10**9) as router:
         servicer = router.servicer
         with PdserveClient(f"127.0.0.1:{router.port}", timeout_s=60) as client:
@@ -212,8 +234,8 @@ def test_slow_reader_is_cancelled_with_bounded_memory():
             with pytest.raises(grpc.RpcError) as info:
                 for _ in stream:
                     pass
-        assert info.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
-        assert info.value.code() is grpc.StatusCode.CANCELLED or "max_pending_tokens" in info.value.details()
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "max_pending_tokens" in info.value.details()
         assert orchestrator.max_pending_seen <= limits.max_pending_tokens + 8
         deadline = time.monotonic() + 10
         while len(servicer.live) and time.monotonic() < deadline:   # the handler's finally runs on its loop

@@ -1,5 +1,6 @@
 """``pdserve serve`` as a real process (tiny random Llama, embedded Ray): a crash of the whole
-process tree leaves /dev/shm pools that the next start reclaims; SIGTERM stops it gracefully
+process tree leaves /dev/shm pools that the next start reclaims; start-up's heap is frozen out of
+garbage collection before it serves; SIGTERM stops it gracefully
 (exit 0, no pool left, no Ray process left); SIGINT during start-up stops the start; the
 embedded Ray listens on loopback only.
 
@@ -157,6 +158,8 @@ def test_crash_leaves_pools_the_next_start_reclaims_and_sigterm_stops_cleanly(ru
     addr = address(second)
     assert not any(f.exists() for f in crashed), "the second start left the first run's pools"
     assert "reclaimed stale KV pool" in second.text
+    frozen = re.search(r"(\d+) start-up objects frozen out of garbage collection", second.text)
+    assert frozen and int(frozen.group(1)) > 100_000, "start-up's heap should be out of the collector's scans"
     assert_serves(addr)
     # The embedded Ray (and the router, --host default) listen on loopback only.
     bound = listening_addresses(second)
