@@ -35,7 +35,11 @@ def test_same_bits_as_the_model_norm(rows, threads):
 
 
 def test_only_inside_active_and_copies_stay_plain(tiny_model, monkeypatch):
-    model = copy.deepcopy(tiny_model.model)
+    # A fresh model of the tiny config: engines built by earlier tests installed into the shared
+    # one (and set its config's attention to the engine's paged kernel).
+    config = copy.deepcopy(tiny_model.model.config)
+    config._attn_implementation = "sdpa"
+    model = type(tiny_model.model)(config).eval()
     count = fast_norm.install(model)
     assert count == 2 * model.config.num_hidden_layers + 1   # two per layer, plus the final norm
     assert fast_norm.install(model) == 0                      # installing twice changes nothing

@@ -60,18 +60,6 @@ def test_panel_matches_float64_matmul(kernel, rows, out_features, in_features):
     assert rel_err(got, x.double() @ w.double().T) < 1e-5
 
 
-def test_panel_threads_split_the_weight_rows(kernel):
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(64, 576, generator=g), torch.randn(4099, 576, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got = kernel.panel_linear(x, w)
-    finally:
-        torch.set_num_threads(before)
-    assert rel_err(got, x.double() @ w.double().T) < 1e-5
-
-
 def test_simd_path_matches_the_cpu():
     """A machine with AVX-512, or AVX2+FMA, builds that path: the kernel never silently falls back."""
     module = cpu_kernels.module()
@@ -86,13 +74,14 @@ def test_simd_path_matches_the_cpu():
     assert skinny_linear.simd_width() == want
 
 
-def test_threads_split_the_weight_rows(kernel):
-    g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(9, 576, generator=g), torch.randn(4099, 576, generator=g)
+@pytest.mark.parametrize("name, rows", [("skinny_linear", 9), ("panel_linear", 64)])
+def test_threads_split_the_weight_rows(kernel, name, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=g), torch.randn(4099, 576, generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        got = kernel.skinny_linear(x, w)
+        got = getattr(kernel, name)(x, w)
     finally:
         torch.set_num_threads(before)
     assert rel_err(got, x.double() @ w.double().T) < 1e-5
