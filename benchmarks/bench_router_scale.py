@@ -470,7 +470,7 @@ class _QueuedBench:
         for k in range(num_reports):
             worker = decode[(self.reports + k) % len(decode)]
             cluster._on_worker_stats(worker)
-            for _ in range(4):     # the notify task, then the woken waiters' re-decisions
+            for _ in range(4):     # the woken waiters' re-decisions (and their own wake-ups)
                 await asyncio.sleep(0)
         self.reports += num_reports
         cpu = time.thread_time() - cpu0

@@ -39,7 +39,7 @@ from deploy.ray_init import init_ray, shutdown_ray
 from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
-from engine.worker_base import WorkerSpec
+from engine.worker_spec import WorkerSpec
 from kvtransfer.select import choose_transport
 from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router.convert import ServerDefaults
@@ -182,7 +182,7 @@ class Cluster:
         self.metrics.update_worker(worker.stats)
         self.admission.observe_stats(worker)
         if self.admission.num_queued:
-            asyncio.get_running_loop().create_task(self.admission.notify())
+            self.admission.notify()
 
     def _on_worker_down(self, worker: WorkerHandle) -> None:
         self.metrics.worker_state(worker.worker_id, worker.role, up=False)
@@ -194,7 +194,7 @@ class Cluster:
         self.metrics.worker_state(worker.worker_id, worker.role, up=True, restarted=True)
         loop = asyncio.get_running_loop()
         loop.create_task(self.health.update(self.registry.can_serve))
-        loop.create_task(self.admission.notify())   # requests queued for a worker to come back
+        self.admission.notify()   # requests queued for a worker to come back
 
     async def _spawn(self, worker: WorkerHandle) -> tuple[Any, dict]:
         """A fresh actor for ``worker``'s slot, with a fresh engine and KV pool (a new /dev/shm

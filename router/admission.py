@@ -224,7 +224,9 @@ class Admission:
             model = self.models[worker_id] = StepTimeModel()
         return model
 
-    async def notify(self) -> None:
+    def notify(self) -> None:
+        """Capacity may have changed: wake the next few queued requests to decide again. A plain
+        call (it sets their events): a task per worker report cost more than the wake itself."""
         self._waiters.wake(MAX_WAKE_PER_NOTIFY)
 
     async def capacity_changed(self, timeout_s: float) -> None:

@@ -377,7 +377,7 @@ class Orchestrator:
                 self.on_stats(prefill)
 
     def _capacity_changed(self) -> None:
-        asyncio.get_running_loop().create_task(self.admission.notify())
+        self.admission.notify()
 
     async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str, sent: tuple[int, ...]) -> None:
         """Run the request on its decode worker from its prompt, after the tokens already ``sent``."""

@@ -144,7 +144,7 @@ def test_queue_waits_for_capacity_then_admits_or_times_out():
         await asyncio.sleep(0.05)
         assert not waiter.done() and admission.num_queued == 1
         sent_to_decode(decode, 0)        # capacity frees up; a worker report wakes the queue
-        await admission.notify()
+        admission.notify()
         pair = await asyncio.wait_for(waiter, 1.0)
         assert pair.decode is decode and admission.num_queued == 0
         sent_to_decode(decode, 60)       # queued again: the time it waits counts toward its TTFT

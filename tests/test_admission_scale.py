@@ -218,7 +218,7 @@ async def _queued_reports(monkeypatch, num_queued: int) -> tuple[int, int]:
         steps = worker.stats.recent_steps + (StepTiming(5, 5, 0, 800 + step, 0.02 + step * 1e-5),)
         worker.observe_stats(dataclasses.replace(worker.stats, recent_steps=steps[-64:]))
         admission.observe_stats(worker)
-        await admission.notify()
+        admission.notify()
         for _ in range(4):
             await asyncio.sleep(0)
         admission.decide(spec, now=NOW)   # the step model is asked once per report at least

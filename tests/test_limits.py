@@ -178,7 +178,7 @@ def test_admission_queue_cap_answers_at_once():
         with pytest.raises(CapacityError, match="^max_queued_requests: "):
             await asyncio.wait_for(admission.acquire(admission_spec(ttft=5.0, tpot=0.05)), 0.5)
         sent_to_decode(admission.registry.decode[0], 0)
-        await admission.notify()
+        admission.notify()
         await asyncio.wait_for(asyncio.gather(*waiters), 1.0)
         assert admission.num_queued == 0
 
