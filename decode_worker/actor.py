@@ -8,15 +8,15 @@ import ray
 
 from engine.config import EngineRole
 from engine.types import RequestSpec, StreamBatch, WorkerStats
-from engine.worker_base import WorkerSpec
-from decode_worker.worker import DecodeWorker
-from kvtransfer import group
+from engine.worker_spec import WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 
 
 @ray.remote
 class DecodeActor:
     def __init__(self, spec: WorkerSpec, colocated: bool = False, standby: bool = False) -> None:
+        from decode_worker.worker import DecodeWorker   # here: the router imports this class, never the engine
+
         role = EngineRole.COLOCATED if colocated else EngineRole.DECODE
         self.worker = DecodeWorker(spec, role, standby)
 
@@ -32,6 +32,8 @@ class DecodeActor:
         return self.worker.info(ray.get_runtime_context().get_node_id())
 
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
+        from kvtransfer import group   # torch.distributed: in the worker's process only
+
         await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
     async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
@@ -63,5 +65,7 @@ class DecodeActor:
         await self.worker.inject_fault(kind)
 
     async def shutdown(self) -> None:
+        from kvtransfer import group
+
         self.worker.shutdown()
         group.leave()

@@ -11,32 +11,19 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, TypeVar
 
 import torch
 
 from engine import kv_cache, tracing
-from engine.config import EngineConfig
 from engine.engine import LLMEngine, StepResult
 from engine.loop import EngineLoop
 from engine.types import KVEvent, KVLayout, WorkerStats
+from engine.worker_spec import WorkerSpec  # noqa: F401  (workers and tests take it from here too)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """How the launcher asks for a worker."""
-
-    worker_id: str
-    model: str | None = None                 # None: the embedded default model
-    random_model: dict | None = None         # tests: tiny random Llama overrides (seed etc.)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    num_threads: int = 1                     # torch threads: the worker's share of the cores
-    allow_fault_injection: bool = False      # tests only: enables ``inject_fault``
-    tracing: tracing.TracingConfig | None = None  # where this worker exports its spans; None: off
 
 
 def load_for(spec: WorkerSpec):

@@ -10,10 +10,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.errors import PeerLostError
 from engine.types import FirstToken, PrefillResult, RequestSpec, WorkerStats
-from engine.worker_base import WorkerSpec
-from kvtransfer import group
+from engine.worker_spec import WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
-from prefill_worker.worker import PrefillWorker
 
 
 class DecodePeer:
@@ -46,6 +44,8 @@ class DecodePeer:
 @ray.remote
 class PrefillActor:
     def __init__(self, spec: WorkerSpec, standby: bool = False) -> None:
+        from prefill_worker.worker import PrefillWorker   # here: the router imports this class, never the engine
+
         self.worker = PrefillWorker(spec, standby)
 
     async def ping(self) -> None:
@@ -61,6 +61,8 @@ class PrefillActor:
         return self.worker.info(ray.get_runtime_context().get_node_id())
 
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
+        from kvtransfer import group   # torch.distributed: in the worker's process only
+
         await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
     async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any,
@@ -89,5 +91,7 @@ class PrefillActor:
         await self.worker.inject_fault(kind)
 
     async def shutdown(self) -> None:
+        from kvtransfer import group
+
         self.worker.shutdown()
         group.leave()

@@ -279,3 +279,12 @@ def test_router_modules_do_not_load_torch():
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_launcher_and_the_actor_classes_do_not_load_torch():
+    """The router process imports these to start workers; the engine (torch, transformers'
+    models) comes in only inside the actors' processes: a smaller router heap."""
+    code = ("import sys, deploy.launcher, decode_worker.actor, prefill_worker.actor; "
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
