@@ -65,13 +65,26 @@ CTX = [1, 2, 15, 16, 17, 31, 32, 33, 100, 640, 1000]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
-@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 16, 128, 24])
 def test_matches_reference(kernel, groups, head_dim, portable):
     q, kc, vc, tables, ctx = make_case(CTX, groups, head_dim=head_dim)
     scale = head_dim**-0.5
     got = kernel.paged_decode_attention(q, kc, vc, tables, ctx, scale, portable=portable)
     assert rel_err(got, reference(q, kc, vc, tables, ctx, scale)) < 1e-5
+
+
+@pytest.mark.parametrize("groups", range(1, 10))
+def test_query_head_tiles(kernel, groups):
+    """The SIMD path scores and accumulates the query heads of a KV head in tiles of at most 3
+    (AVX2) or 4 (AVX-512) heads, keys 4 at a time: every group size (one tile, several, uneven
+    ones), blocks ending 1-3 keys past a tile of 4, whole requests (many) and split per KV head (few)."""
+    lens = [1, 2, 3, 5, 6, 7, 16, 18, 35, 63, 200, 401]
+    q, kc, vc, tables, ctx = make_case(lens, groups, kv_heads=2, seed=10 + groups)
+    want = reference(q, kc, vc, tables, ctx, 0.125)
+    assert rel_err(kernel.paged_decode_attention(q, kc, vc, tables, ctx, 0.125), want) < 1e-5
+    few = kernel.paged_decode_attention(q[-2:], kc, vc, tables[-2:], ctx[-2:], 0.125)
+    assert rel_err(few, want[-2:]) < 1e-5
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 32])
