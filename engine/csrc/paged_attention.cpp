@@ -26,7 +26,6 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -242,71 +241,29 @@ static inline float hsum(vec v) {
   return _mm_cvtss_f32(r);
 }
 
-// Register budget of the tiles below: vector registers of the ISA.
-constexpr int REGS = W == 16 ? 32 : 16;
-// The query heads sharing a KV head are scored and accumulated together, at most QMAX at a
-// time, so each key and value vector is loaded once for all of them instead of once per head
-// (with one head at a time the loads, not the FMAs, bounded the kernel). A score tile holds
-// QMAX x KT accumulators, QMAX query vectors and one key vector: 3 x 4 + 3 + 1 = 16 on AVX2.
-constexpr int QMAX = W == 16 ? 4 : 3;
-constexpr int KT = 4;  // key rows per score tile
-
-constexpr int floor_pow2(int x) { return x >= 2 ? 2 * floor_pow2(x / 2) : 1; }
-
-// The G query heads of a KV head in tiles of at most QMAX, sizes as even as possible (G = 8 on
-// AVX2: 3, 3, 2; G = 4: 2, 2): a tile of one head would load every key row for a single query.
-struct QTiles {
-  int64_t count, base, extra;  // `count` tiles; the first `extra` have base + 1 heads
-  explicit QTiles(int64_t G) : count((G + QMAX - 1) / QMAX), base(G / count), extra(G % count) {}
-  int64_t size(int64_t k) const { return base + (k < extra ? 1 : 0); }
-  int64_t start(int64_t k) const { return k * base + std::min(k, extra); }
-};
-
-// Calls f(std::integral_constant<int, QT>{}) for a tile size known only at run time.
-template <class F>
-static inline void with_tile_size(int64_t qt, F&& f) {
-  switch (qt) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    default:
-      if constexpr (QMAX >= 4) return f(std::integral_constant<int, 4>{});
-  }
-}
-
-// Scores of QT queries (q + qt * hd, scaled) against NK key rows (k + t * tok_stride), stored
-// to s[qt * bs + t]. Each lane is one FMA chain over the head dim, then a horizontal sum.
-template <int NV, int QT, int NK>
-static inline void score_tile(const float* q, const float* k, int64_t tok_stride, float* s, int64_t bs) {
-  constexpr int64_t hd = NV * W;
-  vec a[QT][NK];
-#pragma GCC unroll 4
-  for (int qt = 0; qt < QT; ++qt)
-#pragma GCC unroll 4
-    for (int t = 0; t < NK; ++t) a[qt][t] = vzero();
+// Scores of one query (NV vectors, scaled) against 4 key rows, stored to s[0..3]: four
+// independent FMA chains, then one combined horizontal reduction.
+template <int NV>
+static inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, float* s) {
+  vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
 #pragma GCC unroll 16
   for (int v = 0; v < NV; ++v) {
-    vec qv[QT];
-#pragma GCC unroll 4
-    for (int qt = 0; qt < QT; ++qt) qv[qt] = vload(q + qt * hd + v * W);
-#pragma GCC unroll 4
-    for (int t = 0; t < NK; ++t) {
-      const vec kv = vload(k + t * tok_stride + v * W);
-#pragma GCC unroll 4
-      for (int qt = 0; qt < QT; ++qt) a[qt][t] = vfma(qv[qt], kv, a[qt][t]);
-    }
+    const vec qv = vload(q + v * W);
+    a0 = vfma(qv, vload(k0 + v * W), a0);
+    a1 = vfma(qv, vload(k1 + v * W), a1);
+    a2 = vfma(qv, vload(k2 + v * W), a2);
+    a3 = vfma(qv, vload(k3 + v * W), a3);
   }
-#pragma GCC unroll 4
-  for (int qt = 0; qt < QT; ++qt) {
-    if constexpr (NK == 4) {  // four scores in one combined reduction
-      const __m128 r = _mm_hadd_ps(_mm_hadd_ps(to128(a[qt][0]), to128(a[qt][1])),
-                                   _mm_hadd_ps(to128(a[qt][2]), to128(a[qt][3])));
-      _mm_storeu_ps(s + qt * bs, r);
-    } else {
-#pragma GCC unroll 4
-      for (int t = 0; t < NK; ++t) s[qt * bs + t] = hsum(a[qt][t]);
-    }
-  }
+  const __m128 r = _mm_hadd_ps(_mm_hadd_ps(to128(a0), to128(a1)), _mm_hadd_ps(to128(a2), to128(a3)));
+  _mm_storeu_ps(s, r);
+}
+
+template <int NV>
+static inline float dot1(const float* q, const float* k) {
+  vec a = vzero();
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) a = vfma(vload(q + v * W), vload(k + v * W), a);
+  return hsum(a);
 }
 
 // Walks the 64-byte lines of `nt` rows (`row` floats each, `stride` apart), prefetching a few
@@ -327,64 +284,6 @@ struct Prefetcher {
   }
 };
 
-// Scores of one tile of QT query heads against the block's nt key rows: KT rows at a time, then
-// a tail of 1-3. One prefetch step per tile call.
-template <int NV, int QT>
-static void score_block(const float* q, const float* k, int64_t tok_stride, int64_t nt, float* s, int64_t bs,
-                        Prefetcher& pk, int64_t rate) {
-  int64_t t = 0;
-  for (; t + KT <= nt; t += KT) {
-    score_tile<NV, QT, KT>(q, k + t * tok_stride, tok_stride, s + t, bs);
-    pk.step(rate);
-  }
-  const float* kt = k + t * tok_stride;
-  switch (nt - t) {
-    case 3: score_tile<NV, QT, 3>(q, kt, tok_stride, s + t, bs); break;
-    case 2: score_tile<NV, QT, 2>(q, kt, tok_stride, s + t, bs); break;
-    case 1: score_tile<NV, QT, 1>(q, kt, tok_stride, s + t, bs); break;
-    default: return;
-  }
-  pk.step(rate);
-}
-
-// acc[qt] = alpha[qt] * acc[qt] + sum over t of w[qt * bs + t] * (value row t), for one tile of
-// QT query heads (acc + qt * hd): each value vector is loaded once for the QT heads. The
-// accumulators stay in registers for the block, CH vectors per head at a time: QT x CH
-// independent FMA chains (>= 8 hide the FMA latency), QT weights and one value vector.
-// One prefetch step per key of the first chunk.
-template <int NV, int QT>
-static void accumulate_block(const float* w, int64_t bs, const float* v, int64_t tok_stride, int64_t nt,
-                             const float* alpha, float* acc, Prefetcher& pv, int64_t rate) {
-  constexpr int64_t hd = NV * W;
-  constexpr int CH = std::min(NV, floor_pow2((REGS - 1 - QT) / QT));
-  for (int c = 0; c < NV; c += CH) {
-    vec r[QT][CH];
-#pragma GCC unroll 4
-    for (int qt = 0; qt < QT; ++qt) {
-      const vec al = vset1(alpha[qt]);
-#pragma GCC unroll 16
-      for (int x = 0; x < CH; ++x) r[qt][x] = vmul(vload(acc + qt * hd + (c + x) * W), al);
-    }
-    for (int64_t t = 0; t < nt; ++t) {
-      if (c == 0) pv.step(rate);
-      vec wt[QT];
-#pragma GCC unroll 4
-      for (int qt = 0; qt < QT; ++qt) wt[qt] = vset1(w[qt * bs + t]);
-      const float* vr = v + t * tok_stride + c * W;
-#pragma GCC unroll 16
-      for (int x = 0; x < CH; ++x) {
-        const vec vv = vload(vr + x * W);
-#pragma GCC unroll 4
-        for (int qt = 0; qt < QT; ++qt) r[qt][x] = vfma(wt[qt], vv, r[qt][x]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int qt = 0; qt < QT; ++qt)
-#pragma GCC unroll 16
-      for (int x = 0; x < CH; ++x) vstore(acc + qt * hd + (c + x) * W, r[qt][x]);
-  }
-}
-
 // Same contract as attend_generic, head_dim = NV * W.
 template <int NV>
 void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scratch) {
@@ -394,7 +293,10 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
   const int64_t tok_stride = p.kv_heads * hd;
   const int64_t row = nh * hd;
   const int64_t lines_per_row = (row + 15) / 16;
-  const QTiles tiles(G);
+  // Accumulator registers per chunk: 2 x 8 of AVX-512's 32, 2 x 4 of AVX2's 16.
+  constexpr int CHMAX = W == 16 ? 8 : 4;
+  constexpr int CH = NV < CHMAX ? NV : CHMAX;
+  constexpr int NCH = NV / CH;       // accumulator chunks per query head
   const Scratch buf(scratch, H, hd, bs);
   float *qs = buf.qs, *acc = buf.acc, *sc = buf.sc, *mx = buf.mx, *sum = buf.sum, *alpha = buf.alpha;
 
@@ -425,18 +327,28 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
     const int64_t next_lines = next_nt * lines_per_row;
     Prefetcher pk{p.k + next_base, tok_stride, row, next_nt};
     Prefetcher pv{p.v + next_base, tok_stride, row, next_nt};
-    const int64_t k_steps = nh * tiles.count * ((nt + KT - 1) / KT);
-    const int64_t v_steps = nh * tiles.count * nt;
-    const int64_t k_rate = (next_lines + k_steps - 1) / k_steps;
+    const int64_t k_rate = (next_lines + H * ((nt + 3) / 4) - 1) / (H * ((nt + 3) / 4));
+    const int64_t v_steps = H * ((nt + 1) / 2) * NCH;
     const int64_t v_rate = (next_lines + v_steps - 1) / v_steps;
 
-    for (int64_t hh = 0; hh < nh; ++hh)
-      for (int64_t k = 0; k < tiles.count; ++k) {
-        const int64_t qh = hh * G + tiles.start(k);
-        with_tile_size(tiles.size(k), [&](auto qt) {
-          score_block<NV, decltype(qt)::value>(qs + qh * hd, kb + hh * hd, tok_stride, nt, sc + qh * bs, bs, pk, k_rate);
-        });
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const float* kh = kb + hh * hd;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t qh = hh * G + g;
+        const float* qg = qs + qh * hd;
+        float* s = sc + qh * bs;
+        int64_t t = 0;
+        for (; t + 4 <= nt; t += 4) {
+          const float* k0 = kh + t * tok_stride;
+          dot4<NV>(qg, k0, k0 + tok_stride, k0 + 2 * tok_stride, k0 + 3 * tok_stride, s + t);
+          pk.step(k_rate);
+        }
+        for (; t < nt; ++t) {
+          s[t] = dot1<NV>(qg, kh + t * tok_stride);
+          pk.step(k_rate);
+        }
       }
+    }
 
     for (int64_t qh = 0; qh < H; ++qh) {
       float* sg = sc + qh * bs;
@@ -460,14 +372,44 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
       sum[qh] = sum[qh] * alpha[qh] + bsum;
     }
 
-    for (int64_t hh = 0; hh < nh; ++hh)
-      for (int64_t k = 0; k < tiles.count; ++k) {
-        const int64_t qh = hh * G + tiles.start(k);
-        with_tile_size(tiles.size(k), [&](auto qt) {
-          accumulate_block<NV, decltype(qt)::value>(sc + qh * bs, bs, vb + hh * hd, tok_stride, nt, alpha + qh,
-                                                    acc + qh * hd, pv, v_rate);
-        });
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const float* vh = vb + hh * hd;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t qh = hh * G + g;
+        const float* w = sc + qh * bs;
+        float* a = acc + qh * hd;
+        // The accumulator lives in registers for the block (CH vectors at a time), in two
+        // copies, even and odd keys, so consecutive FMAs do not wait on each other.
+        for (int c = 0; c < NV; c += CH) {
+          vec r0[CH], r1[CH];
+          const vec al = vset1(alpha[qh]);
+#pragma GCC unroll 8
+          for (int v = 0; v < CH; ++v) {
+            r0[v] = vmul(vload(a + (c + v) * W), al);
+            r1[v] = vzero();
+          }
+          int64_t t = 0;
+          for (; t + 2 <= nt; t += 2) {
+            pv.step(v_rate);
+            const vec w0 = vset1(w[t]), w1 = vset1(w[t + 1]);
+            const float* vr = vh + t * tok_stride + c * W;
+#pragma GCC unroll 8
+            for (int v = 0; v < CH; ++v) {
+              r0[v] = vfma(w0, vload(vr + v * W), r0[v]);
+              r1[v] = vfma(w1, vload(vr + tok_stride + v * W), r1[v]);
+            }
+          }
+          if (t < nt) {
+            const vec w0 = vset1(w[t]);
+            const float* vr = vh + t * tok_stride + c * W;
+#pragma GCC unroll 8
+            for (int v = 0; v < CH; ++v) r0[v] = vfma(w0, vload(vr + v * W), r0[v]);
+          }
+#pragma GCC unroll 8
+          for (int v = 0; v < CH; ++v) vstore(a + (c + v) * W, vadd(r0[v], r1[v]));
+        }
       }
+    }
   }
 
   for (int64_t qh = 0; qh < H; ++qh) {
