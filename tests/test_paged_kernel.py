@@ -76,9 +76,9 @@ def test_matches_reference(kernel, groups, head_dim, portable):
 
 @pytest.mark.parametrize("groups", range(1, 10))
 def test_query_head_tiles(kernel, groups):
-    """The SIMD path scores and accumulates the query heads of a KV head in tiles of at most 3
-    (AVX2) or 4 (AVX-512) heads, keys 4 at a time: every group size (one tile, several, uneven
-    ones), blocks ending 1-3 keys past a tile of 4, whole requests (many) and split per KV head (few)."""
+    """Every group size (query heads per KV head, 1-9: tiled kernels split them unevenly), blocks
+    ending 1-3 keys past a multiple of 4 (the SIMD path scores keys 4 at a time), whole requests
+    (many) and requests split per KV head (few)."""
     lens = [1, 2, 3, 5, 6, 7, 16, 18, 35, 63, 200, 401]
     q, kc, vc, tables, ctx = make_case(lens, groups, kv_heads=2, seed=10 + groups)
     want = reference(q, kc, vc, tables, ctx, 0.125)
@@ -250,3 +250,6 @@ def test_build_directory_follows_the_kernel_sources(tmp_path, monkeypatch):
     assert cpu_kernels.build_directory() == before, "the tag is stable for the same sources"
     (tmp_path / "module.cpp").write_text("// module.cpp, edited\n")
     assert cpu_kernels.build_directory() != before
+    edited = cpu_kernels.build_directory()
+    (tmp_path / "simd.h").write_text("// simd.h, the kernels' shared header\n")
+    assert cpu_kernels.build_directory() != edited, "headers count too"
