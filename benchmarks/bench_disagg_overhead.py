@@ -11,7 +11,8 @@ numbers being compared come from the same minute of a shared machine. Three syst
     step that produced the first token; TPOT = (last token - first token) / (n - 1).
 (b) disaggregated cluster: 1 prefill + 1 decode Ray actor (1 CPU, 1 torch thread each; the
     launcher's default prefill budget of 512), reached over real gRPC with the sync
-    ``PdserveClient``. Client-observed TTFT and TPOT from ``time.perf_counter`` at each
+    ``PdserveClient`` in a process of its own (``benchmarks/client_process.py``; its
+    ``perf_counter`` is CLOCK_MONOTONIC, the same clock as this process's). Client-observed TTFT and TPOT from ``time.perf_counter`` at each
     received message, plus the server's breakdown from the final message's ``timings``
     (queue_s, prefill_s, kv_transfer_s, ttft_s, e2e_s, kv_transfer_bytes) and the decode
     worker's own step times (``WorkerStats.recent_steps``, streamed with every batch).
@@ -46,8 +47,9 @@ TTFT), because the raw one compares the model's speed in two processes, which on
 2-core machine drifts by more than the effect (the in-process TTFT's own spread across repeats
 is printed next to it). So is the cluster / in-process TPOT ratio. The systems take turns in
 each repeat, in reversed order every other repeat, so no system always runs first.
-The sync client shares this process (and its GIL) with the router: that inflates, never hides,
-the overhead. Idle round trips of one Ray actor call and one unary gRPC call give the scale.
+The client runs in its own process, as a real client does (until session 10 it shared this
+process and its GIL with the router, which inflated gRPC + handler). Idle round trips of one Ray
+actor call and one unary gRPC health Check (answered from memory) give the scale.
 
 Run: ``python benchmarks/bench_disagg_overhead.py`` (SmolLM2-135M fp32, ~3.5 min on 2 cores);
 ``--quick`` uses the tiny random model and short requests to check the script (printed only,
@@ -90,7 +92,8 @@ from deploy.launcher import ClusterConfig, ClusterThread  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.types import RequestSpec, SamplingParams, StepTiming  # noqa: E402
-from router.client import PdserveClient  # noqa: E402
+from benchmarks.client_process import ClientProcess  # noqa: E402
+from protos import pdserve_pb2 as pb  # noqa: E402
 from router.convert import RequestTimings, timings_from_proto  # noqa: E402
 
 logger = logging.getLogger("bench_disagg_overhead")
@@ -120,7 +123,7 @@ class System:
     name: str
     samples: list[Sample] = field(default_factory=list)
     round_trips_s: list[float] = field(default_factory=list)  # clusters: idle Ray actor call, per repeat
-    grpc_trips_s: list[float] = field(default_factory=list)   # clusters: idle unary ServerInfo call, per repeat
+    grpc_trips_s: list[float] = field(default_factory=list)   # clusters: idle unary health Check, per repeat
 
     def median(self, fn) -> float | None:
         values = [v for v in (fn(s) for s in self.samples) if v is not None]
@@ -152,26 +155,15 @@ def run_inprocess(engine: LLMEngine, req_id: str, prompt: list[int], max_tokens:
     return sample
 
 
-def run_cluster(client: PdserveClient, cluster: ClusterThread, prompt: list[int], max_tokens: int) -> Sample:
-    stamps: list[float] = []
-    ids: list[int] = []
-    timings = None
-    num_messages = 0
-    start = time.perf_counter()
-    for resp in client.generate(token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0):
-        now = time.perf_counter()
-        num_messages += 1
-        stamps.extend([now] * len(resp.token_ids))
-        ids.extend(resp.token_ids)
-        if resp.HasField("timings"):
-            timings = timings_from_proto(resp.timings)
-    sample = _from_stamps(start, stamps, ids)
-    sample.num_messages = num_messages
-    sample.timings = timings
+def run_cluster(client: ClientProcess, cluster: ClusterThread, prompt: list[int], max_tokens: int) -> Sample:
+    run = client.generate(prompt, max_tokens)
+    sample = _from_stamps(run.start, run.stamps, run.token_ids)
+    sample.num_messages = run.num_messages
+    sample.timings = timings_from_proto(pb.Timings.FromString(run.timings)) if run.timings is not None else None
     # The decode worker's stats ride on every stream batch; the last batch carries this request's steps.
     stats = cluster.cluster.registry.decode[0].stats
     steps = list(stats.recent_steps) if stats else []
-    sample.decode_step_s = _mean_decode_step(steps, len(ids) - 1)
+    sample.decode_step_s = _mean_decode_step(steps, len(run.token_ids) - 1)
     if cluster.cluster.config.mode == "colocated":
         prefill_steps = [s for s in steps if s.num_prefill_tokens > 0]
         sample.prefill_step_s = prefill_steps[-1].duration_s if prefill_steps else None
@@ -185,7 +177,7 @@ def run_cluster(client: PdserveClient, cluster: ClusterThread, prompt: list[int]
 LEVERS = {"no inbox": "inbox", "no direct": "submitter"}
 
 
-def run_without(lever: str, client: PdserveClient, cluster: ClusterThread, prompt: list[int],
+def run_without(lever: str, client: ClientProcess, cluster: ClusterThread, prompt: list[int],
                 max_tokens: int) -> Sample:
     """``run_cluster`` with one of the router's ``LEVERS`` off (no request is in flight when it
     is switched)."""
@@ -228,16 +220,6 @@ def ray_round_trip_s(cluster: ClusterThread, num_calls: int = 10) -> float:
     loop as the orchestrator does: the unit of the control plane's cost."""
     actor = cluster.cluster.registry.decode[0].actor
     return statistics.median(cluster.run(_ray_round_trip(actor, num_calls)))
-
-
-def grpc_round_trip_s(client: PdserveClient, num_calls: int = 10) -> float:
-    """Median of a unary ``ServerInfo`` call from this client: gRPC's floor on this machine."""
-    times = []
-    for _ in range(num_calls):
-        start = time.perf_counter()
-        client.server_info()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def start_cluster(mode: str, random_model: dict | None, args) -> ClusterThread:
@@ -415,7 +397,7 @@ def machine_header(args, model_name: str, transport: str, id_range: tuple[int, i
         f"model: {model_name} {args.dtype} on {args.device}; prompt {args.prompt_len} random ids in [{id_range[0]}, {id_range[1]}), "
         f"{args.max_tokens} output tokens, greedy, ignore_eos; 1 request at a time; 1 warm-up + {args.repeats} repeats",
         f"in-process: 1 torch thread, token budget {PREFILL_BUDGET}; clusters: 1 CPU and 1 torch thread per worker, "
-        f"prefill budget {PREFILL_BUDGET}, KV transport {transport}, sync gRPC client in this process",
+        f"prefill budget {PREFILL_BUDGET}, KV transport {transport}, sync gRPC client in its own process",
     ]
 
 
@@ -470,7 +452,7 @@ def main() -> None:
         disagg = clusters[0][1].cluster
         transport = disagg.registry.transport(disagg.registry.prefill[0], disagg.registry.decode[0])
         inproc = System("in-process")
-        clients = [PdserveClient(f"127.0.0.1:{c.cluster.port}") for _, c in clusters]
+        clients = [ClientProcess(f"127.0.0.1:{c.cluster.port}") for _, c in clusters]
         # --ab-*: the disaggregated cluster once more per repeat for each, with that lever off.
         variants = [System(name) for name, on in (("no inbox", args.ab_inbox), ("no direct", args.ab_direct)) if on]
         rng = random.Random(args.seed)
@@ -500,7 +482,7 @@ def main() -> None:
             if not warm:
                 for (system, cluster), client in zip(clusters, clients):
                     system.round_trips_s.append(ray_round_trip_s(cluster))
-                    system.grpc_trips_s.append(grpc_round_trip_s(client))
+                    system.grpc_trips_s.append(client.health_round_trip_s())
             logger.info("%s: TTFT ms %s", "warm-up" if warm else f"repeat {i}",
                         " / ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples))
         for client in clients:

@@ -2,7 +2,7 @@
 prefill workers on its node (torch-free: the router uses it too). Never on the critical path of
 correctness: every message pushed here also has a Ray path that stays the source of truth.
 
-Users: a prefill worker pushes first tokens to the router's ``FirstTokenInbox``; the router
+Users (the receiving end: ``engine.unix_listen``): a prefill worker pushes first tokens to the router's ``FirstTokenInbox``; the router
 pushes prefill submissions to a worker's ``SubmissionServer`` (``prefill_worker/submissions.py``).
 
 Life cycle: ``push(path, data)`` writes ``data`` on the connection to ``path`` (opened on first

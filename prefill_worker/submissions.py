@@ -10,20 +10,18 @@ Ray's call still delivers the result and reports a dead worker exactly as before
 or refused costs only the speed-up.
 
 Life cycle: ``start`` (a unix server in the worker's event loop, in a private directory: only
-this user can connect) -> each line is decoded and handed to ``on_submit`` (a line that does
-not decode is dropped) -> ``close`` (server and connections down, directory removed).
+this user can connect; ``engine.unix_listen``) -> each whole line is decoded and handed to
+``on_submit`` (a line that does not decode is dropped) -> ``close`` (server and connections
+down, directory removed).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import shutil
-import tempfile
 from typing import Callable
 
 from engine.types import PrefillSubmission
+from engine.unix_listen import UnixLineServer
 
 logger = logging.getLogger(__name__)
 
@@ -33,32 +31,16 @@ MAX_LINE_BYTES = 16 << 20   # a 128k-token prompt as JSON is ~1 MB
 class SubmissionServer:
     def __init__(self, on_submit: Callable[[PrefillSubmission], None]) -> None:
         self.on_submit = on_submit
-        self.path: str | None = None
-        self._dir: str | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._listener = UnixLineServer("pdserve-submit-", "prefill.sock", self._submit, MAX_LINE_BYTES)
+
+    @property
+    def path(self) -> str | None:
+        return self._listener.path
 
     async def start(self) -> str:
-        self._dir = tempfile.mkdtemp(prefix="pdserve-submit-")   # mode 0700
-        self.path = os.path.join(self._dir, "prefill.sock")
-        self._server = await asyncio.start_unix_server(self._serve, self.path, limit=MAX_LINE_BYTES)
-        return self.path
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection per router, for its life."""
-        self._connections.add(writer)
-        try:
-            while line := await reader.readline():
-                self._submit(line)
-        except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
-            logger.debug("submission connection dropped: %s", exc)
-        finally:
-            self._connections.discard(writer)
-            writer.close()
+        return await self._listener.start()
 
     def _submit(self, line: bytes) -> None:
-        if not line.endswith(b"\n"):   # cut at EOF (a partial write): never half a request
-            return
         try:
             submission = PrefillSubmission.from_json(line)
         except (ValueError, TypeError, KeyError) as exc:
@@ -67,10 +49,4 @@ class SubmissionServer:
         self.on_submit(submission)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for writer in list(self._connections):
-            writer.close()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._listener.close()

@@ -10,7 +10,8 @@ the source of truth (its result carries the token; failures, retries, workers on
 should both copies come, whichever arrives first is used and the other dropped
 (``first_ahead``); a lost line costs only the speed-up.
 
-Life cycle: ``start`` (a unix server in the router's event loop, in a private directory) ->
+Life cycle: ``start`` (a unix server in the router's event loop, in a private directory;
+``engine.unix_listen``) ->
 per request ``expect(req_id)`` (a future the line resolves) ... ``forget(req_id)`` (always) ->
 ``close`` (server and its connections down, so a worker's next write fails and goes by Ray;
 socket and directory removed). One owner: the orchestrator's requests.
@@ -19,14 +20,11 @@ socket and directory removed). One owner: the orchestrator's requests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import shutil
-import tempfile
 from typing import Any, AsyncIterator
 
 from engine.types import FirstToken
+from engine.unix_listen import UnixLineServer
 
 logger = logging.getLogger(__name__)
 
@@ -35,17 +33,15 @@ MAX_LINE_BYTES = 1 << 20   # a first token with 20 top logprobs is ~1 KB
 
 class FirstTokenInbox:
     def __init__(self) -> None:
-        self.path: str | None = None
-        self._dir: str | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._listener = UnixLineServer("pdserve-inbox-", "first-tokens.sock", self._deliver, MAX_LINE_BYTES)
         self._waiting: dict[str, asyncio.Future] = {}
-        self._connections: set[asyncio.StreamWriter] = set()
+
+    @property
+    def path(self) -> str | None:
+        return self._listener.path
 
     async def start(self) -> str:
-        self._dir = tempfile.mkdtemp(prefix="pdserve-inbox-")   # mode 0700: only this user writes
-        self.path = os.path.join(self._dir, "first-tokens.sock")
-        self._server = await asyncio.start_unix_server(self._serve, self.path, limit=MAX_LINE_BYTES)
-        return self.path
+        return await self._listener.start()
 
     def expect(self, req_id: str) -> asyncio.Future:
         future = self._waiting[req_id] = asyncio.get_running_loop().create_future()
@@ -55,18 +51,6 @@ class FirstTokenInbox:
         future = self._waiting.pop(req_id, None)
         if future is not None and not future.done():
             future.cancel()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection per prefill worker, for its life."""
-        self._connections.add(writer)
-        try:
-            while line := await reader.readline():
-                self._deliver(line)
-        except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
-            logger.debug("first-token inbox connection dropped: %s", exc)
-        finally:
-            self._connections.discard(writer)
-            writer.close()
 
     def _deliver(self, line: bytes) -> None:
         try:
@@ -79,17 +63,11 @@ class FirstTokenInbox:
             future.set_result(first)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for writer in list(self._connections):   # before 3.12 ``close`` leaves them open
-                writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+        self._listener.close()
+        await self._listener.wait_closed()
         for future in self._waiting.values():
             future.cancel()
         self._waiting.clear()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 async def first_ahead(items: AsyncIterator[Any], early: asyncio.Future | None) -> AsyncIterator[Any]:

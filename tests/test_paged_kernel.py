@@ -65,13 +65,26 @@ CTX = [1, 2, 15, 16, 17, 31, 32, 33, 100, 640, 1000]
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
-@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("groups", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 16, 128, 24])
 def test_matches_reference(kernel, groups, head_dim, portable):
     q, kc, vc, tables, ctx = make_case(CTX, groups, head_dim=head_dim)
     scale = head_dim**-0.5
     got = kernel.paged_decode_attention(q, kc, vc, tables, ctx, scale, portable=portable)
     assert rel_err(got, reference(q, kc, vc, tables, ctx, scale)) < 1e-5
+
+
+@pytest.mark.parametrize("groups", range(1, 10))
+def test_query_head_tiles(kernel, groups):
+    """Every group size (query heads per KV head, 1-9: tiled kernels split them unevenly), blocks
+    ending 1-3 keys past a multiple of 4 (the SIMD path scores keys 4 at a time), whole requests
+    (many) and requests split per KV head (few)."""
+    lens = [1, 2, 3, 5, 6, 7, 16, 18, 35, 63, 200, 401]
+    q, kc, vc, tables, ctx = make_case(lens, groups, kv_heads=2, seed=10 + groups)
+    want = reference(q, kc, vc, tables, ctx, 0.125)
+    assert rel_err(kernel.paged_decode_attention(q, kc, vc, tables, ctx, 0.125), want) < 1e-5
+    few = kernel.paged_decode_attention(q[-2:], kc, vc, tables[-2:], ctx[-2:], 0.125)
+    assert rel_err(few, want[-2:]) < 1e-5
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 32])
@@ -237,3 +250,6 @@ def test_build_directory_follows_the_kernel_sources(tmp_path, monkeypatch):
     assert cpu_kernels.build_directory() == before, "the tag is stable for the same sources"
     (tmp_path / "module.cpp").write_text("// module.cpp, edited\n")
     assert cpu_kernels.build_directory() != before
+    edited = cpu_kernels.build_directory()
+    (tmp_path / "simd.h").write_text("// simd.h, the kernels' shared header\n")
+    assert cpu_kernels.build_directory() != edited, "headers count too"

@@ -28,17 +28,8 @@
 #include <numeric>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#define PDSERVE_SIMD 1
-#endif
-#if defined(__AVX512F__)
-#define PDSERVE_SIMD_WIDTH 16
-#elif defined(PDSERVE_SIMD)
-#define PDSERVE_SIMD_WIDTH 8
-#else
-#define PDSERVE_SIMD_WIDTH 0
-#endif
+#include "simd.h"
+
 #ifndef PDSERVE_PREFETCH_LOCALITY
 #define PDSERVE_PREFETCH_LOCALITY 2  // into L2: a block's K and V plus the next block's would crowd L1
 #endif
@@ -205,41 +196,7 @@ void attend_generic(const Params& p, int64_t i, int64_t h0, int64_t h1, float* s
 // Explicit SIMD (AVX-512 where the build machine has it, else AVX2+FMA): the compiler's own
 // vectorization of `s += q[d] * k[d]` ends in a serial lane-by-lane sum per score, and of
 // `acc[d] += w * v[d]` reloads and stores the accumulator for every key.
-#if defined(__AVX512F__)
-using vec = __m512;
-constexpr int W = 16;
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static inline vec vset1(float x) { return _mm512_set1_ps(x); }
-static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline __m128 to128(vec v) {  // 16 lanes -> 4 partial sums
-  const __m256 lo = _mm512_castps512_ps256(v);
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 s = _mm256_add_ps(lo, hi);
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-}
-#else
-using vec = __m256;
-constexpr int W = 8;
-static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-static inline vec vset1(float x) { return _mm256_set1_ps(x); }
-static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline __m128 to128(vec v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
-#endif
-
-static inline float hsum(vec v) {
-  __m128 r = to128(v);
-  r = _mm_hadd_ps(r, r);
-  r = _mm_hadd_ps(r, r);
-  return _mm_cvtss_f32(r);
-}
+using namespace pdserve_simd;
 
 // Scores of one query (NV vectors, scaled) against 4 key rows, stored to s[0..3]: four
 // independent FMA chains, then one combined horizontal reduction.

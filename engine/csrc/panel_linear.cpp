@@ -27,31 +27,13 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#define PDSERVE_PANEL_SIMD 1
-#endif
+#include "simd.h"
 
 namespace {
 
-#ifdef PDSERVE_PANEL_SIMD
-#if defined(__AVX512F__)
-using vec = __m512;
-constexpr int W = 16;
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-static inline vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec vzero() { return _mm512_setzero_ps(); }
-#else
-using vec = __m256;
-constexpr int W = 8;
-static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-static inline vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec vzero() { return _mm256_setzero_ps(); }
-#endif
+#ifdef PDSERVE_SIMD
+using namespace pdserve_simd;
+
 constexpr int NR = 6;        // weight rows per tile: 6 x 2 accumulators + 2 loads + 1 broadcast <= 16 YMM
 constexpr int MP = 2 * W;    // input rows per panel
 constexpr int GRAIN = 4;     // tiles per parallel chunk
@@ -124,7 +106,7 @@ void panel_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "panel_linear: contiguous tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "panel_linear: shapes do not match");
-#ifdef PDSERVE_PANEL_SIMD
+#ifdef PDSERVE_SIMD
   if (M > 0 && N > 0) run(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
 #else
   TORCH_CHECK(false, "panel_linear: built without AVX-512 or AVX2+FMA");
@@ -132,7 +114,7 @@ void panel_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
 }
 
 int panel_linear_simd_width() {
-#ifdef PDSERVE_PANEL_SIMD
+#ifdef PDSERVE_SIMD
   return W;
 #else
   return 0;

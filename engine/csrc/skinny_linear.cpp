@@ -23,46 +23,21 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#define PDSERVE_SKINNY_SIMD 1
-#endif
+#include "simd.h"
 
 namespace {
 
-#ifdef PDSERVE_SKINNY_SIMD
+#ifdef PDSERVE_SIMD
+using namespace pdserve_simd;
+
 #if defined(__AVX512F__)
-using vec = __m512;
-constexpr int W = 16;   // floats per vector
 constexpr int NR = 4;   // weight rows per tile
 constexpr int MR = 6;   // input rows per tile: 4 x 6 accumulators + 4 weight vectors <= 32 registers
-static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec vload_tail(const float* p, int64_t n) {  // p[0..n), zeros after; n < W
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-}
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec vzero() { return _mm512_setzero_ps(); }
-static inline float hsum(vec v) { return _mm512_reduce_add_ps(v); }
 #else
-using vec = __m256;
-constexpr int W = 8;
 // 3 x 4 accumulators + 3 weight vectors + 1 input vector = the 16 YMM registers. Measured against
 // 2x6, 4x3, 2x4 and 1x8 (every SmolLM2-135M linear, CPU time): best or within 5% at 1-32 rows.
 constexpr int NR = 3;
 constexpr int MR = 4;
-static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec vload_tail(const float* p, int64_t n) {
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
-}
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vec vzero() { return _mm256_setzero_ps(); }
-static inline float hsum(vec v) {  // halves, as _mm512_reduce_add_ps does
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 constexpr int LINE = 16;         // floats per 64-byte cache line: one prefetch per weight row per line
 constexpr int GRAIN = 16;        // tiles per parallel chunk
@@ -140,7 +115,7 @@ void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "skinny_linear: contiguous tensors only");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "skinny_linear: shapes do not match");
-#ifdef PDSERVE_SKINNY_SIMD
+#ifdef PDSERVE_SIMD
   if (M > 0 && N > 0) run(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
 #else
   TORCH_CHECK(false, "skinny_linear: built without AVX-512 or AVX2+FMA");
@@ -148,7 +123,7 @@ void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
 }
 
 int skinny_linear_simd_width() {
-#ifdef PDSERVE_SKINNY_SIMD
+#ifdef PDSERVE_SIMD
   return W;
 #else
   return 0;

@@ -1,0 +1,100 @@
+"""Where a decode step's time goes: torch.profiler over decode-only steps of SmolLM2-135M at batch 64.
+
+A decode-role ``LLMEngine`` (requests arrive with their KV "computed", as in bench_attention's
+model row; random KV; blocks scattered), contexts uniform in [--ctx-min, --ctx-max], --threads
+threads. After two warm-up steps, --steps steps run under ``torch.profiler`` (CPU activities);
+the table lists operators by self CPU time, then a split into GEMMs (the linear kernels and
+aten::mm/addmm), paged attention, and the rest by operator, and step time outside the model
+forward (scheduling, input preparation, sampling, Python).
+
+    python -m benchmarks.profile_decode [--steps 5] [--threads 1] [--top 30]
+
+Prints; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from engine import attention, skinny_linear  # noqa: E402
+
+BATCH, BLOCK = 64, 16
+
+
+def build_engine(ctx_min: int, ctx_max: int, steps: int):
+    from engine.config import EngineConfig, EngineRole
+    from engine.engine import LLMEngine
+    from engine.model_loader import load_model
+    from engine.types import RequestSpec, SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 10000) for _ in range(rng.randint(ctx_min, ctx_max) - 1)] for _ in range(BATCH)]
+    blocks = sum(-(-(len(p) + steps + 8) // BLOCK) for p in prompts) + 8
+    engine = LLMEngine(load_model(), EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=BATCH))
+    free = list(engine.kv.pool._free)   # a long-running server's pool: blocks scattered
+    rng.shuffle(free)
+    engine.kv.pool._free = OrderedDict.fromkeys(free)
+    for i, p in enumerate(prompts):
+        spec = RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=steps + 16, ignore_eos=True))
+        engine.reserve(spec)
+        engine.commit_kv(spec.req_id, 42)
+    engine.cache.normal_()
+    return engine
+
+
+def _labelled(label: str, fn):
+    def call(*a, **kw):
+        with record_function(label):
+            return fn(*a, **kw)
+
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ctx-min", type=int, default=64)
+    ap.add_argument("--ctx-max", type=int, default=640)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    # The attention call shows as one range (kernel + KV write); registered at engine build.
+    attention.paged_attention = _labelled("pdserve::paged_attention", attention.paged_attention)
+    engine = build_engine(args.ctx_min, args.ctx_max, args.steps + 2)
+    engine.runner._forward = _labelled("pdserve::forward", engine.runner._forward)
+    for name in ("skinny_linear", "panel_linear"):   # pybind calls: invisible to the profiler unless labelled
+        setattr(skinny_linear, name, _labelled(f"pdserve::{name}", getattr(skinny_linear, name)))
+    for _ in range(2):
+        engine.step()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            with record_function("pdserve::step"):
+                engine.step()
+    wall = (time.perf_counter() - t) / args.steps
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+    total = {e.key: e.cpu_time_total / args.steps / 1e3 for e in events}
+    self_ms = {e.key: e.self_cpu_time_total / args.steps / 1e3 for e in events}
+    step, fwd, attn = total["pdserve::step"], total["pdserve::forward"], total["pdserve::paged_attention"]
+    gemm = sum(total.get(k, 0.0) for k in ("pdserve::skinny_linear", "pdserve::panel_linear")) + \
+        sum(self_ms.get(k, 0.0) for k in ("aten::mm", "aten::addmm"))
+    print(f"per step (ms, profiled; wall {wall * 1e3:.1f}): step {step:.1f}, forward {fwd:.1f}, "
+          f"paged attention (incl. KV write) {attn:.1f}, GEMMs {gemm:.1f}, rest of the forward {fwd - attn - gemm:.1f}, "
+          f"outside the forward {step - fwd:.1f}")
+
+
+if __name__ == "__main__":
+    main()
