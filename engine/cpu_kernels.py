@@ -7,7 +7,7 @@ system's, or the ``ninja`` pip package's even when the venv is not activated) wi
 ``-O3 -march=native -fopenmp``, compiled on first use (~30 s) into
 ``~/.cache/pdserve/torch_extensions/<tag>`` and loaded from there afterwards (~0.2 s); the tag
 hashes the torch version and install path, the Python version, the CPU model/flags and the
-bytes of the sources and of the header they share (``csrc/simd.h``), so a home directory shared across machines never loads a binary built for another
+bytes of the sources and of the headers they share (``csrc/*.h``), so a home directory shared across machines never loads a binary built for another
 CPU, and two torch installs or two checkouts with different kernels (git worktrees) do not
 rebuild over each other. Any build or load failure logs one warning and leaves
 the torch paths in use. Parallelism runs on torch's own OpenMP pool (at::parallel_for), so the

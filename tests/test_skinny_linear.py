@@ -38,12 +38,7 @@ def test_matches_float64_matmul(kernel, rows, out_features, in_features):
     """Every tile shape of both paths: partial weight tiles (N % 4 on AVX-512, N % 3 on AVX2),
     partial row tiles (M % 6, M % 4), K in whole cache lines, plus one 8-float vector (AVX2), plus
     a masked tail."""
-    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
-    x = torch.randn(rows, in_features, generator=g)
-    w = torch.randn(out_features, in_features, generator=g)
-    got = kernel.skinny_linear(x, w)
-    assert got.shape == (rows, out_features)
-    assert rel_err(got, x.double() @ w.double().T) < 1e-5
+    _assert_matches_float64(kernel.skinny_linear, rows, out_features, in_features)
 
 
 @pytest.mark.parametrize("rows", [33, 40, 47, 48, 64, 65, 96])
@@ -52,10 +47,15 @@ def test_matches_float64_matmul(kernel, rows, out_features, in_features):
 def test_panel_matches_float64_matmul(kernel, rows, out_features, in_features):
     """The panel kernel (decode batches past MAX_ROWS): partial weight tiles (N % 6), partial input
     panels (M % 16 on AVX2, M % 32 on AVX-512), K in one block and in several (past 768), K = 0."""
+    _assert_matches_float64(kernel.panel_linear, rows, out_features, in_features)
+
+
+def _assert_matches_float64(linear, rows: int, out_features: int, in_features: int) -> None:
+    """``linear(x, w)`` on seeded random inputs equals x @ w.T computed in float64."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
-    got = kernel.panel_linear(x, w)
+    got = linear(x, w)
     assert got.shape == (rows, out_features)
     assert rel_err(got, x.double() @ w.double().T) < 1e-5
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "linear_args.h"
 #include "simd.h"
 
 namespace {
@@ -99,13 +100,7 @@ void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t
 }  // namespace
 
 void panel_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && out.device().is_cpu(), "panel_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "panel_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "panel_linear: x [M, K], weight [N, K], out [M, N]");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "panel_linear: contiguous tensors only");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "panel_linear: shapes do not match");
+  [[maybe_unused]] const auto [M, K, N] = check_linear_args("panel_linear", out, x, weight);
 #ifdef PDSERVE_SIMD
   if (M > 0 && N > 0) run(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
 #else

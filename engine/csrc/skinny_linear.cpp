@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "linear_args.h"
 #include "simd.h"
 
 namespace {
@@ -108,13 +109,7 @@ void run(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t
 }  // namespace
 
 void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && out.device().is_cpu(), "skinny_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "skinny_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "skinny_linear: x [M, K], weight [N, K], out [M, N]");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "skinny_linear: contiguous tensors only");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K && out.size(0) == M && out.size(1) == N, "skinny_linear: shapes do not match");
+  [[maybe_unused]] const auto [M, K, N] = check_linear_args("skinny_linear", out, x, weight);
 #ifdef PDSERVE_SIMD
   if (M > 0 && N > 0) run(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), M, K, N);
 #else
