@@ -131,6 +131,35 @@ def test_worker_gauges_and_preemption_deltas(metrics):
     assert f"pdserve_worker_running_requests{d0}" not in scrape(port)
 
 
+def test_worker_gauges_scraped_while_workers_report(metrics):
+    """The gauges are built at scrape time from stats the event loop keeps replacing (and
+    workers joining and leaving): every scrape parses and shows each worker's whole last report."""
+    import threading
+
+    stop = threading.Event()
+
+    def report() -> None:   # stands in for the event loop: a report per step, workers coming and going
+        k = 0
+        while not stop.is_set():
+            metrics.update_worker(worker_stats(f"d{k % 7}"))
+            if k % 50 == 49:
+                metrics.remove_worker(f"d{(k // 50) % 7}")
+            k += 1
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        for _ in range(200):
+            families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+            running = {s.labels["worker"]: s.value for s in families["pdserve_worker_running_requests"].samples}
+            free = {s.labels["worker"]: s.value for s in families["pdserve_worker_free_blocks"].samples}
+            assert set(running.values()) <= {5.0} and set(free.values()) <= {75.0}
+    finally:
+        stop.set()
+        reporter.join(5)
+    assert not reporter.is_alive()
+
+
 def test_prefix_cache_counters_and_saved_bytes(metrics):
     import dataclasses
 
