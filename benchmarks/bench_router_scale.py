@@ -18,8 +18,9 @@ Measured, in the router process:
     received in that window (both read CLOCK_MONOTONIC); the asyncio loop thread's share too;
   - per-report cost vs queue length: the launcher's handler of a decode worker's report
     (``Cluster._on_worker_stats``: metrics, step-model update, waking queued requests, their
-    re-decisions) timed with 100 and with 5,000 requests queued in admission, in alternating
-    rounds, with the number of decisions each report caused;
+    check of that worker or re-decisions) timed with 100 and with 5,000 requests queued in
+    admission, every decode worker full, in alternating rounds, with the number of decisions each
+    report caused; and the same for a wake that names no worker (every woken request decides);
   - with ``--profile``: py-spy samples this process over the window (a separate run from the
     measured one, py-spy slows it); ``--profile-out`` keeps the raw stacks.
 
@@ -429,7 +430,7 @@ def report_cost(speed, args) -> dict[int, dict]:
 
 
 async def _report_cost(speed, args) -> dict[int, dict]:
-    results = {n: {"cpu_us": [], "decisions": []} for n in QUEUED_SIZES}
+    results = {n: {"cpu_us": [], "decisions": [], "finish_cpu_us": [], "finish_decisions": []} for n in QUEUED_SIZES}
     benches = {n: await _QueuedBench.make(speed, args, n) for n in QUEUED_SIZES}
     try:
         for _ in range(args.report_rounds):
@@ -437,6 +438,9 @@ async def _report_cost(speed, args) -> dict[int, dict]:
                 cpu_us, decisions = await bench.round(args.reports_per_round)
                 results[n]["cpu_us"].append(cpu_us)
                 results[n]["decisions"].append(decisions)
+                cpu_us, decisions = await bench.round(args.reports_per_round, finishes=True)
+                results[n]["finish_cpu_us"].append(cpu_us)
+                results[n]["finish_decisions"].append(decisions)
     finally:
         for bench in benches.values():
             await bench.close()
@@ -489,14 +493,19 @@ class _QueuedBench:
         self.reports = 0
         return self
 
-    async def round(self, num_reports: int) -> tuple[float, float]:
-        """Mean CPU microseconds and decisions per report over ``num_reports`` reports."""
+    async def round(self, num_reports: int, finishes: bool = False) -> tuple[float, float]:
+        """Mean CPU microseconds and decisions per report over ``num_reports`` reports (the
+        reporting workers stay full); ``finishes``: per wake that names no worker instead (a
+        worker back up: anything may have changed, every woken request decides again)."""
         cluster = self.cluster
         decode = cluster.registry.decode
         calls0, cpu0 = self.timer.calls, time.thread_time()
         for k in range(num_reports):
             worker = decode[(self.reports + k) % len(decode)]
-            cluster._on_worker_stats(worker)
+            if finishes:
+                cluster.admission.notify()
+            else:
+                cluster._on_worker_stats(worker)
             for _ in range(4):     # the woken waiters' re-decisions (and their own wake-ups)
                 await asyncio.sleep(0)
         self.reports += num_reports
@@ -679,12 +688,16 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
 
 
 def queued_lines(args, queued: dict[int, dict]) -> list[str]:
-    lines = ["  PER-REPORT COST vs QUEUED REQUESTS (the launcher's handler of one decode worker's report; "
+    lines = ["  PER-REPORT COST vs QUEUED REQUESTS (the launcher's handler of one report of a decode worker that stays full; "
               f"{args.report_rounds} alternating rounds of {args.reports_per_round} reports, median of rounds):"]
     med = {n: statistics.median(q["cpu_us"]) for n, q in queued.items()}
     for n, q in queued.items():
         lines.append(f"    {n:>5} queued: {med[n]:.1f} us CPU per report, {statistics.fmean(q['decisions']):.1f}"
                      f" decisions per report  (rounds: {', '.join(f'{x:.0f}' for x in q['cpu_us'])})")
+    for n, q in queued.items():
+        lines.append(f"    {n:>5} queued, per wake naming no worker (a worker back up: every woken request decides):"
+                     f" {statistics.median(q['finish_cpu_us']):.1f} us CPU, {statistics.fmean(q['finish_decisions']):.1f}"
+                     " decisions")
     small, large = QUEUED_SIZES
     ratio = med[large] / med[small]
     flat = statistics.fmean(queued[large]["decisions"]) <= statistics.fmean(queued[small]["decisions"])

@@ -182,7 +182,7 @@ class Cluster:
         self.metrics.update_worker(worker.stats)
         self.admission.observe_stats(worker)
         if self.admission.num_queued:
-            self.admission.notify()
+            self.admission.notify(worker)
 
     def _on_worker_down(self, worker: WorkerHandle) -> None:
         self.metrics.worker_state(worker.worker_id, worker.role, up=False)

@@ -224,10 +224,11 @@ class Admission:
             model = self.models[worker_id] = StepTimeModel()
         return model
 
-    def notify(self) -> None:
+    def notify(self, worker: WorkerHandle | None = None) -> None:
         """Capacity may have changed: wake the next few queued requests to decide again. A plain
-        call (it sets their events): a task per worker report cost more than the wake itself."""
-        self._waiters.wake(MAX_WAKE_PER_NOTIFY)
+        call (it sets their events): a task per worker report cost more than the wake itself.
+        ``worker``: only that worker's state changed (its report); None: anything may have."""
+        self._waiters.wake(MAX_WAKE_PER_NOTIFY, worker)
 
     async def capacity_changed(self, timeout_s: float) -> None:
         """Return at the next capacity change (a worker report, a finished request) or after
@@ -352,7 +353,9 @@ class Admission:
                     raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
                 if remaining <= 0:
                     raise CapacityError(f"queued past its TTFT deadline ({decision.reason})")
-                await self._waiters.wait(ticket, remaining)
+                source = await self._waiters.wait(ticket, remaining)
+                if source is not None and not resuming and not self._could_take(source, spec):
+                    continue   # only ``source`` changed and it still has no room: the last decision holds
                 decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming)
         finally:
             if ticket is not None:
@@ -364,6 +367,20 @@ class Admission:
         if metrics is not None:
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
+
+    def _could_take(self, worker: WorkerHandle, spec: RequestSpec) -> bool:
+        """Whether a queued request could now go to ``worker``, the one worker whose report woke
+        it: a decode worker whose TPOT with the request joining is within target and whose KV
+        has room (what every candidate on it must pass, disaggregated or prefilling itself). A
+        prefill worker's report never can: a request queues for decode capacity. The other
+        workers are as they were at the request's last decision (each wakes it with its own
+        report), so a worker that cannot take it leaves that decision standing: one worker
+        checked instead of a decision over all of them, on every report while requests queue."""
+        if worker.role == "prefill" or not worker.alive:
+            return False
+        _, tpot_t = self._targets(spec)
+        side = _Search(self, spec, None, 0.0).decode_side(worker)
+        return _within(side.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(worker, spec)
 
     def _count_queue(self, delta: int, metrics, decision: Decision | None = None) -> None:
         self.num_queued += delta

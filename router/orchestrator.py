@@ -272,7 +272,7 @@ class Orchestrator:
                 self._abort_later(at)
             elif learn and len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
                 self._observed_tpot(pair, progress, trace.timings().tpot_s)
-            self._capacity_changed()
+            self._capacity_changed(decode)
 
     def _decoding(self, decode: WorkerHandle, progress: DecodeProgress, num_tokens: int) -> None:
         first = progress.first_token_s is None and num_tokens > 0
@@ -376,8 +376,9 @@ class Orchestrator:
             if self.on_stats is not None:
                 self.on_stats(prefill)
 
-    def _capacity_changed(self) -> None:
-        self.admission.notify()
+    def _capacity_changed(self, decode: WorkerHandle) -> None:
+        """The request left ``decode`` (finished, failed or aborted): room there, if anywhere."""
+        self.admission.notify(decode)
 
     async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str, sent: tuple[int, ...]) -> None:
         """Run the request on its decode worker from its prompt, after the tokens already ``sent``."""

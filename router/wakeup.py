@@ -6,6 +6,12 @@ per step; here a report wakes at most ``n`` waiters, in rotation (oldest first, 
 waiter goes to the back, so every queued request is re-evaluated within len/n reports). A wake
 that finds a waiter between two decisions is kept (its event stays set), so none is lost.
 
+Each wake names its source: the worker whose report it is, or None when anything may have
+changed (a request finished, a worker came back). The woken waiter learns it from ``wait``, so
+a report from a worker that still cannot take the request costs a check of that one worker, not
+a decision over every worker. Two wakes from different sources before the waiter ran read as
+None (both may have changed).
+
 Life cycle per queued request: ``enter`` -> ``wait`` (until woken or timed out) and decide,
 as often as it stays queued -> ``leave`` (admitted, rejected or cancelled).
 """
@@ -19,6 +25,7 @@ import itertools
 class FairWakeup:
     def __init__(self) -> None:
         self._waiters: dict[int, asyncio.Event] = {}   # insertion order = arrival order
+        self._sources: dict[int, object | None] = {}   # what the pending wake of a waiter names
         self._tickets = itertools.count()
 
     def __len__(self) -> int:
@@ -31,19 +38,29 @@ class FairWakeup:
 
     def leave(self, ticket: int) -> None:
         self._waiters.pop(ticket, None)
+        self._sources.pop(ticket, None)
 
-    async def wait(self, ticket: int, timeout_s: float) -> None:
-        """Return when woken or after ``timeout_s``, whichever comes first."""
+    async def wait(self, ticket: int, timeout_s: float) -> object | None:
+        """Return when woken or after ``timeout_s``, whichever comes first: the wake's source
+        (None after a timeout, or when anything may have changed)."""
         event = self._waiters[ticket]
+        timed_out = False
         try:
             await asyncio.wait_for(event.wait(), timeout_s)
         except asyncio.TimeoutError:
-            pass
+            timed_out = True
         event.clear()
+        source = self._sources.pop(ticket, None)
+        return None if timed_out else source
 
-    def wake(self, n: int) -> None:
+    def wake(self, n: int, source: object | None = None) -> None:
         """The ``n`` waiters woken longest ago (oldest first at the start): a waiter woken goes
         to the back, so waiters that stay queued cannot hold every wake-up for themselves."""
         for ticket in list(itertools.islice(self._waiters, n)):
-            self._waiters[ticket].set()
-            self._waiters[ticket] = self._waiters.pop(ticket)   # to the back of the rotation
+            event = self._waiters.pop(ticket)
+            pending = event.is_set()
+            if not pending or self._sources.get(ticket) is not source:
+                # A second wake from another source before the waiter ran: both may have changed.
+                self._sources[ticket] = None if pending else source
+            event.set()
+            self._waiters[ticket] = event   # to the back of the rotation

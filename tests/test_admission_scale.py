@@ -228,3 +228,52 @@ async def _queued_reports(monkeypatch, num_queued: int) -> tuple[int, int]:
         task.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
     return decisions, counts.fits
+
+
+def test_a_report_from_a_worker_still_full_wakes_without_a_decision(monkeypatch):
+    """While requests queue for KV room, a decode worker's report that leaves it full wakes
+    the next few, who check that one worker and stay queued: no decision over every worker."""
+    decisions = asyncio.run(_reports_from(monkeypatch, free_blocks=0))
+    assert decisions == {"made": 0, "admitted": 0, "queued": 12}
+
+
+def test_a_report_that_frees_room_admits_there(monkeypatch):
+    """The same report with room freed on that worker: the woken requests decide again and
+    the first ones are admitted, on that worker."""
+    decisions = asyncio.run(_reports_from(monkeypatch, free_blocks=1000))
+    assert decisions["made"] >= 1 and decisions["admitted"] >= 1
+    assert decisions["queued"] == 12 - decisions["admitted"]
+
+
+async def _reports_from(monkeypatch, free_blocks: int) -> dict:
+    from router.admission import MAX_WAKE_PER_NOTIFY
+
+    admission = make_cluster(random.Random(2), 2, 3, 5, conditional=True, identical=True)
+    for w in admission.registry.decode:   # full: every request queues for KV room
+        w.observe_stats(dataclasses.replace(w.stats, num_free_blocks=0))
+    spec = RequestSpec("q", tuple(range(3, 40)), SamplingParams(max_tokens=16), SLOTarget(1e6, 1.0))
+    waiters = [asyncio.create_task(admission.acquire(dataclasses.replace(spec, req_id=f"q{k}"))) for k in range(12)]
+    while admission.num_queued < 12:
+        await asyncio.sleep(0)
+    made = 0
+    decide = admission.decide
+
+    def counted(*args, **kwargs):
+        nonlocal made
+        made += 1
+        return decide(*args, **kwargs)
+
+    admission.decide = counted
+    worker = admission.registry.decode[1]
+    worker.observe_stats(dataclasses.replace(worker.stats, num_free_blocks=free_blocks))
+    admission.notify(worker)   # the launcher's report handler: the reporting worker named
+    for _ in range(10):
+        await asyncio.sleep(0)
+    admitted = [t.result() for t in waiters if t.done()]
+    assert all(p.decode is worker for p in admitted)
+    assert made <= MAX_WAKE_PER_NOTIFY
+    queued = admission.num_queued
+    for task in waiters:
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    return {"made": made, "admitted": len(admitted), "queued": queued}

@@ -212,6 +212,30 @@ def test_wakeup_wakes_the_oldest_few_fifo():
     asyncio.run(scenario())
 
 
+def test_wakeup_tells_each_waiter_what_woke_it():
+    """A wake names its source; a second wake from another source before the waiter ran, or a
+    timeout, reads as None (anything may have changed)."""
+    async def scenario():
+        wake = FairWakeup()
+        a, b, c = (wake.enter() for _ in range(3))
+        worker, other = object(), object()
+        wake.wake(2, worker)
+        assert await wake.wait(a, 1.0) is worker and await wake.wait(b, 1.0) is worker
+        wake.wake(3, worker)
+        wake.wake(3, worker)               # the same source again: still that one
+        assert await wake.wait(c, 1.0) is worker
+        wake.wake(3, worker)
+        wake.wake(3, other)                # two sources before the waiter ran
+        assert await wake.wait(a, 1.0) is None
+        assert await wake.wait(b, 1.0) is None and await wake.wait(c, 1.0) is None
+        assert await wake.wait(a, 0.01) is None   # timed out
+        for t in (a, b, c):
+            wake.leave(t)
+        assert not wake._sources
+
+    asyncio.run(scenario())
+
+
 def test_wakeup_rotates_so_waiters_that_stay_queued_cannot_starve_later_ones():
     async def scenario():
         wake = FairWakeup()
