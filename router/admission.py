@@ -45,9 +45,11 @@ bottleneck.
 Decision (targets scaled down for lower priority classes, so they are shed first):
   admit  - every prediction within target: the chosen pair runs it;
   queue  - TTFT fits but the decode side is full (its or a running request's TPOT over target,
-           or no KV room): wait for capacity, re-evaluated when a worker reports (the oldest
-           ``MAX_WAKE_PER_NOTIFY`` per report, ``router.wakeup``), until the time queued leaves no
-           room for its TTFT; a queue already ``max_queued`` long refuses at once;
+           or no KV room): wait for capacity, re-evaluated when a worker reports or a request
+           leaves it (the oldest ``MAX_WAKE_PER_NOTIFY`` per wake, ``router.wakeup``; a woken
+           request decides again only when that worker could now take it, ``_could_take``),
+           until the time queued leaves no room for its TTFT; a queue already ``max_queued``
+           long refuses at once;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
 With no targets (best effort) or before any step timing arrived, requests are admitted.
