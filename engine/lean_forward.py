@@ -18,7 +18,7 @@ values: the CUDA-graph capture (engine.cuda_graphs) records it like the model's 
 
 Which models: the stock Llama, Mistral and Qwen2 causal LMs of the installed transformers (exact
 classes: a subclass or another family, e.g. Qwen3's qk-norm, may run other code), whose attention
-never binds a sliding window and whose modules carry no hooks (which the direct calls would skip).
+never binds a sliding window and whose modules carry no hooks (the containers' would be skipped).
 ``refusal(model)`` says why a model is refused; a refused model runs through its own call.
 
 Life cycle: ``build(model)`` (ModelRunner, once, after its installs) returns a ``LeanForward``,
@@ -56,7 +56,7 @@ class Refusal(enum.Enum):
 
     ARCHITECTURE = "architecture"      # not a stock Llama/Mistral/Qwen2 causal LM (or a layer is not stock)
     SLIDING_WINDOW = "sliding_window"  # a layer's attention window is shorter than the model's context
-    HOOKS = "hooks"                    # a module carries forward hooks (e.g. accelerate's offload)
+    HOOKS = "hooks"                    # a module carries forward hooks or an instance forward (accelerate's)
 
 
 def enabled() -> bool:
@@ -71,7 +71,7 @@ def refusal(model: torch.nn.Module) -> Refusal | None:
         return Refusal.ARCHITECTURE
     if _binding_window(model.config):
         return Refusal.SLIDING_WINDOW
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if any(_hooked(m) for m in model.modules()):
         return Refusal.HOOKS
     return None
 
@@ -89,6 +89,12 @@ def _stock_layers(model: torch.nn.Module, hf) -> bool:
         and isinstance(layer.input_layernorm, norm) and isinstance(layer.post_attention_layernorm, norm)
         for layer in base.layers
     )
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Forward hooks, or a forward set on the instance (accelerate's device hooks wrap it so):
+    the lean forward never calls the containers (layers, attention, MLP) whose hooks would run."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in vars(module)
 
 
 def _binding_window(config) -> bool:

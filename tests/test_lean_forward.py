@@ -118,12 +118,21 @@ def _hooked():
     return loaded
 
 
+def _instance_forward():
+    """accelerate's device hooks replace a module's forward on the instance."""
+    loaded = random_model(seed=9)
+    attn = loaded.model.model.layers[1].self_attn
+    attn.forward = attn.forward   # a bound method kept in the instance's dict, as accelerate leaves it
+    return loaded
+
+
 REFUSED = {
     "qwen3_qk_norm": (_qwen3, lean_forward.Refusal.ARCHITECTURE),
     "subclass": (_subclass, lean_forward.Refusal.ARCHITECTURE),
     "mistral_window": (_mistral_window, lean_forward.Refusal.SLIDING_WINDOW),
     "qwen2_window": (_qwen2_window, lean_forward.Refusal.SLIDING_WINDOW),
     "hooks": (_hooked, lean_forward.Refusal.HOOKS),
+    "instance_forward": (_instance_forward, lean_forward.Refusal.HOOKS),
 }
 
 
