@@ -291,10 +291,10 @@ def start_cluster(args, speed):
     sim = SimConfig(num_blocks=blocks, max_num_seqs=2 * per_decode, max_num_batched_tokens=2048)
     thread = ClusterThread(config, SimCluster(config, speed, sim))
     thread.start(120)
-    if not args.no_gc_freeze:   # as ``pdserve serve`` does once started (router/gc_freeze.py)
-        from router.gc_freeze import freeze_startup_heap
+    if not args.no_gc_freeze:   # as ``pdserve serve`` does once started (router/gc_policy.py)
+        from router.gc_policy import apply_serving_gc_policy
 
-        freeze_startup_heap()
+        apply_serving_gc_policy(thresholds=not args.gc_default_thresholds)
     return thread
 
 
@@ -590,7 +590,8 @@ def header(args, speed) -> list[str]:
         f"load: {args.streams} concurrent streams (closed loop, ramp {args.ramp_s:g} s, warm-up {args.warmup_s:g} s,"
         f" measured {args.measure_s:g} s) x ({args.prompt_len} prompt + {args.max_tokens} output tokens),"
         f" {args.channels} gRPC channels from a separate client process; router --stream-interval {args.stream_interval}"
-        f"{'; start-up heap NOT frozen (--no-gc-freeze)' if args.no_gc_freeze else '; start-up heap frozen (as serve does)'}",
+        f"{'; start-up heap NOT frozen (--no-gc-freeze)' if args.no_gc_freeze else '; start-up heap frozen (as serve does)'}"
+        f"{'; Python default GC thresholds (--gc-default-thresholds)' if args.gc_default_thresholds or args.no_gc_freeze else '; GC generation 0 every 50,000 allocations (as serve does)'}",
     ]
 
 
@@ -703,7 +704,9 @@ def main() -> None:
     p.add_argument("--profile-out", type=Path, default=None)
     p.add_argument("--skip-report-cost", action="store_true")
     p.add_argument("--no-gc-freeze", action="store_true",
-                   help="leave start-up's heap in the collector's scans (pdserve serve freezes it: router/gc_freeze.py)")
+                   help="leave start-up's heap in the collector's scans and Python's GC thresholds (router/gc_policy.py)")
+    p.add_argument("--gc-default-thresholds", action="store_true",
+                   help="freeze start-up's heap but keep Python's GC thresholds (700, 10, 10): the A/B of router/gc_policy.py")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.quick:

@@ -198,7 +198,7 @@ async def _serve(config) -> int:
     """Start, serve until SIGINT / SIGTERM, stop. A signal during start-up cancels the start
     (the half-started cluster is torn down) and exits 128 + the signal's number."""
     from deploy.launcher import Cluster
-    from router.gc_freeze import freeze_startup_heap
+    from router.gc_policy import apply_serving_gc_policy
 
     cluster = Cluster(config)
     starting = asyncio.ensure_future(cluster.start())
@@ -221,7 +221,7 @@ async def _serve(config) -> int:
                 raise
             logger.warning("%s during start-up: stopping the start", signals[0].name)
             return 128 + signals[0]
-        frozen = freeze_startup_heap()   # a full collection would otherwise scan start-up's objects
+        frozen = apply_serving_gc_policy()   # start-up heap out of the scans, fewer young passes
         logger.info("%d start-up objects frozen out of garbage collection", frozen)
         print(f"pdserve ready: gRPC on {config.host}:{port}"
               + (f", OpenAI API on http{'s' if cluster.http.security.tls else ''}://"

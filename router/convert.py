@@ -265,19 +265,23 @@ def usage_from_proto(msg: pb.Usage) -> Usage:
 
 
 def delta_to_proto(
-    delta: TokenDelta, text: str, *, usage: Usage | None = None, timings: RequestTimings | None = None
+    delta: TokenDelta, text: str, *, usage: Usage | None = None, timings: RequestTimings | None = None,
+    request_id: str | None = None,
 ) -> pb.GenerateResponse:
-    """One stream message. Pass ``usage`` and ``timings`` with the finishing delta only."""
-    msg = pb.GenerateResponse(
-        request_id=delta.req_id,
-        token_ids=delta.token_ids,
-        text=text,
-        finish_reason=finish_reason_to_proto(delta.finish_reason),
-        logprobs=delta.logprobs or (),
-        error=delta.error or "",
-        top_logprobs=[pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-                      for top in delta.top_logprobs or ()],
-    )
+    """One stream message. Pass ``usage`` and ``timings`` with the finishing delta only;
+    ``request_id`` names it (default: the delta's). Built per message: only the fields a delta
+    carries are set (an empty repeated field passed to the constructor costs as much as a full one)."""
+    msg = pb.GenerateResponse(request_id=delta.req_id if request_id is None else request_id,
+                              token_ids=delta.token_ids, text=text)
+    if delta.finish_reason is not None:
+        msg.finish_reason = finish_reason_to_proto(delta.finish_reason)
+    if delta.logprobs:
+        msg.logprobs.extend(delta.logprobs)
+    if delta.error:
+        msg.error = delta.error
+    if delta.top_logprobs:
+        msg.top_logprobs.extend(pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                                for top in delta.top_logprobs)
     if usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens))
     if timings is not None:

@@ -53,7 +53,8 @@ requests per second) is the number that both lower.
 
 Hot path: label children are cached so an observation is a dict lookup plus prometheus-client's
 own per-metric lock; the sliding window takes one lock per finished request (never per token)
-and is evicted at scrape time.
+and is evicted at scrape time; a worker's report (one per engine step) is stored and turned into
+the ``worker_*`` gauges at scrape time (``WorkerGauges``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from prometheus_client import start_http_server as _start_http_server
 
 from engine.types import FinishReason, HandoffOutcome, WorkerStats
@@ -169,19 +172,6 @@ class _RequestSeries:
     prefill: Histogram
 
 
-@dataclass(slots=True)
-class _WorkerSeries:
-    running: Gauge
-    waiting: Gauge
-    waiting_tokens: Gauge
-    kv_usage: Gauge
-    free_blocks: Gauge
-    step_time: Gauge
-    preemptions: Counter
-    prefix_queries: Counter
-    prefix_hits: Counter
-
-
 class RouterMetrics:
     """All of the router's metrics in a registry of its own; see the module docstring."""
 
@@ -196,7 +186,7 @@ class RouterMetrics:
         self._server = None
         self._request_series: dict[str, _RequestSeries] = {}
         self._kv_series: dict[str, tuple[Histogram, Histogram]] = {}
-        self._worker_series: dict[tuple[str, str], _WorkerSeries] = {}
+        self._worker_counters: dict[str, tuple[Counter, Counter, Counter]] = {}
         self._totals_seen: dict[tuple[str, str], int] = {}   # (worker, WorkerStats field) -> last total
         self._define_request_metrics()
         self._define_counters()
@@ -258,17 +248,8 @@ class RouterMetrics:
 
     def _define_gauges(self) -> None:
         r, wl = self.registry, ["worker", "role"]
-        self.worker_running = Gauge("pdserve_worker_running_requests", "Requests in the running batch.",
-                                    wl, registry=r)
-        self.worker_waiting = Gauge("pdserve_worker_waiting_requests", "Requests waiting in the worker.",
-                                    wl, registry=r)
-        self.worker_waiting_tokens = Gauge("pdserve_worker_waiting_tokens", "Prompt tokens waiting.",
-                                           wl, registry=r)
-        self.worker_kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "Used KV blocks / all (0-1).",
-                                     wl, registry=r)
-        self.worker_free_blocks = Gauge("pdserve_worker_free_blocks", "Free KV blocks.", wl, registry=r)
-        self.worker_step_time = Gauge("pdserve_worker_step_time_seconds", "Mean recent engine step time.",
-                                      wl, registry=r)
+        self._worker_gauges = WorkerGauges()   # running, waiting, KV, step time: read at scrape time
+        r.register(self._worker_gauges)
         self.router_queued = Gauge("pdserve_router_queued_requests", "Requests queued by admission.", registry=r)
         self.worker_up = Gauge("pdserve_worker_up", "1 while the worker serves; 0 while it is down or restarting.",
                                wl, registry=r)
@@ -412,50 +393,98 @@ class RouterMetrics:
             restarts.inc()
 
     def update_worker(self, stats: WorkerStats) -> None:
-        """Fresh stats from one worker: gauges take its values, running totals count the delta."""
-        s = self._series_for_worker(stats.worker_id, stats.role)
-        s.running.set(stats.num_running)
-        s.waiting.set(stats.num_waiting)
-        s.waiting_tokens.set(stats.num_waiting_tokens)
-        s.kv_usage.set(stats.kv_usage)
-        s.free_blocks.set(stats.num_free_blocks)
-        if stats.recent_steps:  # an idle worker reports no steps: keep its last known step time
-            s.step_time.set(sum(t.duration_s for t in stats.recent_steps) / len(stats.recent_steps))
-        for counter, field in ((s.preemptions, "num_preemptions"), (s.prefix_queries, "prefix_cache_query_tokens"),
-                               (s.prefix_hits, "prefix_cache_hit_tokens")):
+        """Fresh stats from one worker: kept for the gauges (read at scrape time), running
+        totals count the delta. Called per decode step of every worker, so it stores, and
+        leaves the gauges' arithmetic and locks to the scrape."""
+        self._worker_gauges.update(stats)
+        counters = self._counters_for_worker(stats.worker_id)
+        for counter, field in zip(counters, _TOTAL_FIELDS):
             self._count_total(counter, stats, field)
 
     def _count_total(self, counter: Counter, stats: WorkerStats, field: str) -> None:
         total = getattr(stats, field)
         key = (stats.worker_id, field)
         seen = self._totals_seen.get(key, 0)
+        if total == seen:   # the common case: nothing new since the last report
+            return
         # WorkerStats carries a running total; a smaller one means the worker restarted from 0.
-        delta = total - seen if total >= seen else total
-        if delta:
-            counter.inc(delta)
+        counter.inc(total - seen if total > seen else total)
         self._totals_seen[key] = total
 
     def remove_worker(self, worker_id: str) -> None:
         """Drop a departed worker's gauges (a stale gauge would read as a live, idle worker)."""
-        for (wid, role) in [k for k in self._worker_series if k[0] == worker_id]:
-            del self._worker_series[(wid, role)]
-            for gauge in (self.worker_running, self.worker_waiting, self.worker_waiting_tokens,
-                          self.worker_kv_usage, self.worker_free_blocks, self.worker_step_time):
-                gauge.remove(wid, role)
+        self._worker_gauges.remove(worker_id)
+        self._worker_counters.pop(worker_id, None)
         for key in [k for k in self._totals_seen if k[0] == worker_id]:
             del self._totals_seen[key]
 
-    def _series_for_worker(self, worker_id: str, role: str) -> _WorkerSeries:
-        s = self._worker_series.get((worker_id, role))
-        if s is None:
-            s = _WorkerSeries(
-                self.worker_running.labels(worker_id, role), self.worker_waiting.labels(worker_id, role),
-                self.worker_waiting_tokens.labels(worker_id, role), self.worker_kv_usage.labels(worker_id, role),
-                self.worker_free_blocks.labels(worker_id, role), self.worker_step_time.labels(worker_id, role),
+    def _counters_for_worker(self, worker_id: str) -> tuple[Counter, Counter, Counter]:
+        counters = self._worker_counters.get(worker_id)
+        if counters is None:
+            counters = self._worker_counters[worker_id] = (
                 self.preemptions.labels(worker_id), self.prefix_queries.labels(worker_id),
                 self.prefix_hits.labels(worker_id))
-            self._worker_series[(worker_id, role)] = s
-        return s
+        return counters
+
+
+# WorkerStats' running totals and the counters (in _counters_for_worker's order) they feed.
+_TOTAL_FIELDS = ("num_preemptions", "prefix_cache_query_tokens", "prefix_cache_hit_tokens")
+
+# The per-worker gauges: (name, help, how to read it from a worker's last stats).
+_WORKER_GAUGES: tuple[tuple[str, str, Callable[[WorkerStats], float]], ...] = (
+    ("pdserve_worker_running_requests", "Requests in the running batch.", lambda s: s.num_running),
+    ("pdserve_worker_waiting_requests", "Requests waiting in the worker.", lambda s: s.num_waiting),
+    ("pdserve_worker_waiting_tokens", "Prompt tokens waiting.", lambda s: s.num_waiting_tokens),
+    ("pdserve_worker_kv_usage_ratio", "Used KV blocks / all (0-1).", lambda s: s.kv_usage),
+    ("pdserve_worker_free_blocks", "Free KV blocks.", lambda s: s.num_free_blocks),
+)
+_STEP_TIME_GAUGE = ("pdserve_worker_step_time_seconds", "Mean recent engine step time.")
+
+
+class WorkerGauges(Collector):
+    """The ``worker_*`` gauges, computed from each worker's last stats when scraped.
+
+    Workers report every engine step (hundreds of reports a second across a cluster), and
+    Prometheus reads a few times a minute: storing the report and doing the gauges' work at
+    scrape time makes a report one dict store instead of six locked gauge sets and a mean.
+    The event loop stores, the scrape thread reads: each read takes a snapshot of the dicts
+    (a C-level copy under the GIL) and never sees a half-written entry.
+    """
+
+    def __init__(self) -> None:
+        self._stats: dict[tuple[str, str], WorkerStats] = {}     # (worker, role) -> last stats
+        self._steps: dict[tuple[str, str], tuple] = {}           # last non-empty recent_steps
+
+    def update(self, stats: WorkerStats) -> None:
+        key = (stats.worker_id, stats.role)
+        self._stats[key] = stats
+        if stats.recent_steps:   # an idle worker reports no steps: keep its last known step time
+            self._steps[key] = stats.recent_steps
+
+    def remove(self, worker_id: str) -> None:
+        for key in [k for k in self._stats if k[0] == worker_id]:
+            del self._stats[key]
+            self._steps.pop(key, None)
+
+    def collect(self):
+        stats, steps = dict(self._stats), dict(self._steps)
+        labels = ["worker", "role"]
+        for name, doc, read in _WORKER_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            for (worker, role), s in stats.items():
+                family.add_metric([worker, role], read(s))
+            yield family
+        family = GaugeMetricFamily(*_STEP_TIME_GAUGE, labels=labels)
+        for (worker, role), recent in steps.items():
+            if (worker, role) in stats:
+                family.add_metric([worker, role], sum(t.duration_s for t in recent) / len(recent))
+        yield family
+
+    def describe(self):
+        """Names known without data (the registry checks for clashes at registration)."""
+        for name, doc, _ in _WORKER_GAUGES:
+            yield GaugeMetricFamily(name, doc, labels=["worker", "role"])
+        yield GaugeMetricFamily(*_STEP_TIME_GAUGE, labels=["worker", "role"])
 
 
 def _check_mode(mode: str) -> str:

@@ -171,9 +171,8 @@ class PdserveServicer(pb_grpc.PdserveServicer):
 
 
 def _response(event: GenerationEvent, label: str) -> pb.GenerateResponse:
-    msg = convert.delta_to_proto(event.delta, event.text, usage=event.usage, timings=event.timings)
-    msg.request_id = label   # the client's label; the router's own id never leaves it
-    return msg
+    # Named by the client's label: the router's own id never leaves it.
+    return convert.delta_to_proto(event.delta, event.text, usage=event.usage, timings=event.timings, request_id=label)
 
 
 def _add_servicer(servicer: PdserveServicer, server: grpc.aio.Server) -> None:

@@ -205,6 +205,16 @@ def test_delta_to_proto_final_message():
     assert timings_from_proto(msg.timings) == timings
 
 
+def test_delta_to_proto_top_logprobs_and_label():
+    top = (((5, -0.1), (7, -2.3)), ((6, -0.2),))
+    msg = delta_to_proto(TokenDelta("router-id", (5, 6), logprobs=(-0.1, -0.2), top_logprobs=top), "ab",
+                         request_id="client-label")
+    assert msg.request_id == "client-label"
+    assert [(list(t.token_ids), [round(x, 6) for x in t.logprobs]) for t in msg.top_logprobs] == [
+        ([5, 7], [-0.1, -2.3]), ([6], [-0.2])]
+    assert not delta_to_proto(TokenDelta("r", (5,)), "a").top_logprobs
+
+
 def test_error_delta_carries_message():
     msg = delta_to_proto(TokenDelta("r", (), FinishReason.ERROR, error="decode worker died"), "")
     assert msg.finish_reason == pb.FINISH_REASON_ERROR and msg.error == "decode worker died"
