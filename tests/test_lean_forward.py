@@ -1,7 +1,7 @@
 """engine.lean_forward: logits and KV writes bit-identical (torch.equal) to the model's own call on
 every forward of real engine runs (mixed prefill + decode packed batches, chunked prefill, the
 decode graphs' fixed-shape body), for Llama (GQA, MHA, tied and untied embeddings), Qwen2 (biased
-q/k/v) and Mistral, with the CPU installs on and off; the refusals fall back to the model's call."""
+q/k/v) and Mistral, with the CPU installs and kernels on and off; the refusals fall back to the model's call."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ class _Both:
 @pytest.mark.parametrize("name", MODELS)
 def test_bit_identical_to_model_call(name, config, installs, monkeypatch):
     if installs == "off":
-        for var, value in (("PDSERVE_FUSED_LINEAR", "off"), ("PDSERVE_LINEAR", "torch"), ("PDSERVE_FAST_NORM", "off")):
+        # Every CPU install off, decode attention on torch (the path a GPU runs).
+        for var, value in (("PDSERVE_FUSED_LINEAR", "off"), ("PDSERVE_LINEAR", "torch"), ("PDSERVE_FAST_NORM", "off"),
+                           ("PDSERVE_ATTENTION", "torch")):
             monkeypatch.setenv(var, value)
     loaded = MODELS[name]()
     reference = copy.deepcopy(loaded.model)
