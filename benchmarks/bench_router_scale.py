@@ -340,9 +340,11 @@ def measure(args, speed, address_holder: dict) -> dict:
         lags: list[float] = []
         lag_probe = asyncio.run_coroutine_threadsafe(loop_lag(lags), thread.loop)
         queued_max = 0
+        live: list[int] = []   # Generate calls the router's handlers hold (the rest wait in gRPC core)
         while time.monotonic() < t1:
             time.sleep(0.05)
             queued_max = max(queued_max, cluster.admission.num_queued)
+            live.append(len(cluster.servicer.core.live))
         w1 = (time.monotonic(), process_cpu_s(), cluster.host.cpu_s(), thread_cpu_s(thread._thread), timer.calls)
         lag_probe.cancel()
         decisions = (list(timer.wall_s), list(timer.cpu_s), list(timer.with_gc))
@@ -363,8 +365,33 @@ def measure(args, speed, address_holder: dict) -> dict:
         gc_timer.close()
         stalls.close()
     return {"window": window, "gc": gc_window, "stalls": stalls.gaps, "lags": lags, "client": result, "decisions": decisions, "queued_max": queued_max,
+            "live": live, "router_ttft_p50_s": histogram_quantile(metrics, "pdserve_time_to_first_token_seconds", 0.5),
             "leaks": leaks, "steps": steps, "profile": profile, "targets": (ttft_ms, tpot_ms),
             "metrics_bytes": len(metrics)}
+
+
+def histogram_quantile(exposition: bytes, name: str, q: float) -> float:
+    """The q-quantile of a Prometheus histogram in ``exposition`` (all label sets summed), read
+    as PromQL's histogram_quantile does: linear within the bucket that crosses it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = collections.defaultdict(float)
+    for family in text_string_to_metric_families(exposition.decode()):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name == name + "_bucket":
+                    buckets[float(sample.labels["le"])] += sample.value
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] == 0:
+        return float("nan")
+    rank, lower, below = q * buckets[bounds[-1]], 0.0, 0.0
+    for upper in bounds:
+        if buckets[upper] >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(buckets[upper] - below, 1e-12)
+        lower, below = upper, buckets[upper]
+    return lower
 
 
 def leak_check(thread) -> dict:
@@ -617,7 +644,11 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         + (f"  {res['error_samples']}" if res["errors"] else ""),
         f"  tokens/s streamed in the window: {rate:,.0f} ({res['messages']:,} messages over the run,"
         f" {sum(bins.values()) / max(1, res['messages']):.2f} tokens/message)",
-        f"  TTFT p50 / p99 (ms, client): {pct(res['ttft_s'], .5) * 1e3:.0f} / {pct(res['ttft_s'], .99) * 1e3:.0f}",
+        f"  TTFT p50 / p99 (ms, client): {pct(res['ttft_s'], .5) * 1e3:.0f} / {pct(res['ttft_s'], .99) * 1e3:.0f};"
+        f" p50 from the router's handler (its TTFT histogram, whole run): {run['router_ttft_p50_s'] * 1e3:.0f} ms",
+        f"  Generate calls the router's handlers held in the window, mean / max: {statistics.fmean(run['live'] or [0]):,.0f} /"
+        f" {max(run['live'], default=0):,} of {args.streams:,} open streams (the others wait in gRPC core until grpc.aio's"
+        f" server accepts them: one call at a time, as its event loop gets round to it)",
         f"  decode steps (all workers): {run['steps']['steps']:,}; recent batch mean {run['steps']['batch_mean']:.0f}"
         f" seqs, step {run['steps']['step_ms_mean']:.0f} ms",
         f"  admission queue, max seen in the window: {run['queued_max']}",
