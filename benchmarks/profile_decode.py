@@ -5,7 +5,8 @@ model row; random KV; blocks scattered), contexts uniform in [--ctx-min, --ctx-m
 threads. After two warm-up steps, --steps steps run under ``torch.profiler`` (CPU activities);
 the table lists operators by self CPU time, then a split into GEMMs (the linear kernels and
 aten::mm/addmm), paged attention, and the rest by operator, and step time outside the model
-forward (scheduling, input preparation, sampling, Python).
+forward (scheduling, input preparation, sampling, Python); then the rest of the forward split by
+the ops the forward calls and its own Python (PDSERVE_LEAN_FORWARD=off: through Hugging Face's call).
 
     python -m benchmarks.profile_decode [--steps 5] [--threads 1] [--top 30]
 
@@ -94,6 +95,26 @@ def main() -> None:
     print(f"per step (ms, profiled; wall {wall * 1e3:.1f}): step {step:.1f}, forward {fwd:.1f}, "
           f"paged attention (incl. KV write) {attn:.1f}, GEMMs {gemm:.1f}, rest of the forward {fwd - attn - gemm:.1f}, "
           f"outside the forward {step - fwd:.1f}")
+    rest = _rest_of_forward(prof.events(), args.steps)
+    print("rest of the forward (ms per step): " + ", ".join(f"{name} {ms:.1f}" for name, ms in rest))
+
+
+def _rest_of_forward(events, steps: int) -> list[tuple[str, float]]:
+    """The forward's own ops (those called from its Python directly, with what they call) by
+    total CPU time, and its self time (the Python and op dispatch between them), largest first;
+    the attention and linear-kernel ranges are left out (reported above)."""
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.name == "pdserve::forward":
+            totals["Python and dispatch (forward self)"] = totals.get("Python and dispatch (forward self)", 0.0) + \
+                e.self_cpu_time_total
+        elif e.cpu_parent is not None and e.cpu_parent.name == "pdserve::forward" and e.name not in _REPORTED:
+            totals[e.name] = totals.get(e.name, 0.0) + e.cpu_time_total
+    return sorted(((k, v / steps / 1e3) for k, v in totals.items()), key=lambda kv: -kv[1])
+
+
+_REPORTED = ("pdserve::paged_attention", "pdserve::skinny_linear", "pdserve::panel_linear", "aten::mm", "aten::addmm",
+             "aten::linear", "aten::matmul")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from engine import paged_kernel
 
@@ -127,3 +128,8 @@ def register() -> None:
     ``.all()`` is a host sync every forward (a CUDA graph capture fails on it where transformers does
     not skip it while capturing)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+def registered():
+    """The attention function the model's layers resolve ATTN_IMPLEMENTATION to (``register`` first)."""
+    return ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION]

@@ -40,7 +40,7 @@ class _Group:
     last input until every member has taken its slice."""
 
     def __init__(self, members: list[torch.nn.Linear]) -> None:
-        self.members = members
+        self.members = tuple(members)
         self.sizes = [m.out_features for m in members]
         with torch.no_grad():
             self.weight = torch.cat([m.weight for m in members]).contiguous()
@@ -61,13 +61,20 @@ class _Group:
         """Every member still computes with its slice of the fused weight (same parameter, same memory)."""
         return all(m.weight is w and w.data_ptr() == ptr for m, (w, ptr) in zip(self.members, self._views))
 
+    def in_use(self) -> bool:
+        """The fused GEMM serves the members now: inside ``active()``, no autograd, weights intact."""
+        return active.on and not torch.is_grad_enabled() and self.intact()
+
+    def compute(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's output for ``x`` from one call: column slices of the fused output."""
+        return list(skinny_linear.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         # Keyed on the input tensor itself (held, so its id cannot be reused): the members are
         # called one after the other on the same hidden states, which the model does not change
         # in place in between (inference tensors keep no version counter to check that).
         if self._input is not x:
-            fused = skinny_linear.linear(x, self.weight, self.bias)
-            self._outputs = list(fused.split(self.sizes, dim=-1))
+            self._outputs = self.compute(x)
             self._input, self._pending = x, len(self.members)
         out = self._outputs[index]
         self._pending -= 1
@@ -84,9 +91,18 @@ class FusedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._fused_group
-        if active.on and not torch.is_grad_enabled() and group.intact():
+        if group.in_use():
             return group.output(self._fused_index, x)
         return skinny_linear.linear(x, self.weight, self.bias)
+
+
+def outputs(members: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each member's output for ``x``, as calling them in turn gives it: in one call when they are
+    a whole fused group in use (engine.lean_forward takes them so, skipping the members' calls)."""
+    group = getattr(members[0], "_fused_group", None)
+    if group is not None and group.members == members and group.in_use():
+        return group.compute(x)
+    return [m(x) for m in members]
 
 
 def _fusable(members: list[torch.nn.Module]) -> bool:

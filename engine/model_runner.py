@@ -4,7 +4,8 @@ Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, 
 slot mapping and attention metadata; ``execute`` runs the transformers model through the
 paged attention registered in ``engine.attention`` (q/k/v and gate/up projections fused by
 ``engine.fused_linear``, decode-step linears on ``engine.skinny_linear``, RMSNorm on
-``engine.fast_norm``) and returns logits only at the positions that sample (each request's last
+``engine.fast_norm``; for the Llama family without Hugging Face's plumbing, ``engine.lean_forward``)
+and returns logits only at the positions that sample (each request's last
 scheduled token when it reaches its last known token).
 With decode graphs on (``engine.cuda_graphs``), a decode-only step is loaded into the graph pool's
 static buffer instead and replayed; every other step runs here.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import attention, fast_norm, fused_linear, paged_kernel, skinny_linear
+from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.kv_manager import KVCacheManager
@@ -62,6 +63,8 @@ class ModelRunner:
         self.fast_norm = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and fast_norm.enabled()
         if self.fast_norm:
             fast_norm.install(model)
+        # The same modules without Hugging Face's per-call plumbing (Llama family; None: the model's call).
+        self.lean = lean_forward.build(model)
         self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
@@ -76,13 +79,20 @@ class ModelRunner:
         """The model on packed tokens (the graph pool's captured body calls it too)."""
         with skinny_linear.active(self.skinny), fused_linear.active(self.fused), fast_norm.active(self.fast_norm), \
                 self._sdpa_backends():
-            logits = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                logits_to_keep=logits_indices,
-                use_cache=False,
-                pdserve_attn=metadata,
-            ).logits
+            if self.lean is not None:
+                return self.lean(input_ids, position_ids, logits_indices, metadata)
+            return self.model_call(input_ids, position_ids, logits_indices, metadata)
+
+    def model_call(self, input_ids, position_ids, logits_indices, metadata: AttentionMetadata) -> torch.Tensor:
+        """The model's own (Hugging Face) forward through the registered attention: the path of
+        models lean_forward refuses, and its reference."""
+        logits = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            logits_to_keep=logits_indices,
+            use_cache=False,
+            pdserve_attn=metadata,
+        ).logits
         return logits[0]
 
     def _sdpa_backends(self):

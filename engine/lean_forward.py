@@ -1,0 +1,186 @@
+"""The engine's forward of a Llama-family model on packed tokens, without Hugging Face's plumbing.
+
+Why: ``model(input_ids=..., pdserve_attn=...)`` runs, per layer, Hugging Face's decorated forward
+bodies (kwargs merging and deprecation wrappers, the gradient-checkpointing ``__call__``, the
+attention-interface lookup, output dataclasses) and, per forward, its mask and output capture:
+single-threaded Python that does not shrink with more threads (~4-5 ms of a 30-layer SmolLM2
+forward; at batch 64 and 2 threads a decode forward gains 2.6-5.5%: benchmarks/results/lean_forward.txt).
+This module runs the same model directly:
+
+    embed -> rotary cos/sin (the model's own rotary_emb, once) -> per layer: input norm, q/k/v
+    projections (one fused GEMM where engine.fused_linear installed it), the model's own
+    apply_rotary_pos_emb, the registered paged attention, o_proj, residual, post-attention norm,
+    MLP (gate/up fused likewise), residual -> final norm -> lm_head on the kept positions.
+
+It calls the model's own modules and parameters (no copies), the same ops in the same order on
+the same shapes as the Hugging Face bodies, so its logits are bit-identical to the model's call
+(tests/test_lean_forward.py checks torch.equal). Plain torch ops and no branching on tensor
+values: the CUDA-graph capture (engine.cuda_graphs) records it like the model's call.
+
+Which models: the stock Llama, Mistral and Qwen2 causal LMs of the installed transformers (exact
+classes: a subclass or another family, e.g. Qwen3's qk-norm, may run other code), whose attention
+never binds a sliding window and whose modules carry no hooks (the containers' would be skipped).
+``refusal(model)`` says why a model is refused; a refused model runs through its own call.
+
+Life cycle: ``build(model)`` (ModelRunner, once, after its installs) returns a ``LeanForward``,
+or None when refused or switched off (``PDSERVE_LEAN_FORWARD=off``); the runner calls it per
+forward inside its switches (skinny_linear, fused_linear, fast_norm stay in force: the modules
+called here are the installed ones). It holds references to the model's modules only: no state.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine import attention, fused_linear
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "PDSERVE_LEAN_FORWARD"   # "off": the model's own call (comparison, tests)
+# Causal LM class name -> its transformers module; the stock classes are looked up there.
+FAMILIES = {
+    "LlamaForCausalLM": "transformers.models.llama.modeling_llama",
+    "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
+    "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2",
+}
+
+
+class Refusal(enum.Enum):
+    """Why a model runs through its own call instead."""
+
+    ARCHITECTURE = "architecture"      # not a stock Llama/Mistral/Qwen2 causal LM (or a layer is not stock)
+    SLIDING_WINDOW = "sliding_window"  # a layer's attention window is shorter than the model's context
+    HOOKS = "hooks"                    # a module carries forward hooks or an instance forward (accelerate's)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_VAR, "").lower() not in ("off", "0", "false")
+
+
+def refusal(model: torch.nn.Module) -> Refusal | None:
+    """None when ``LeanForward`` runs this model bit-identically to its own call."""
+    family = FAMILIES.get(type(model).__name__)
+    hf = importlib.import_module(family) if family is not None else None
+    if hf is None or type(model) is not getattr(hf, type(model).__name__) or not _stock_layers(model, hf):
+        return Refusal.ARCHITECTURE
+    if _binding_window(model.config):
+        return Refusal.SLIDING_WINDOW
+    if any(_hooked(m) for m in model.modules()):
+        return Refusal.HOOKS
+    return None
+
+
+def _stock_layers(model: torch.nn.Module, hf) -> bool:
+    prefix = type(model).__name__.removesuffix("ForCausalLM")
+    base = model.model
+    if type(base) is not getattr(hf, f"{prefix}Model"):
+        return False
+    norm = getattr(hf, f"{prefix}RMSNorm")   # isinstance: engine.fast_norm's subclass gives the same bits
+    return isinstance(base.norm, norm) and all(
+        type(layer) is getattr(hf, f"{prefix}DecoderLayer")
+        and type(layer.self_attn) is getattr(hf, f"{prefix}Attention")
+        and type(layer.mlp) is getattr(hf, f"{prefix}MLP")
+        and isinstance(layer.input_layernorm, norm) and isinstance(layer.post_attention_layernorm, norm)
+        for layer in base.layers
+    )
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Forward hooks, or a forward set on the instance (accelerate's device hooks wrap it so):
+    the lean forward never calls the containers (layers, attention, MLP) whose hooks would run."""
+    return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in vars(module)
+
+
+def _binding_window(config) -> bool:
+    """Mistral windows every layer when ``sliding_window`` is set; Qwen2 only its layers typed
+    "sliding_attention". Neither binds when the window covers the whole context."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or window >= config.max_position_embeddings:
+        return False
+    types = getattr(config, "layer_types", None)
+    return types is None or "sliding_attention" in types
+
+
+def build(model: torch.nn.Module) -> LeanForward | None:
+    """The lean forward of ``model``; None when switched off or refused (logged)."""
+    if not enabled():
+        return None
+    reason = refusal(model)
+    if reason is not None:
+        logger.info("lean forward refused (%s): %s runs through its own call", reason.value, type(model).__name__)
+        return None
+    return LeanForward(model)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """One decoder layer's modules, read once (the forward reaches them without attribute walks)."""
+
+    input_norm: torch.nn.Module
+    attn: torch.nn.Module
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    o_proj: torch.nn.Module
+    post_norm: torch.nn.Module
+    gate_proj: torch.nn.Module
+    up_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+    head_dim: int
+    scaling: float
+
+
+class LeanForward:
+    def __init__(self, model: torch.nn.Module) -> None:
+        base = model.model
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm
+        self.lm_head = model.lm_head
+        # The family's own function, as its attention forward calls it.
+        self.apply_rotary = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
+        # Resolved as the model's attention resolves it: the registry entry engine.attention registered.
+        self.attention = attention.registered()
+        self.layers = [
+            _Layer(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
+                   layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
+                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
+                   layer.self_attn.head_dim, layer.self_attn.scaling)
+            for layer in base.layers[: model.config.num_hidden_layers]
+        ]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
+                 metadata: attention.AttentionMetadata) -> torch.Tensor:
+        """Logits [num_kept, vocab] at the packed positions ``logits_indices`` (input_ids,
+        position_ids: [1, num_tokens])."""
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
+        for layer in self.layers:
+            hidden = hidden + self._attention(layer, layer.input_norm(hidden), cos_sin, metadata)
+            hidden = hidden + self._mlp(layer, layer.post_norm(hidden))
+        hidden = self.norm(hidden)
+        return self.lm_head(hidden[:, logits_indices, :])[0]
+
+    def _attention(self, layer: _Layer, x: torch.Tensor, cos_sin, metadata) -> torch.Tensor:
+        input_shape = x.shape[:-1]
+        hidden_shape = (*input_shape, -1, layer.head_dim)
+        q, k, v = fused_linear.outputs((layer.q_proj, layer.k_proj, layer.v_proj), x)
+        q = q.view(hidden_shape).transpose(1, 2)
+        k = k.view(hidden_shape).transpose(1, 2)
+        v = v.view(hidden_shape).transpose(1, 2)
+        q, k = self.apply_rotary(q, k, *cos_sin)
+        out, _ = self.attention(layer.attn, q, k, v, None, dropout=0.0, scaling=layer.scaling, pdserve_attn=metadata)
+        return layer.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+    @staticmethod
+    def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = fused_linear.outputs((layer.gate_proj, layer.up_proj), x)
+        return layer.down_proj(layer.act_fn(gate) * up)
