@@ -46,8 +46,9 @@ Decision (targets scaled down for lower priority classes, so they are shed first
   admit  - every prediction within target: the chosen pair runs it;
   queue  - TTFT fits but the decode side is full (its or a running request's TPOT over target,
            or no KV room): wait for capacity, re-evaluated when a worker reports or a request
-           leaves it (the oldest ``MAX_WAKE_PER_NOTIFY`` per wake, ``router.wakeup``; a woken
-           request decides again only when that worker could now take it, ``_could_take``),
+           ends (the oldest ``MAX_WAKE_PER_NOTIFY`` per wake, ``router.wakeup``; woken by a
+           report, a request decides again only when that worker could now take it,
+           ``_could_take``),
            until the time queued leaves no room for its TTFT; a queue already ``max_queued``
            long refuses at once;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
@@ -380,6 +381,8 @@ class Admission:
         checked instead of a decision over all of them, on every report while requests queue."""
         if worker.role == "prefill" or not worker.alive:
             return False
+        if not worker.num_inflight and not (worker.stats and (worker.stats.num_running or worker.stats.num_waiting)):
+            return True   # idle: a decision admits there whatever it predicts (``_idle``)
         _, tpot_t = self._targets(spec)
         side = _Search(self, spec, None, 0.0).decode_side(worker)
         return _within(side.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(worker, spec)

@@ -272,7 +272,7 @@ class Orchestrator:
                 self._abort_later(at)
             elif learn and len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
                 self._observed_tpot(pair, progress, trace.timings().tpot_s)
-            self._capacity_changed(decode)
+            self._capacity_changed()
 
     def _decoding(self, decode: WorkerHandle, progress: DecodeProgress, num_tokens: int) -> None:
         first = progress.first_token_s is None and num_tokens > 0
@@ -376,9 +376,11 @@ class Orchestrator:
             if self.on_stats is not None:
                 self.on_stats(prefill)
 
-    def _capacity_changed(self, decode: WorkerHandle) -> None:
-        """The request left ``decode`` (finished, failed or aborted): room there, if anywhere."""
-        self.admission.notify(decode)
+    def _capacity_changed(self) -> None:
+        """A request left its workers (finished, failed or aborted). Named as no single worker:
+        the router's own counts changed at once, the worker's stats (its freed blocks) only with
+        its next report, and an idle worker sends none: every woken request decides again."""
+        self.admission.notify()
 
     async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str, sent: tuple[int, ...]) -> None:
         """Run the request on its decode worker from its prompt, after the tokens already ``sent``."""

@@ -277,3 +277,23 @@ async def _reports_from(monkeypatch, free_blocks: int) -> dict:
         task.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
     return {"made": made, "admitted": len(admitted), "queued": queued}
+
+
+def test_a_report_from_an_idle_worker_admits_even_on_stale_stats():
+    """A worker whose last request just ended can look full in its last stats (its blocks are
+    freed after them) and, idle, sends no more: woken by it, a queued request decides again (an
+    idle pair is admitted whatever it predicts) instead of waiting out its deadline."""
+    async def scenario():
+        admission = make_cluster(random.Random(2), 1, 1, 0, conditional=False, identical=True)
+        worker = admission.registry.decode[0]
+        worker.observe_stats(dataclasses.replace(worker.stats, num_free_blocks=0, num_running=1))
+        spec = RequestSpec("q", tuple(range(3, 40)), SamplingParams(max_tokens=16), SLOTarget(1e6, 1.0))
+        waiter = asyncio.create_task(admission.acquire(spec))
+        while admission.num_queued < 1:
+            await asyncio.sleep(0)
+        worker.observe_stats(dataclasses.replace(worker.stats, num_running=0))   # idle, blocks not yet freed
+        admission.notify(worker)
+        prediction = await asyncio.wait_for(waiter, 5.0)
+        assert prediction.decode is worker and admission.num_queued == 0
+
+    asyncio.run(scenario())
