@@ -195,24 +195,9 @@ def test_per_report_work_does_not_grow_with_the_queue(monkeypatch):
 async def _queued_reports(monkeypatch, num_queued: int) -> tuple[int, int]:
     from router.admission import MAX_WAKE_PER_NOTIFY
 
-    admission = make_cluster(random.Random(2), 2, 3, 5, conditional=False, identical=True)
-    for w in admission.registry.decode:   # full: every request queues for KV room
-        w.observe_stats(dataclasses.replace(w.stats, num_free_blocks=0))
-    spec = RequestSpec("q", tuple(range(3, 40)), SamplingParams(max_tokens=16), SLOTarget(1e6, 1.0))
-    waiters = [asyncio.create_task(admission.acquire(dataclasses.replace(spec, req_id=f"q{k}")))
-               for k in range(num_queued)]
-    while admission.num_queued < num_queued:
-        await asyncio.sleep(0)
+    admission, spec, waiters = await _full_with_queue(num_queued, conditional=False)
     counts = Counts(monkeypatch)
-    decisions = 0
-    decide = admission.decide
-
-    def counted(*args, **kwargs):
-        nonlocal decisions
-        decisions += 1
-        return decide(*args, **kwargs)
-
-    admission.decide = counted
+    decided = _count_decisions(admission)
     worker = admission.registry.decode[0]
     for step in range(20):   # 20 reports, each with one new step, as a worker's stream sends them
         steps = worker.stats.recent_steps + (StepTiming(5, 5, 0, 800 + step, 0.02 + step * 1e-5),)
@@ -222,7 +207,8 @@ async def _queued_reports(monkeypatch, num_queued: int) -> tuple[int, int]:
         for _ in range(4):
             await asyncio.sleep(0)
         admission.decide(spec, now=NOW)   # the step model is asked once per report at least
-        decisions -= 1
+        decided[0] -= 1
+    decisions = decided[0]
     assert decisions <= 20 * MAX_WAKE_PER_NOTIFY
     for task in waiters:
         task.cancel()
@@ -248,22 +234,8 @@ def test_a_report_that_frees_room_admits_there(monkeypatch):
 async def _reports_from(monkeypatch, free_blocks: int) -> dict:
     from router.admission import MAX_WAKE_PER_NOTIFY
 
-    admission = make_cluster(random.Random(2), 2, 3, 5, conditional=True, identical=True)
-    for w in admission.registry.decode:   # full: every request queues for KV room
-        w.observe_stats(dataclasses.replace(w.stats, num_free_blocks=0))
-    spec = RequestSpec("q", tuple(range(3, 40)), SamplingParams(max_tokens=16), SLOTarget(1e6, 1.0))
-    waiters = [asyncio.create_task(admission.acquire(dataclasses.replace(spec, req_id=f"q{k}"))) for k in range(12)]
-    while admission.num_queued < 12:
-        await asyncio.sleep(0)
-    made = 0
-    decide = admission.decide
-
-    def counted(*args, **kwargs):
-        nonlocal made
-        made += 1
-        return decide(*args, **kwargs)
-
-    admission.decide = counted
+    admission, _, waiters = await _full_with_queue(12, conditional=True)
+    decided = _count_decisions(admission)
     worker = admission.registry.decode[1]
     worker.observe_stats(dataclasses.replace(worker.stats, num_free_blocks=free_blocks))
     admission.notify(worker)   # the launcher's report handler: the reporting worker named
@@ -271,12 +243,39 @@ async def _reports_from(monkeypatch, free_blocks: int) -> dict:
         await asyncio.sleep(0)
     admitted = [t.result() for t in waiters if t.done()]
     assert all(p.decode is worker for p in admitted)
-    assert made <= MAX_WAKE_PER_NOTIFY
+    assert decided[0] <= MAX_WAKE_PER_NOTIFY
     queued = admission.num_queued
     for task in waiters:
         task.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
-    return {"made": made, "admitted": len(admitted), "queued": queued}
+    return {"made": decided[0], "admitted": len(admitted), "queued": queued}
+
+
+async def _full_with_queue(num_queued: int, conditional: bool):
+    """2 prefill + 3 decode workers with no KV room left, and ``num_queued`` requests queued for
+    it: (admission, the requests' spec, their tasks)."""
+    admission = make_cluster(random.Random(2), 2, 3, 5, conditional=conditional, identical=True)
+    for w in admission.registry.decode:   # full: every request queues for KV room
+        w.observe_stats(dataclasses.replace(w.stats, num_free_blocks=0))
+    spec = RequestSpec("q", tuple(range(3, 40)), SamplingParams(max_tokens=16), SLOTarget(1e6, 1.0))
+    waiters = [asyncio.create_task(admission.acquire(dataclasses.replace(spec, req_id=f"q{k}")))
+               for k in range(num_queued)]
+    while admission.num_queued < num_queued:
+        await asyncio.sleep(0)
+    return admission, spec, waiters
+
+
+def _count_decisions(admission: Admission) -> list[int]:
+    """Counts ``admission.decide`` calls from now on, in the returned one-item list."""
+    decided = [0]
+    decide = admission.decide
+
+    def counted(*args, **kwargs):
+        decided[0] += 1
+        return decide(*args, **kwargs)
+
+    admission.decide = counted
+    return decided
 
 
 def test_a_report_from_an_idle_worker_admits_even_on_stale_stats():
