@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from engine import attention, fused_linear
+from engine.sliding_window import binding_window
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def refusal(model: torch.nn.Module) -> Refusal | None:
     hf = importlib.import_module(family) if family is not None else None
     if hf is None or type(model) is not getattr(hf, type(model).__name__) or not _stock_layers(model, hf):
         return Refusal.ARCHITECTURE
-    if _binding_window(model.config):
+    if binding_window(model.config) is not None:
         return Refusal.SLIDING_WINDOW
     if any(_hooked(m) for m in model.modules()):
         return Refusal.HOOKS
@@ -97,15 +98,6 @@ def _hooked(module: torch.nn.Module) -> bool:
     the lean forward never calls the containers (layers, attention, MLP) whose hooks would run."""
     return bool(module._forward_hooks or module._forward_pre_hooks) or "forward" in vars(module)
 
-
-def _binding_window(config) -> bool:
-    """Mistral windows every layer when ``sliding_window`` is set; Qwen2 only its layers typed
-    "sliding_attention". Neither binds when the window covers the whole context."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or window >= config.max_position_embeddings:
-        return False
-    types = getattr(config, "layer_types", None)
-    return types is None or "sliding_attention" in types
 
 
 def build(model: torch.nn.Module) -> LeanForward | None:

