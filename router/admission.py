@@ -252,7 +252,9 @@ class Admission:
     def _prefill_seconds_per_token(self, prefill: WorkerHandle | None) -> float | None:
         """Measured on prefill workers (a decode worker prefilling runs the same model on the
         same kind of core); in colocated mode, on the workers themselves."""
-        workers = [prefill] if prefill else (self.registry.alive("prefill") or self.registry.alive("decode"))
+        if prefill is not None:
+            return self.model(prefill.worker_id).seconds_per_prefill_token()
+        workers = self.registry.alive("prefill") or self.registry.alive("decode")
         rates = [r for r in (self.model(w.worker_id).seconds_per_prefill_token() for w in workers) if r is not None]
         return min(rates) if rates else None
 
@@ -402,7 +404,9 @@ class Admission:
         return ttft, tpot
 
 
-@dataclass(frozen=True, slots=True)
+# The sides are built for every worker in every decision and never change once built; not
+# frozen: a frozen dataclass's __init__ (object.__setattr__ per field) costs four times as much.
+@dataclass(slots=True)
 class _PrefillSide:
     """A prefill worker's part of every pair it is in: the TTFT depends on it alone."""
 
@@ -411,13 +415,16 @@ class _PrefillSide:
     ttft_s: float | None       # including the time already queued
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _DecodeSide:
-    """A decode worker's part of every pair it is in: the TPOT depends on it alone."""
+    """A decode worker's part of every pair it is in: the TPOT depends on it alone. Its other
+    per-decision terms too, computed once: the rules read them once per rule and candidate."""
 
     worker: WorkerHandle
     cached: int
     tpot_s: float | None
+    local_ttft_s: float | None  # when it prefills the prompt itself (what is not in its cache)
+    kv_room: bool               # room for the prompt and every token it may generate
 
 
 class _Search:
@@ -475,7 +482,9 @@ class _Search:
 
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
         step = self.admission._decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
-        return _DecodeSide(d, d.prefix.expected_hit(self.spec.prompt_token_ids), step)
+        cached = d.prefix.expected_hit(self.spec.prompt_token_ids)
+        return _DecodeSide(d, cached, step, self._ttft(d, self.prompt - cached, self.local_rate),
+                           _has_kv_room(d, self.spec))
 
     def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
         """No hand-off term: the first token leaves the prefill worker before its KV moves."""
@@ -483,9 +492,6 @@ class _Search:
             return None
         queued = _queued_prefill_tokens(worker)
         return self.waited_s + self.admission.ttft_overhead_s + (queued + tokens) * per_token * self.admission.ttft_correction
-
-    def _local_ttft(self, d: _DecodeSide) -> float | None:
-        return self._ttft(d.worker, self.prompt - d.cached, self.local_rate)
 
     def pair(self, p: _PrefillSide, d: _DecodeSide) -> Prediction:
         return Prediction(p.worker, d.worker, p.ttft_s, d.tpot_s, None, self.waited_s, self.prompt, p.cached, d.cached,
@@ -498,7 +504,7 @@ class _Search:
         if d.tpot_s is not None:
             stall = self.admission._stall_per_token(d.worker, self.local_rate or 0.0)
             running = self.admission._running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
-        return Prediction(None, d.worker, self._local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
+        return Prediction(None, d.worker, d.local_ttft_s, d.tpot_s, running, self.waited_s, self.prompt,
                           d.cached, d.cached, self.admission.ttft_overhead_s)
 
     def has_timings(self) -> bool:
@@ -526,7 +532,7 @@ class _Search:
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
         fit_p = [p for p in self.prefills if _fits_ttft(p.ttft_s, self.waited_s, ttft_t, self.ttft_share)]
-        fit_d = [d for d in self.decodes if _within(d.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(d.worker, self.spec)]
+        fit_d = [d for d in self.decodes if _within(d.tpot_s, tpot_t, TPOT_SAFETY) and d.kv_room]
         if fit_p and fit_d:
             p = min(fit_p, key=lambda s: s.ttft_s)
             slack = _slack(p.ttft_s, ttft_t)
@@ -546,9 +552,9 @@ class _Search:
         for i, d in enumerate(self.decodes):
             if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
                 continue
-            ttft = self._local_ttft(d)
+            ttft = d.local_ttft_s
             if _fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
-                    and _has_kv_room(d.worker, self.spec):
+                    and d.kv_room:
                 cands.append((ttft, i, d))
         return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
 
@@ -557,8 +563,8 @@ class _Search:
         disaggregated pair's headroom is the smaller of its two parts' slacks: the best is
         min(best prefill slack, best decode slack), reached first by the first prefill and
         then the first decode worker reaching it."""
-        local = [(0.0, i, d, self._local_ttft(d)) for i, d in enumerate(self.decodes)] if self.with_local else []
-        locals_fit = [c for c in local if _fits_ttft(c[3], self.waited_s, ttft_t, self.ttft_share)]
+        local = [(0.0, i, d) for i, d in enumerate(self.decodes)] if self.with_local else []
+        locals_fit = [c for c in local if _fits_ttft(c[2].local_ttft_s, self.waited_s, ttft_t, self.ttft_share)]
         any_fit = bool(fit_p or locals_fit)
         prefills = fit_p if any_fit else self.prefills
         best = None
@@ -568,8 +574,7 @@ class _Search:
             value = min(max(a), max(h))
             p = next(p for p, ap in zip(prefills, a) if ap >= value)
             best = self.pair(p, next(d for d, hd in zip(self.decodes, h) if hd >= value))
-        cands = [c[:3] for c in (locals_fit if any_fit else local)]
-        return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=False, best=best)
+        return self._most_headroom_local(locals_fit if any_fit else local, ttft_t, tpot_t, must_spare_running=False, best=best)
 
     def _most_headroom_local(self, cands: list[tuple[float, int, _DecodeSide]], ttft_t: float | None,
                              tpot_t: float | None, must_spare_running: bool,
@@ -583,7 +588,7 @@ class _Search:
         group = None if best is None else 0.0
 
         def bound(c) -> float:
-            return min(_slack(self._local_ttft(c[2]), ttft_t), _slack(c[2].tpot_s, tpot_t))
+            return min(_slack(c[2].local_ttft_s, ttft_t), _slack(c[2].tpot_s, tpot_t))
 
         for key, i, d, upper in sorted(((c[0], c[1], c[2], bound(c)) for c in cands), key=lambda c: (c[0], -c[3], c[1])):
             if group is not None and key > group:
