@@ -590,7 +590,10 @@ class _Search:
         def bound(c) -> float:
             return min(_slack(c[2].local_ttft_s, ttft_t), _slack(c[2].tpot_s, tpot_t))
 
-        for key, i, d, upper in sorted(((c[0], c[1], c[2], bound(c)) for c in cands), key=lambda c: (c[0], -c[3], c[1])):
+        bounded = ((c[0], c[1], c[2], bound(c)) for c in cands)
+        if best is not None:   # bounded by ``best``'s headroom (a tie goes to ``best``): never wins, never sorted
+            bounded = [c for c in bounded if c[3] > best_h]
+        for key, i, d, upper in sorted(bounded, key=lambda c: (c[0], -c[3], c[1])):
             if group is not None and key > group:
                 break   # a later group cannot win
             if best is not None and (upper < best_h or (upper == best_h and i > best_i)):
