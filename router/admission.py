@@ -48,7 +48,7 @@ Decision (targets scaled down for lower priority classes, so they are shed first
            or no KV room): wait for capacity, re-evaluated when a worker reports or a request
            ends (the oldest ``MAX_WAKE_PER_NOTIFY`` per wake, ``router.wakeup``; woken by a
            report, a request decides again only when that worker could now take it,
-           ``_could_take``),
+           ``_could_take``, checked in the report's ``notify``: no task switch when not),
            until the time queued leaves no room for its TTFT; a queue already ``max_queued``
            long refuses at once;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
@@ -230,7 +230,9 @@ class Admission:
     def notify(self, worker: WorkerHandle | None = None) -> None:
         """Capacity may have changed: wake the next few queued requests to decide again. A plain
         call (it sets their events): a task per worker report cost more than the wake itself.
-        ``worker``: only that worker's state changed (its report); None: anything may have."""
+        ``worker``: only that worker's state changed (its report); None: anything may have.
+        Named, each queued request's ``_could_take`` check of it runs here: a request it cannot
+        take is not woken (a task switch per request cost more than the check)."""
         self._waiters.wake(MAX_WAKE_PER_NOTIFY, worker)
 
     async def capacity_changed(self, timeout_s: float) -> None:
@@ -351,13 +353,15 @@ class Admission:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
                                             f"({decision.reason}); retry later")
-                    ticket = self._waiters.enter()
+                    ticket = self._waiters.enter(None if resuming else lambda worker: self._could_take(worker, spec))
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0 and decision.prediction is None:
                     raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
                 if remaining <= 0:
                     raise CapacityError(f"queued past its TTFT deadline ({decision.reason})")
+                # Woken by one worker's report, the check ran in ``notify``, but earlier waiters may
+                # have taken that worker's room since: checked again (a decision only if still free).
                 source = await self._waiters.wait(ticket, remaining)
                 if source is not None and not resuming and not self._could_take(source, spec):
                     continue   # only ``source`` changed and it still has no room: the last decision holds

@@ -10,7 +10,10 @@ Each wake names its source: the worker whose report it is, or None when anything
 changed (a request finished, a worker came back). The woken waiter learns it from ``wait``, so
 a report from a worker that still cannot take the request costs a check of that one worker, not
 a decision over every worker. Two wakes from different sources before the waiter ran read as
-None (both may have changed).
+None (both may have changed). A waiter may bring that check (``enter(check)``): a wake naming a
+source then runs it at once, and a waiter the source cannot take is not woken at all (no task
+switch: the waiter would have run the same check on the same state and gone on waiting); it
+goes to the back of the rotation all the same, so the next wake checks the next waiters.
 
 Life cycle per queued request: ``enter`` -> ``wait`` (until woken or timed out) and decide,
 as often as it stays queued -> ``leave`` (admitted, rejected or cancelled).
@@ -20,25 +23,32 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Callable
 
 
 class FairWakeup:
     def __init__(self) -> None:
         self._waiters: dict[int, asyncio.Event] = {}   # insertion order = arrival order
         self._sources: dict[int, object | None] = {}   # what the pending wake of a waiter names
+        self._checks: dict[int, Callable[[object], bool]] = {}   # whether a source could take the waiter
         self._tickets = itertools.count()
 
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def enter(self) -> int:
+    def enter(self, check: Callable[[object], bool] | None = None) -> int:
+        """``check(source)``: whether a wake naming ``source`` could let this waiter go on (None:
+        every wake could)."""
         ticket = next(self._tickets)
         self._waiters[ticket] = asyncio.Event()
+        if check is not None:
+            self._checks[ticket] = check
         return ticket
 
     def leave(self, ticket: int) -> None:
         self._waiters.pop(ticket, None)
         self._sources.pop(ticket, None)
+        self._checks.pop(ticket, None)
 
     async def wait(self, ticket: int, timeout_s: float) -> object | None:
         """Return when woken or after ``timeout_s``, whichever comes first: the wake's source
@@ -55,12 +65,15 @@ class FairWakeup:
 
     def wake(self, n: int, source: object | None = None) -> None:
         """The ``n`` waiters woken longest ago (oldest first at the start): a waiter woken goes
-        to the back, so waiters that stay queued cannot hold every wake-up for themselves."""
+        to the back, so waiters that stay queued cannot hold every wake-up for themselves. One
+        whose check says ``source`` cannot take it goes to the back unwoken."""
         for ticket in list(itertools.islice(self._waiters, n)):
             event = self._waiters.pop(ticket)
+            self._waiters[ticket] = event   # to the back of the rotation
             pending = event.is_set()
+            if not pending and source is not None and ticket in self._checks and not self._checks[ticket](source):
+                continue
             if not pending or self._sources.get(ticket) is not source:
                 # A second wake from another source before the waiter ran: both may have changed.
                 self._sources[ticket] = None if pending else source
             event.set()
-            self._waiters[ticket] = event   # to the back of the rotation

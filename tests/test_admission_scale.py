@@ -223,6 +223,30 @@ def test_a_report_from_a_worker_still_full_wakes_without_a_decision(monkeypatch)
     assert decisions == {"made": 0, "admitted": 0, "queued": 12}
 
 
+def test_a_report_from_a_worker_still_full_switches_to_no_waiting_task(monkeypatch):
+    """The woken requests' check of that worker runs in the report's own ``notify``: the next
+    MAX_WAKE_PER_NOTIFY queued requests are checked there, none of their tasks is woken, and
+    the next report checks the next ones (the rotation goes on)."""
+    from router.admission import MAX_WAKE_PER_NOTIFY
+
+    async def scenario():
+        admission, _, waiters = await _full_with_queue(20, conditional=True)
+        checked = []
+        could_take = admission._could_take
+        monkeypatch.setattr(admission, "_could_take", lambda w, spec: checked.append(spec.req_id) or could_take(w, spec))
+        events = admission._waiters._waiters
+        for report in range(2):
+            admission.notify(admission.registry.decode[1])
+            assert not any(e.is_set() for e in events.values()), f"report {report} woke a task"
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        return checked
+
+    checked = asyncio.run(scenario())
+    assert checked == [f"q{k}" for k in range(2 * MAX_WAKE_PER_NOTIFY)]
+
+
 def test_a_report_that_frees_room_admits_there(monkeypatch):
     """The same report with room freed on that worker: the woken requests decide again and
     the first ones are admitted, on that worker."""

@@ -236,6 +236,35 @@ def test_wakeup_tells_each_waiter_what_woke_it():
     asyncio.run(scenario())
 
 
+def test_wakeup_checks_a_named_source_first_and_wakes_only_the_waiters_it_could_take():
+    """A waiter's check runs in ``wake`` for a named source: one the source cannot take is not
+    woken (no task switch) but still goes to the back, so the next wake checks the next ones;
+    a wake naming no source, or a waiter already woken, is not checked."""
+    async def scenario():
+        wake = FairWakeup()
+        full, roomy = object(), object()
+        checked: list[int] = []
+
+        def check(ticket):
+            return lambda source: checked.append(ticket) or source is roomy
+
+        tickets: list[int] = []
+        for _ in range(4):
+            tickets.append(wake.enter(check(len(tickets))))
+        set_now = lambda: [t for t in tickets if wake._waiters[t].is_set()]  # noqa: E731
+        wake.wake(2, full)
+        wake.wake(2, full)
+        assert checked == [0, 1, 2, 3] and set_now() == []
+        wake.wake(2, roomy)
+        assert checked[4:] == [0, 1] and set_now() == tickets[:2]
+        wake.wake(2, None)                 # anything may have changed: no check
+        assert checked[6:] == [] and set_now() == tickets
+        wake.wake(4, full)                 # all four already woken: none checked, each now reads None
+        assert checked[6:] == [] and [await wake.wait(t, 1.0) for t in tickets] == [None] * 4
+
+    asyncio.run(scenario())
+
+
 def test_wakeup_rotates_so_waiters_that_stay_queued_cannot_starve_later_ones():
     async def scenario():
         wake = FairWakeup()
