@@ -56,8 +56,9 @@ class FairWakeup:
         event = self._waiters[ticket]
         timed_out = False
         try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):   # not wait_for: it wraps the wait in a task of its own
+                await event.wait()
+        except TimeoutError:
             timed_out = True
         event.clear()
         source = self._sources.pop(ticket, None)
