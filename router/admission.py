@@ -422,13 +422,13 @@ class _PrefillSide:
 @dataclass(slots=True)
 class _DecodeSide:
     """A decode worker's part of every pair it is in: the TPOT depends on it alone. Its other
-    per-decision terms too, computed once: the rules read them once per rule and candidate."""
+    per-decision terms too, each computed once: the rules read them once per rule and candidate."""
 
     worker: WorkerHandle
     cached: int
     tpot_s: float | None
-    local_ttft_s: float | None  # when it prefills the prompt itself (what is not in its cache)
-    kv_room: bool               # room for the prompt and every token it may generate
+    kv_room: bool                       # room for the prompt and every token it may generate
+    local_ttft_s: float | None = math.nan   # ``_Search.local_ttft``'s (nan: not asked for yet)
 
 
 class _Search:
@@ -487,8 +487,7 @@ class _Search:
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
         step = self.admission._decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
         cached = d.prefix.expected_hit(self.spec.prompt_token_ids)
-        return _DecodeSide(d, cached, step, self._ttft(d, self.prompt - cached, self.local_rate),
-                           _has_kv_room(d, self.spec))
+        return _DecodeSide(d, cached, step, _has_kv_room(d, self.spec))
 
     def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
         """No hand-off term: the first token leaves the prefill worker before its KV moves."""
@@ -496,6 +495,15 @@ class _Search:
             return None
         queued = _queued_prefill_tokens(worker)
         return self.waited_s + self.admission.ttft_overhead_s + (queued + tokens) * per_token * self.admission.ttft_correction
+
+    def local_ttft(self, d: _DecodeSide) -> float | None:
+        """The TTFT when ``d``'s worker prefills the prompt itself. Computed on first use: most
+        decisions ask it of the few decode workers holding the prompt, a queued request's of
+        every one, by three rules."""
+        ttft = d.local_ttft_s
+        if ttft != ttft:   # nan: not computed yet (a computed TTFT is never nan)
+            ttft = d.local_ttft_s = self._ttft(d.worker, self.prompt - d.cached, self.local_rate)
+        return ttft
 
     def pair(self, p: _PrefillSide, d: _DecodeSide) -> Prediction:
         return Prediction(p.worker, d.worker, p.ttft_s, d.tpot_s, None, self.waited_s, self.prompt, p.cached, d.cached,
@@ -508,7 +516,7 @@ class _Search:
         if d.tpot_s is not None:
             stall = self.admission._stall_per_token(d.worker, self.local_rate or 0.0)
             running = self.admission._running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
-        return Prediction(None, d.worker, d.local_ttft_s, d.tpot_s, running, self.waited_s, self.prompt,
+        return Prediction(None, d.worker, self.local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
                           d.cached, d.cached, self.admission.ttft_overhead_s)
 
     def has_timings(self) -> bool:
@@ -556,7 +564,7 @@ class _Search:
         for i, d in enumerate(self.decodes):
             if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
                 continue
-            ttft = d.local_ttft_s
+            ttft = self.local_ttft(d)
             if _fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
                     and d.kv_room:
                 cands.append((ttft, i, d))
@@ -568,7 +576,7 @@ class _Search:
         min(best prefill slack, best decode slack), reached first by the first prefill and
         then the first decode worker reaching it."""
         local = [(0.0, i, d) for i, d in enumerate(self.decodes)] if self.with_local else []
-        locals_fit = [c for c in local if _fits_ttft(c[2].local_ttft_s, self.waited_s, ttft_t, self.ttft_share)]
+        locals_fit = [c for c in local if _fits_ttft(self.local_ttft(c[2]), self.waited_s, ttft_t, self.ttft_share)]
         any_fit = bool(fit_p or locals_fit)
         prefills = fit_p if any_fit else self.prefills
         best = None
@@ -592,7 +600,7 @@ class _Search:
         group = None if best is None else 0.0
 
         def bound(c) -> float:
-            return min(_slack(c[2].local_ttft_s, ttft_t), _slack(c[2].tpot_s, tpot_t))
+            return min(_slack(self.local_ttft(c[2]), ttft_t), _slack(c[2].tpot_s, tpot_t))
 
         bounded = ((c[0], c[1], c[2], bound(c)) for c in cands)
         if best is not None:   # bounded by ``best``'s headroom (a tie goes to ``best``): never wins, never sorted
