@@ -26,7 +26,8 @@ Measured, in the router process:
 
 Run: ``python benchmarks/bench_router_scale.py`` (~3 min), writes
 benchmarks/results/router_scale.txt; ``--quick`` (4 + 8 workers, 400 streams, short) checks
-the script and prints only.
+the script and prints only; ``--report-cost-only`` (~30 s) measures and prints the per-report
+section alone (no client, no grpc: for A/B of admission's wake and decision costs).
 """
 
 from __future__ import annotations
@@ -430,7 +431,8 @@ def report_cost(speed, args) -> dict[int, dict]:
 
 
 async def _report_cost(speed, args) -> dict[int, dict]:
-    results = {n: {"cpu_us": [], "decisions": [], "finish_cpu_us": [], "finish_decisions": []} for n in QUEUED_SIZES}
+    results = {n: {"cpu_us": [], "decisions": [], "finish_cpu_us": [], "finish_decisions": [], "decision_us": []}
+               for n in QUEUED_SIZES}
     benches = {n: await _QueuedBench.make(speed, args, n) for n in QUEUED_SIZES}
     try:
         for _ in range(args.report_rounds):
@@ -438,9 +440,11 @@ async def _report_cost(speed, args) -> dict[int, dict]:
                 cpu_us, decisions = await bench.round(args.reports_per_round)
                 results[n]["cpu_us"].append(cpu_us)
                 results[n]["decisions"].append(decisions)
+                bench.timer.reset()
                 cpu_us, decisions = await bench.round(args.reports_per_round, finishes=True)
                 results[n]["finish_cpu_us"].append(cpu_us)
                 results[n]["finish_decisions"].append(decisions)
+                results[n]["decision_us"].extend(c * 1e6 for c in bench.timer.cpu_s)
     finally:
         for bench in benches.values():
             await bench.close()
@@ -697,7 +701,7 @@ def queued_lines(args, queued: dict[int, dict]) -> list[str]:
     for n, q in queued.items():
         lines.append(f"    {n:>5} queued, per wake naming no worker (a worker back up: every woken request decides):"
                      f" {statistics.median(q['finish_cpu_us']):.1f} us CPU, {statistics.fmean(q['finish_decisions']):.1f}"
-                     " decisions")
+                     f" decisions (each {statistics.median(q['decision_us']):.0f} us thread CPU, median)")
     small, large = QUEUED_SIZES
     ratio = med[large] / med[small]
     flat = statistics.fmean(queued[large]["decisions"]) <= statistics.fmean(queued[small]["decisions"])
@@ -747,6 +751,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="py-spy the window (slows the router: separate run)")
     p.add_argument("--profile-out", type=Path, default=None)
     p.add_argument("--skip-report-cost", action="store_true")
+    p.add_argument("--report-cost-only", action="store_true", help="the per-report section alone, printed")
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave start-up's heap in the collector's scans and Python's GC thresholds (router/gc_policy.py)")
     p.add_argument("--gc-default-thresholds", action="store_true",
@@ -760,6 +765,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     speed = speed_from(args)
     queued = {} if args.skip_report_cost else report_cost(speed, args)
+    if args.report_cost_only:
+        sys.stdout.write("\n".join(header(args, speed)[:2] + queued_lines(args, queued)) + "\n")
+        return
     run = measure(args, speed, {})
     text = report(args, speed, run, queued)
     sys.stdout.write(text)

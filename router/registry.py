@@ -202,8 +202,8 @@ class WorkerRegistry:
     @property
     def can_serve(self) -> bool:
         """A complete serving path exists: a decode (or colocated) worker is up; it can also
-        prefill when no prefill worker is."""
-        return bool(self.alive("decode"))
+        prefill when no prefill worker is. (Asked at every admission decision: stops at the first.)"""
+        return any(w.alive for w in self.decode)
 
     def lose_kv_group(self) -> None:
         """A member of the torch.distributed group died, which breaks the group for everyone:
