@@ -48,8 +48,12 @@ TTFT), because the raw one compares the model's speed in two processes, which on
 is printed next to it). So is the cluster / in-process TPOT ratio. The systems take turns in
 each repeat, in reversed order every other repeat, so no system always runs first.
 The client runs in its own process, as a real client does (until session 10 it shared this
-process and its GIL with the router, which inflated gRPC + handler). Idle round trips of one Ray
-actor call and one unary gRPC health Check (answered from memory) give the scale.
+process and its GIL with the router, which inflated gRPC + handler). Round trips of one Ray
+actor call and one unary gRPC health Check (answered from memory) give the scale, back to back
+and each after ``IDLE_PAUSE_S`` idle: a measured request comes after the other systems' turns,
+every thread of the router's gRPC server and of the workers asleep, and on this VM a call into
+an idle gRPC server costs ~1 ms more than one right after another (a bare grpc.aio or sync
+server as much: the wake-ups of gRPC core's and Python's threads, not the router's code).
 
 Run: ``python benchmarks/bench_disagg_overhead.py`` (SmolLM2-135M fp32, ~3.5 min on 2 cores);
 ``--quick`` uses the tiny random model and short requests to check the script (printed only,
@@ -66,6 +70,7 @@ workers take a third of it each; the disaggregated pair hands KV over by CUDA IP
 
 from __future__ import annotations
 
+import asyncio
 import argparse
 import datetime
 import logging
@@ -100,6 +105,9 @@ logger = logging.getLogger("bench_disagg_overhead")
 
 TOKEN_ID_RANGE = (1000, 40000)    # clear of SmolLM2's special ids (same as benchmarks/workload.py)
 RANDOM_MODEL = {"seed": 0}
+# A request in this bench comes after the other systems' turns (~1-2 s): every thread of the
+# router's gRPC server asleep. The unary call's floor is measured after a pause that long too.
+IDLE_PAUSE_S = 0.5
 PREFILL_BUDGET = 512              # the launcher's default prefill_engine token budget
 NUM_KV_BLOCKS = 64                # plenty for one request; keeps each pool small on a shared box
 
@@ -122,8 +130,10 @@ class Sample:
 class System:
     name: str
     samples: list[Sample] = field(default_factory=list)
-    round_trips_s: list[float] = field(default_factory=list)  # clusters: idle Ray actor call, per repeat
-    grpc_trips_s: list[float] = field(default_factory=list)   # clusters: idle unary health Check, per repeat
+    round_trips_s: list[float] = field(default_factory=list)  # clusters: Ray actor call, back to back, per repeat
+    ray_idle_trips_s: list[float] = field(default_factory=list)   # the same, each after IDLE_PAUSE_S idle
+    grpc_trips_s: list[float] = field(default_factory=list)   # clusters: unary health Check, back to back, per repeat
+    grpc_idle_trips_s: list[float] = field(default_factory=list)   # the same, each after IDLE_PAUSE_S idle
 
     def median(self, fn) -> float | None:
         values = [v for v in (fn(s) for s in self.samples) if v is not None]
@@ -206,20 +216,21 @@ def _mean_decode_step(steps: list[StepTiming], num_decode_steps: int) -> float |
     return statistics.fmean(decode) if decode else None
 
 
-async def _ray_round_trip(actor, num_calls: int) -> list[float]:
+async def _ray_round_trip(actor, num_calls: int, pause_s: float) -> list[float]:
     times = []
     for _ in range(num_calls):
+        await asyncio.sleep(pause_s)
         start = time.perf_counter()
         await actor.stats.remote()
         times.append(time.perf_counter() - start)
     return times
 
 
-def ray_round_trip_s(cluster: ClusterThread, num_calls: int = 10) -> float:
+def ray_round_trip_s(cluster: ClusterThread, num_calls: int = 10, pause_s: float = 0.0) -> float:
     """Median of a no-op actor call (``stats``) to the decode worker, awaited on the router's
     loop as the orchestrator does: the unit of the control plane's cost."""
     actor = cluster.cluster.registry.decode[0].actor
-    return statistics.median(cluster.run(_ray_round_trip(actor, num_calls)))
+    return statistics.median(cluster.run(_ray_round_trip(actor, num_calls, pause_s)))
 
 
 def start_cluster(mode: str, random_model: dict | None, args) -> ClusterThread:
@@ -279,10 +290,16 @@ def report(systems: list[System], args, header: list[str]) -> str:
         per_system(f"      {label}", server(lambda t, name=name: getattr(t, name) or None), clusters)
     per_system("    gRPC + handler (client TTFT - server ttft_s)",
                lambda s: s.ttft_s - s.timings.ttft_s if s.timings else None, clusters)
-    row("    (one idle unary gRPC call round trip, for scale)",
+    row("    (one unary gRPC call round trip, back to back, for scale)",
         [ms(statistics.median(s.grpc_trips_s), width) if s.grpc_trips_s else f"{'-':>{width}}" for s in systems])
-    row("    (one idle Ray actor call round trip, for scale)",
+    row(f"    (the same after {IDLE_PAUSE_S:g} s idle, as a request comes)",
+        [ms(statistics.median(s.grpc_idle_trips_s), width) if s.grpc_idle_trips_s else f"{'-':>{width}}"
+         for s in systems])
+    row("    (one Ray actor call round trip, back to back, for scale)",
         [ms(statistics.median(s.round_trips_s), width) if s.round_trips_s else f"{'-':>{width}}" for s in systems])
+    row(f"    (the same after {IDLE_PAUSE_S:g} s idle)",
+        [ms(statistics.median(s.ray_idle_trips_s), width) if s.ray_idle_trips_s else f"{'-':>{width}}"
+         for s in systems])
     per_system("  KV transfer incl. decode commit (after the 1st token)", transfer, clusters)
     per_system("TTFT - in-process TTFT", lambda s: s.ttft_s - inproc.median(lambda x: x.ttft_s), clusters)
     row("TTFT ratio vs in-process", [ratio(s.median(lambda x: x.ttft_s), inproc.median(lambda x: x.ttft_s), width)
@@ -482,7 +499,9 @@ def main() -> None:
             if not warm:
                 for (system, cluster), client in zip(clusters, clients):
                     system.round_trips_s.append(ray_round_trip_s(cluster))
+                    system.ray_idle_trips_s.append(ray_round_trip_s(cluster, num_calls=3, pause_s=IDLE_PAUSE_S))
                     system.grpc_trips_s.append(client.health_round_trip_s())
+                    system.grpc_idle_trips_s.append(client.health_round_trip_s(num_calls=3, pause_s=IDLE_PAUSE_S))
             logger.info("%s: TTFT ms %s", "warm-up" if warm else f"repeat {i}",
                         " / ".join(f"{s.ttft_s * 1e3:.1f}" for s in samples))
         for client in clients:

@@ -14,7 +14,10 @@ Two figures the router's own benchmarks are read against (benchmarks/results/rou
     streaming work, standing in) while ``--users`` clients call a one-message method in a closed
     loop; with 1 and with 4 servers bound to the port (SO_REUSEPORT spreads the connections).
 
-Run: ``python benchmarks/bench_grpc_floor.py`` (~1.5 min), writes benchmarks/results/grpc_floor.txt;
+The streaming floor runs on asyncio's loop and on uvloop's in turns (the router runs on uvloop
+where it is installed: router/event_loop.py); the accept rate on the router's default loop.
+
+Run: ``python benchmarks/bench_grpc_floor.py`` (~2 min), writes benchmarks/results/grpc_floor.txt;
 ``--quick`` prints a short run only.
 """
 
@@ -80,7 +83,11 @@ async def _serve(ready, *, servers: int, messages: int, style: str, busy_ms: flo
 
 
 def _server_main(ready, kwargs: dict) -> None:
-    asyncio.run(_serve(ready, **kwargs))
+    from router import event_loop
+
+    kwargs = dict(kwargs)
+    loop = kwargs.pop("loop")
+    event_loop.run(_serve(ready, **kwargs), loop)
 
 
 async def _clients(port: int, *, users: int, calls_per_user: int | None, seconds: float | None) -> tuple[int, int, float]:
@@ -137,23 +144,34 @@ def _run(server_kwargs: dict, client_kwargs: dict) -> tuple[int, int, float, flo
 
 
 def streaming_floor(args) -> list[str]:
+    """Each style on asyncio's loop and on uvloop's (router/event_loop.py), in turns, ``--repeats`` times."""
     lines = [f"streaming floor: {args.streams} concurrent calls x {args.messages} one-token messages, client in"
-             f" another process over {CHANNELS} connections; server CPU (all threads) / messages"]
+             f" another process over {CHANNELS} connections; server CPU (all threads) / messages; each loop in turn,"
+             f" {args.repeats} runs each"]
     for style in ("write", "yield"):
-        calls, messages, wall, cpu = _run({"servers": 1, "messages": args.messages, "style": style, "busy_ms": 0.0},
-                                          {"users": args.streams, "calls_per_user": 1, "seconds": None})
-        lines.append(f"  {'context.write' if style == 'write' else 'yield':<14} {cpu / messages * 1e6:6.1f} us of server"
-                     f" CPU per message  ({messages:,} messages in {wall:.2f} s, {messages / wall:,.0f}/s)")
+        runs: dict[str, list[tuple[float, float]]] = {"asyncio": [], "uvloop": []}
+        for _ in range(args.repeats):
+            for loop in runs:
+                _, messages, wall, cpu = _run({"servers": 1, "messages": args.messages, "style": style,
+                                               "busy_ms": 0.0, "loop": loop},
+                                              {"users": args.streams, "calls_per_user": 1, "seconds": None})
+                runs[loop].append((cpu / messages * 1e6, messages / wall))
+        for loop, got in runs.items():
+            us = " / ".join(f"{u:5.1f}" for u, _ in got)
+            rate = " / ".join(f"{r:,.0f}" for _, r in got)
+            lines.append(f"  {'context.write' if style == 'write' else 'yield':<14} {loop:<8} {us} us of server CPU"
+                         f" per message  ({rate} messages/s)")
     return lines
 
 
 def accept_rate(args) -> list[str]:
     lines = [f"accept rate: {args.users} closed-loop callers of a one-message call for {args.seconds:g} s; the"
-             " server's event loop busy for the given time in every pass"]
+             " server's event loop (the router's default) busy for the given time in every pass"]
     for busy_ms in args.busy_ms:
         row = []
         for servers in (1, 4):
-            calls, _, wall, _ = _run({"servers": servers, "messages": 1, "style": "write", "busy_ms": busy_ms},
+            calls, _, wall, _ = _run({"servers": servers, "messages": 1, "style": "write", "busy_ms": busy_ms,
+                                      "loop": "auto"},
                                      {"users": args.users, "calls_per_user": None, "seconds": args.seconds})
             row.append(f"{servers} server{'s' if servers > 1 else ' '}: {calls / wall:7,.0f} calls/s")
         lines.append(f"  loop busy {busy_ms:4.1f} ms per pass   " + "   ".join(row))
@@ -168,10 +186,12 @@ def main() -> None:
     p.add_argument("--users", type=int, default=500)
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--busy-ms", type=float, nargs="+", default=[0.0, 1.0, 5.0])
+    p.add_argument("--repeats", type=int, default=2, help="streaming floor runs per loop and style")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "grpc_floor.txt")
     args = p.parse_args()
     if args.quick:
         args.streams, args.messages, args.users, args.seconds, args.busy_ms = 50, 50, 100, 2.0, [0.0, 5.0]
+        args.repeats = 1
     import grpc
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -15,7 +15,7 @@ Measured, in the router process:
   - admission decision latency: every ``Admission.decide`` call timed (wall and thread CPU);
   - router CPU per streamed token: getrusage(RUSAGE_SELF) of this process over the window,
     minus the simulated workers' thread (its own CPU clock), divided by the tokens the client
-    received in that window (both read CLOCK_MONOTONIC); the asyncio loop thread's share too;
+    received in that window (both read CLOCK_MONOTONIC); the event loop thread's share too;
   - per-report cost vs queue length: the launcher's handler of a decode worker's report
     (``Cluster._on_worker_stats``: metrics, step-model update, waking queued requests, their
     check of that worker or re-decisions) timed with 100 and with 5,000 requests queued in
@@ -289,7 +289,7 @@ def start_cluster(args, speed):
     limits = ServerLimits(max_concurrent_streams=args.streams + 64, max_queued_requests=args.streams,
                           stream_interval=args.stream_interval)
     config = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, port=0, metrics_port=0,
-                           defaults={"limits": limits})
+                           defaults={"limits": limits}, event_loop=args.event_loop)
     sim = SimConfig(num_blocks=blocks, max_num_seqs=2 * per_decode, max_num_batched_tokens=2048)
     thread = ClusterThread(config, SimCluster(config, speed, sim))
     thread.start(120)
@@ -609,6 +609,17 @@ def _area(frames: list[str]) -> str:
 # ---------------------------------------------------------------- the report
 
 
+def _loop_name(kind: str) -> str:
+    from router import event_loop
+
+    chosen = event_loop.resolve(kind)
+    if chosen is event_loop.LoopKind.UVLOOP:
+        import uvloop
+
+        return f"uvloop {uvloop.__version__}"
+    return "asyncio"
+
+
 def header(args, speed) -> list[str]:
     import grpc
 
@@ -619,7 +630,7 @@ def header(args, speed) -> list[str]:
     return [
         f"bench_router_scale  {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"machine: {platform.node()}, {os.cpu_count()} cores ({cpu}), load avg at start {load}",
-        f"python {platform.python_version()}, grpc {grpc.__version__}",
+        f"python {platform.python_version()}, grpc {grpc.__version__}, router loop {_loop_name(args.event_loop)}",
         f"cluster: the real router (launcher's Cluster.start: admission with SLO targets, conditional disaggregation,"
         f" supervisor, metrics, grpc.aio) over {args.prefill} prefill + {args.decode} decode SIMULATED workers"
         f" (benchmarks/sim_workers.py, their own thread)",
@@ -683,7 +694,7 @@ def report(args, speed, run: dict, queued: dict[int, dict]) -> str:
         f"  ROUTER CPU PER STREAMED TOKEN: {per_token_us:.1f} us  (process {w.process_cpu_s:.2f} s - simulated workers'"
         f" thread {w.sim_cpu_s:.2f} s = {w.router_cpu_s:.2f} s over {w.t1 - w.t0:.1f} s, {w.router_cpu_s / (w.t1 - w.t0):.0%}"
         f" of a core)   target <= 20 us: {'MET' if per_token_us <= 20 else 'MISSED'}",
-        f"    of which the router's asyncio loop thread: {loop_us:.1f} us/token",
+        f"    of which the router's event loop thread: {loop_us:.1f} us/token",
     ]
     lines += queued_lines(args, queued) if queued else []
     if run["profile"]:
@@ -756,6 +767,8 @@ def main() -> None:
                    help="leave start-up's heap in the collector's scans and Python's GC thresholds (router/gc_policy.py)")
     p.add_argument("--gc-default-thresholds", action="store_true",
                    help="freeze start-up's heap but keep Python's GC thresholds (700, 10, 10): the A/B of router/gc_policy.py")
+    p.add_argument("--event-loop", default="auto", choices=("auto", "uvloop", "asyncio"),
+                   help="the router's loop (router/event_loop.py; auto: uvloop when installed): the A/B of uvloop")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.quick:

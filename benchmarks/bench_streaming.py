@@ -16,7 +16,7 @@ decode stream demux, and Ray's driver-side core worker that carries its actor ca
 this process via ``ClusterThread``; the CLIENT runs in a separate process started with
 ``multiprocessing``'s spawn method (no fork after ``ray.init``). So ``getrusage(RUSAGE_SELF)``
 of this process over the run is the router's CPU time, all of its threads included (the
-asyncio loop thread plus gRPC's and Ray's C++ threads); the main thread only blocks on a pipe.
+event loop thread plus gRPC's and Ray's C++ threads); the main thread only blocks on a pipe.
 The loop thread's own share is read from ``psutil`` per-thread times. The same process's CPU
 over an idle interval of the same length before the run is reported for scale (Ray's
 background chatter), and not subtracted. The client process reports its own CPU too. The run
@@ -196,7 +196,7 @@ def report(args, runs: list[tuple[str, dict, dict]], header: list[str]) -> str:
             ("router process CPU, all threads (s)", f"{router['cpu_s']:.2f}"
                                                     f" ({router['cpu_s'] / res['wall_s']:.0%} of a core)"),
             ("ROUTER CPU PER 1,000 TOKENS (ms)", f"{per_k(router['cpu_s']):.1f}"),
-            ("  of which the asyncio loop thread (ms)", f"{per_k(router['loop_cpu_s']):.1f}"),
+            ("  of which the event loop thread (ms)", f"{per_k(router['loop_cpu_s']):.1f}"),
             ("  same process idle, same interval (s)", f"{router['idle_cpu_s']:.2f}"),
             ("client process CPU per 1,000 tokens (ms)", f"{per_k(res['client_cpu_s']):.1f}"),
             ("leaks after the run", "none" if not router["leaks"] else str(router["leaks"])),
@@ -241,14 +241,17 @@ def machine_header(args, model: str) -> list[str]:
     ]
 
 
-def start_cluster(args, mode: str):
+def start_cluster(args, column: str):
+    """``column``: a cluster mode, optionally with the router's loop after a colon
+    ("colocated:asyncio"; router/event_loop.py; default auto: uvloop when installed)."""
+    mode, _, loop = column.partition(":")
     from deploy.launcher import ClusterConfig, ClusterThread
     from engine.config import EngineConfig
 
     blocks_per_stream = -(-(args.prompt_len + args.max_tokens) // BLOCK_SIZE)
     prompt_blocks = -(-args.prompt_len // BLOCK_SIZE)
     config = ClusterConfig(
-        mode=mode, num_prefill=1, num_decode=1, port=0,
+        mode=mode, num_prefill=1, num_decode=1, port=0, event_loop=loop or "auto",
         random_model=RANDOM_MODEL if args.model == "random" else None,
         cpus_per_worker=1.0, threads_per_worker=1,
         prefill_engine=EngineConfig(max_num_batched_tokens=args.streams * args.prompt_len, max_num_seqs=args.streams,
@@ -292,7 +295,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--channels", type=int, default=1)
     parser.add_argument("--modes", default="disaggregated,colocated",
-                        help="comma-separated cluster modes, one column each (colocated: no KV hand-off)")
+                        help="comma-separated cluster modes, one column each (colocated: no KV hand-off); a mode may "
+                             "name the router's loop: colocated:asyncio,colocated:uvloop (the A/B of router/event_loop.py)")
     parser.add_argument("--model", choices=("random", "smollm2"), default="random")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None,

@@ -18,6 +18,8 @@ import signal
 import sys
 
 from deploy import security_args
+from router import event_loop
+from router.event_loop import LoopKind
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 logger = logging.getLogger("pdserve")
@@ -118,6 +120,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-model", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="seconds a graceful stop may take before hanging workers are killed")
+    p.add_argument("--event-loop", choices=[k.value for k in LoopKind], default=None,
+                   help="the router's event loop: auto (uvloop when installed; the default, or $PDSERVE_EVENT_LOOP), "
+                        "uvloop, asyncio")
     security_args.add_server_args(p)
     _limit_flags(p.add_argument_group("request limits (reported in ServerInfo.limits)"))
     p.set_defaults(run=_run_serve)
@@ -187,11 +192,13 @@ def cluster_config(args: argparse.Namespace):
         http_port=None if args.no_http else args.http_port, http_host=args.http_host,
         served_model_name=args.served_model_name,
         tracing=TracingConfig(otlp_endpoint=args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None,
+        event_loop=event_loop.resolve(args.event_loop).value,
     )
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve(cluster_config(args)))
+    config = cluster_config(args)
+    return event_loop.run(_serve(config), config.event_loop)
 
 
 async def _serve(config) -> int:

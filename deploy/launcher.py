@@ -42,6 +42,7 @@ from engine.unix_push import UnixPusher
 from engine.worker_spec import WorkerSpec
 from kvtransfer.select import choose_transport
 from kvtransfer.shm_reclaim import reclaim_stale_segments
+from router import event_loop
 from router.convert import ServerDefaults
 from router.limits import ServerLimits
 from router.admission import Admission
@@ -96,6 +97,7 @@ class ClusterConfig:
     http_host: str | None = None         # its bind address; None: ``host``
     served_model_name: str | None = None  # the model's name (HTTP API, ServerInfo); None: its clean name (model_name)
     tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
+    event_loop: str = "auto"            # the router's loop (router/event_loop.py): auto (uvloop if installed), uvloop, asyncio
 
 
 class Cluster:
@@ -432,7 +434,7 @@ class ClusterThread:
     def __init__(self, config: ClusterConfig, cluster: Cluster | None = None) -> None:
         """``cluster``: one already made from ``config`` (a subclass: benchmarks/sim_cluster.py)."""
         self.cluster = cluster or Cluster(config)
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop(self.cluster.config.event_loop)
         self._thread = threading.Thread(target=self.loop.run_forever, name="pdserve-cluster", daemon=True)
 
     def start(self, timeout_s: float = 300.0) -> int:

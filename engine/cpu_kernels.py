@@ -10,7 +10,14 @@ hashes the torch version and install path, the Python version, the CPU model/fla
 bytes of the sources and of the headers they share (``csrc/*.h``), so a home directory shared across machines never loads a binary built for another
 CPU, and two torch installs or two checkouts with different kernels (git worktrees) do not
 rebuild over each other. Any build or load failure logs one warning and leaves
-the torch paths in use. Parallelism runs on torch's own OpenMP pool (at::parallel_for), so the
+the torch paths in use.
+
+Build lock: torch's own (a ``lock`` file its builder deletes when done) outlives a builder that
+dies: a worker killed while it loads (a chaos kill, a supervisor's restart, Ctrl-C) would leave
+every later worker waiting on it. So each loader first holds an ``flock`` on ``build.flock`` in
+the build directory, which the kernel drops when its holder exits however it exits; whoever
+holds it is the only one in torch's build, so a ``lock`` file seen then is a dead builder's and
+is removed at once. Parallelism runs on torch's own OpenMP pool (at::parallel_for), so the
 kernels never use more threads than ``torch.get_num_threads()``.
 
 SIMD: each kernel has an AVX-512 path and an AVX2+FMA path, and ``-march=native`` compiles the one
@@ -22,6 +29,8 @@ client CPUs have no AVX-512), and each path is tested on the machine that builds
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,8 +38,8 @@ import platform
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -40,7 +49,6 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "panel_linear.cpp", CSRC / "module.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-STALE_LOCK_S = 600
 
 _lock = threading.Lock()
 _module = None
@@ -85,16 +93,16 @@ def _load():
 
             build_dir = build_directory()
             build_dir.mkdir(parents=True, exist_ok=True)
-            _clear_stale_lock(build_dir)
             _find_ninja()
-            _module = load(
-                name="pdserve_cpu_kernels",
-                sources=[str(s) for s in SOURCES],
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            with _build_lock(build_dir):
+                _module = load(
+                    name="pdserve_cpu_kernels",
+                    sources=[str(s) for s in SOURCES],
+                    extra_cflags=CFLAGS,
+                    extra_ldflags=LDFLAGS,
+                    build_directory=str(build_dir),
+                    verbose=False,
+                )
         except Exception as e:  # noqa: BLE001 — any build/load failure means: use the torch path
             _error = f"{type(e).__name__}: {e}".strip()
             logger.warning("CPU kernels unavailable, using the torch paths (%s)", _error[-500:])
@@ -116,18 +124,19 @@ def _find_ninja() -> None:
     os.environ["PATH"] = os.pathsep.join([*dirs, os.environ.get("PATH", "")])
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's build lock is a file another process removes when done; a process killed mid-build
-    leaves it behind and every later load would wait on it forever. A build takes well under
-    STALE_LOCK_S, so an older lock is abandoned."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing stale build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Held across torch's load; torch's own lock file, if present now, is a dead builder's."""
+    with open(build_dir / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)   # released by the kernel when this process ends, however
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s: left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def module():

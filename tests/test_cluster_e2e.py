@@ -74,6 +74,22 @@ def test_sixteen_streams_disaggregated_equals_colocated_equals_hf(disagg, coloc,
     assert cluster_leaks(disagg) == {} and cluster_leaks(coloc) == {}
 
 
+def test_the_stdlib_asyncio_loop_serves_the_same(ray_session, disagg, workload):
+    """The router runs on uvloop by default (router/event_loop.py); asyncio's own loop, the
+    fallback where uvloop is not installed, serves the same tokens and frees everything."""
+    import uvloop
+
+    assert isinstance(disagg.loop, uvloop.Loop)
+    cluster = start_cluster("disaggregated", event_loop="asyncio")
+    try:
+        assert not isinstance(cluster.loop, uvloop.Loop)
+        prompts, max_tokens, refs = workload
+        assert asyncio.run(_concurrent(address(cluster), prompts, max_tokens)) == refs
+        assert cluster_leaks(cluster) == {}
+    finally:
+        cluster.stop()
+
+
 def test_final_message_carries_usage_and_timings(disagg):
     with PdserveClient(address(disagg)) as client:
         result = client.generate_text(token_ids=list(range(30, 90)), max_tokens=5, ignore_eos=True)
