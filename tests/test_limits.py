@@ -265,6 +265,17 @@ def test_wakeup_checks_a_named_source_first_and_wakes_only_the_waiters_it_could_
     asyncio.run(scenario())
 
 
+def test_wakeup_a_check_that_raises_wakes_its_waiter_and_not_the_reporter():
+    """The error is the waiter's: its own task checks again and meets it there."""
+    async def scenario():
+        wake = FairWakeup()
+        ticket = wake.enter(lambda source: 1 / 0)
+        wake.wake(1, object())
+        assert wake._waiters[ticket].is_set()
+
+    asyncio.run(scenario())
+
+
 def test_wakeup_rotates_so_waiters_that_stay_queued_cannot_starve_later_ones():
     async def scenario():
         wake = FairWakeup()
