@@ -251,7 +251,7 @@ def start_cluster(args, column: str):
     blocks_per_stream = -(-(args.prompt_len + args.max_tokens) // BLOCK_SIZE)
     prompt_blocks = -(-args.prompt_len // BLOCK_SIZE)
     config = ClusterConfig(
-        mode=mode, num_prefill=1, num_decode=1, port=0, event_loop=loop or "auto",
+        mode=mode, num_prefill=1, num_decode=1, port=0, event_loop=loop or None,
         random_model=RANDOM_MODEL if args.model == "random" else None,
         cpus_per_worker=1.0, threads_per_worker=1,
         prefill_engine=EngineConfig(max_num_batched_tokens=args.streams * args.prompt_len, max_num_seqs=args.streams,

@@ -192,7 +192,7 @@ def cluster_config(args: argparse.Namespace):
         http_port=None if args.no_http else args.http_port, http_host=args.http_host,
         served_model_name=args.served_model_name,
         tracing=TracingConfig(otlp_endpoint=args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None,
-        event_loop=event_loop.resolve(args.event_loop).value,
+        event_loop=args.event_loop,
     )
 
 

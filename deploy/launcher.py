@@ -97,7 +97,7 @@ class ClusterConfig:
     http_host: str | None = None         # its bind address; None: ``host``
     served_model_name: str | None = None  # the model's name (HTTP API, ServerInfo); None: its clean name (model_name)
     tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
-    event_loop: str = "auto"            # the router's loop (router/event_loop.py): auto (uvloop if installed), uvloop, asyncio
+    event_loop: str | None = None        # the router's loop (router/event_loop.py): auto, uvloop, asyncio; None: $PDSERVE_EVENT_LOOP or auto
 
 
 class Cluster:

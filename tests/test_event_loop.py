@@ -46,6 +46,19 @@ def test_the_loop_made_and_run(kind, uv):
     assert event_loop.run(which(), kind) is uv
 
 
+def test_a_cluster_thread_takes_the_environment_unless_its_config_names_a_loop(monkeypatch):
+    from deploy.launcher import ClusterConfig, ClusterThread
+
+    monkeypatch.setenv(event_loop.ENV_VAR, "asyncio")
+    for config, uv in ((ClusterConfig(random_model={"seed": 0}), False),
+                       (ClusterConfig(random_model={"seed": 0}, event_loop="uvloop"), True)):
+        thread = ClusterThread(config)   # not started: only its loop is made
+        try:
+            assert isinstance(thread.loop, uvloop.Loop) is uv
+        finally:
+            thread.loop.close()
+
+
 def test_serve_flag_reaches_the_cluster_config():
     parser = cli._parser()
     config = cli.cluster_config(parser.parse_args(["serve", "--random-model", "--event-loop", "asyncio"]))
