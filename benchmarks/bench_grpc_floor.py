@@ -12,7 +12,9 @@ Two figures the router's own benchmarks are read against (benchmarks/results/rou
     before asking for the next), and calls that arrive faster than it takes them wait in gRPC
     core, where the router's admission cannot see them. A task burns ``busy`` ms per event-loop pass (the router's
     streaming work, standing in) while ``--users`` clients call a one-message method in a closed
-    loop; with 1 and with 4 servers bound to the port (SO_REUSEPORT spreads the connections).
+    loop; with 1 server, with 4 servers bound to the port in one process, and with 2 server
+    processes bound to it (SO_REUSEPORT: the kernel spreads the connections across processes;
+    within one process they all landed on one server in session 13's probe).
 
 The streaming floor runs on asyncio's loop and on uvloop's in turns (the router runs on uvloop
 where it is installed: router/event_loop.py); the accept rate on the router's default loop.
@@ -46,7 +48,7 @@ def _burn(seconds: float) -> None:
         pass
 
 
-async def _serve(ready, *, servers: int, messages: int, style: str, busy_ms: float) -> None:
+async def _serve(ready, *, servers: int, messages: int, style: str, busy_ms: float, port: int = 0) -> None:
     import grpc
 
     from protos import pdserve_pb2 as pb
@@ -62,7 +64,6 @@ async def _serve(ready, *, servers: int, messages: int, style: str, busy_ms: flo
             yield msg
 
     handler = write_handler if style == "write" else yield_handler
-    port = 0
     for _ in range(servers):
         server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
         method = grpc.unary_stream_rpc_method_handler(handler, request_deserializer=pb.GenerateRequest.FromString,
@@ -125,22 +126,27 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _run(server_kwargs: dict, client_kwargs: dict) -> tuple[int, int, float, float]:
-    """One server process, one client run (after a warm-up run): calls, messages, wall s, server CPU s."""
+def _run(server_kwargs: dict, client_kwargs: dict, processes: int = 1) -> tuple[int, int, float, float]:
+    """``processes`` server processes on one port, one client run (after a warm-up run): calls,
+    messages, wall s, servers' CPU s."""
     ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
-    proc = ctx.Process(target=_server_main, args=(ready, server_kwargs), daemon=True)
-    proc.start()
+    procs, port = [], 0
     try:
-        port = ready.get(timeout=60)
+        for _ in range(processes):   # the first binds a free port, the others join it
+            ready = ctx.Queue()
+            proc = ctx.Process(target=_server_main, args=(ready, dict(server_kwargs, port=port)), daemon=True)
+            proc.start()
+            procs.append(proc)
+            port = ready.get(timeout=60)
         warm = dict(client_kwargs, seconds=min(2.0, client_kwargs.get("seconds") or 2.0))
         asyncio.run(_clients(port, **warm))
-        cpu0 = _process_cpu_s(proc.pid)
+        cpu0 = sum(_process_cpu_s(proc.pid) for proc in procs)
         calls, messages, wall = asyncio.run(_clients(port, **client_kwargs))
-        return calls, messages, wall, _process_cpu_s(proc.pid) - cpu0
+        return calls, messages, wall, sum(_process_cpu_s(proc.pid) for proc in procs) - cpu0
     finally:
-        proc.kill()
-        proc.join(10)
+        for proc in procs:
+            proc.kill()
+            proc.join(10)
 
 
 def streaming_floor(args) -> list[str]:
@@ -167,14 +173,16 @@ def streaming_floor(args) -> list[str]:
 def accept_rate(args) -> list[str]:
     lines = [f"accept rate: {args.users} closed-loop callers of a one-message call for {args.seconds:g} s; the"
              " server's event loop (the router's default) busy for the given time in every pass"]
+    setups = (("1 server", 1, 1), ("4 servers, 1 process", 4, 1), ("2 processes", 1, 2))
     for busy_ms in args.busy_ms:
         row = []
-        for servers in (1, 4):
+        for name, servers, processes in setups:
             calls, _, wall, _ = _run({"servers": servers, "messages": 1, "style": "write", "busy_ms": busy_ms,
                                       "loop": "auto"},
-                                     {"users": args.users, "calls_per_user": None, "seconds": args.seconds})
-            row.append(f"{servers} server{'s' if servers > 1 else ' '}: {calls / wall:7,.0f} calls/s")
-        lines.append(f"  loop busy {busy_ms:4.1f} ms per pass   " + "   ".join(row))
+                                     {"users": args.users, "calls_per_user": None, "seconds": args.seconds},
+                                     processes)
+            row.append(f"{name}: {calls / wall:6,.0f}")
+        lines.append(f"  loop busy {busy_ms:4.1f} ms per pass   calls/s  " + "   ".join(row))
     return lines
 
 
