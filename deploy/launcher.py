@@ -56,6 +56,7 @@ from router.security import ServerSecurity
 from router.server import PdserveServicer, ServerInfo, start_server
 from router.streams import DecodeStreams
 from router.supervisor import Supervisor
+from router.worker_calls import call
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,10 @@ class Cluster:
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:
         """A worker's report (a decode worker's step batch, a prefill worker's result) reached
-        its handle: the one place it goes on to the metrics and admission's step models."""
+        its handle: the one place it goes on to the metrics and admission's step models. A
+        slot that is down reports nothing (a late report is its dead process's)."""
+        if not worker.alive:
+            return
         self.metrics.update_worker(worker.stats)
         self.admission.observe_stats(worker)
         if self.admission.num_queued:
@@ -188,6 +192,9 @@ class Cluster:
 
     def _on_worker_down(self, worker: WorkerHandle) -> None:
         self.metrics.worker_state(worker.worker_id, worker.role, up=False)
+        # Its load gauges showed the dead process's last report (running requests, KV in use):
+        # nobody's load now. The replacement's first report brings them back.
+        self.metrics.remove_worker(worker.worker_id)
         asyncio.get_running_loop().create_task(self.health.update(self.registry.can_serve))
 
     def _on_worker_ready(self, worker: WorkerHandle) -> None:
@@ -196,7 +203,20 @@ class Cluster:
         self.metrics.worker_state(worker.worker_id, worker.role, up=True, restarted=True)
         loop = asyncio.get_running_loop()
         loop.create_task(self.health.update(self.registry.can_serve))
+        loop.create_task(self._first_report(worker, worker.generation))
         self.admission.notify()   # requests queued for a worker to come back
+
+    async def _first_report(self, worker: WorkerHandle, generation: int) -> None:
+        """A replacement's stats as it starts: an idle worker reports nothing on its own (a
+        prefill worker reports only with results), and its gauges must not stay blank."""
+        try:
+            stats = await call(worker, "stats", generation=generation)
+        except Exception as exc:   # lost again meanwhile: its next replacement reports
+            logger.debug("first report of %s: %s", worker.worker_id, exc)
+            return
+        if worker.generation == generation and worker.stats is None:   # no fresher report came first
+            worker.observe_stats(stats)
+            self._on_worker_stats(worker)
 
     async def _spawn(self, worker: WorkerHandle) -> tuple[Any, dict]:
         """A fresh actor for ``worker``'s slot, with a fresh engine and KV pool (a new /dev/shm

@@ -135,6 +135,12 @@ class WorkerBase:
     def stats(self) -> WorkerStats:
         return self.loop.latest_stats
 
+    async def settled_stats(self) -> WorkerStats:
+        """The stats once every call queued on the engine so far has run (the loop refreshes
+        them after each batch of calls): at most one step later than ``stats``."""
+        await self.call(lambda e: None)
+        return self.loop.latest_stats
+
     async def leak_report(self) -> dict:
         """What the engine still holds: tests end with none, every block free."""
         return await self.call(lambda e: {

@@ -75,8 +75,8 @@ class PrefillActor:
         async for item in self.worker.stream(spec, transport, peer, inbox):
             yield item
 
-    async def abort(self, req_id: str) -> None:
-        await self.worker.abort(req_id)
+    async def abort(self, req_id: str) -> WorkerStats:
+        return await self.worker.abort(req_id)
 
     async def lifeline(self) -> None:
         await self.worker.lifeline()

@@ -54,7 +54,7 @@ from engine.engine import PrefillDone, StepResult
 from engine.errors import CapacityError, KVTransferError, PeerLostError
 from engine.faults import SEND_FAULTS, FaultKind
 from engine.types import (FinishReason, FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec,
-                          TokenDelta)
+                          TokenDelta, WorkerStats)
 from engine.unix_push import UnixPusher
 from engine.worker_base import WorkerBase, WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
@@ -204,7 +204,8 @@ class PrefillWorker(WorkerBase):
                     if span is not None:
                         span.set_attributes({"pdserve.kv.bytes": result.transfer_bytes, "pdserve.kv.transport":
                                              result.transport, "pdserve.kv.outcome": result.outcome.value})
-            return dataclasses.replace(result, stats=self.stats(), kv_events=self.take_kv_events())
+            self._waiters.pop(req_id, None)   # over here: the report below may find the worker idle
+            return dataclasses.replace(result, stats=await self._report(), kv_events=self.take_kv_events())
         finally:
             self._first_token(req_id, None)   # none went ahead: the result carries it
             self._waiters.pop(req_id, None)
@@ -245,19 +246,34 @@ class PrefillWorker(WorkerBase):
         if run is not None and run.inbox is not None and run.reserved and done.req_id not in self._aborted:
             run.pushed = self._pusher.push(run.inbox, self._first_token_of(done, 0.0).to_json())
 
-    async def abort(self, req_id: str) -> None:
-        """Stop the request; returns once no write into its decode blocks can still happen."""
+    async def abort(self, req_id: str) -> WorkerStats:
+        """Stop the request; returns once no write into its decode blocks can still happen, with
+        this worker's stats (its result, which carries them otherwise, never reaches a router
+        that aborts: it reports only with results)."""
         done = self._done.get(req_id)
         if done is None:
             if req_id not in self._running:   # a direct submission of it may still be on its way
                 self._tombstones.add(req_id)
-            return
+            return await self._report()
         self._aborted.add(req_id)
         await self.call(lambda e: e.abort(req_id))
         await done.wait()
         run = self._running.get(req_id)
         if run is not None and not run.joined:   # its router gave up before its Ray call
             self._forget(req_id, run)
+        return await self._report()
+
+    async def _report(self) -> WorkerStats:
+        """The stats a result or an abort carries to the router. With nothing left in flight
+        here, once the engine has run the calls queued so far (blocks released after hand-offs;
+        at once: the loop is idle): this worker reports only with results and aborts, so its
+        last report must show it idle, however long until its next request."""
+        if self._waiters:
+            return self.stats()
+        try:
+            return await self.settled_stats()
+        except RuntimeError:   # the engine loop stopped (shutdown): its last stats
+            return self.stats()
 
     # ---- loop thread results ------------------------------------------------------------------
     def _on_step_thread(self, result: StepResult) -> None:

@@ -39,7 +39,8 @@ from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
 from engine.errors import CapacityError, WorkerFailedError
-from engine.types import FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec, TokenDelta
+from engine.types import (FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec, TokenDelta,
+                          WorkerStats)
 from engine.unix_push import UnixPusher
 from router.admission import RESUME_WAIT_S, Admission, Prediction
 from router.convert import RequestTimings
@@ -373,10 +374,13 @@ class Orchestrator:
 
     def _observe_prefill(self, prefill: WorkerHandle, result: PrefillResult, generation: int) -> None:
         prefill.observe_kv_events(result.kv_events, generation)
-        if result.stats is not None:
-            prefill.observe_stats(result.stats)
+        self._observe_stats(prefill, result.stats, generation)
+
+    def _observe_stats(self, worker: WorkerHandle, stats: WorkerStats | None, generation: int) -> None:
+        if stats is not None and generation == worker.generation:   # never a replaced actor's
+            worker.observe_stats(stats)
             if self.on_stats is not None:
-                self.on_stats(prefill)
+                self.on_stats(worker)
 
     def _capacity_changed(self, worker: WorkerHandle | None) -> None:
         """A request left its workers (finished, failed or aborted): the router's own counts of
@@ -414,7 +418,11 @@ class Orchestrator:
         if worker.generation != generation or not worker.alive:
             return True   # that actor died (the supervisor kills what is left of it)
         try:
-            await call(worker, "abort", req_id, *args, generation=generation)
+            answer = await call(worker, "abort", req_id, *args, generation=generation)
+            # A prefill worker answers with its stats: the aborted request's result, which would
+            # have carried them, never comes (its call was closed).
+            if isinstance(answer, WorkerStats):
+                self._observe_stats(worker, answer, generation)
             return True
         except WorkerLost as lost:
             self._report_lost(lost)

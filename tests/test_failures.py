@@ -1,8 +1,9 @@
 """A cluster that keeps serving (real Ray actors, real gRPC, tiny random Llama): kill -9 of a
 decode worker mid-stream, of a prefill worker mid-prefill, of both; a paused (unreachable, not
 dead) worker. Every stream completes equal to HF generate with no token repeated or missing,
-the dead workers are replaced, health says NOT_SERVING exactly while nothing can serve, and
-every test ends with the cluster-wide leak check."""
+the dead workers are replaced, health says NOT_SERVING exactly while nothing can serve, the
+load gauges return to idle once nothing runs, and every test ends with the cluster-wide leak
+check."""
 
 from __future__ import annotations
 
@@ -271,4 +272,40 @@ def test_no_reservation_is_freed_under_a_paused_writer(cluster, long_workload):
         _kill(prefill.pid, signal.SIGCONT)
     assert held["free_blocks"] < held["total_blocks"], "a reservation was freed under a live writer"
     assert prefill.alive and prefill.restarts == restarts, "a paused worker is not a dead one"
+    assert cluster_leaks(cluster) == {}
+
+
+def _worker_gauges(cluster: ClusterThread) -> dict[str, float]:
+    """The ``pdserve_worker_*`` load gauges as a scrape reads them (no ServerInfo first: it
+    asks every worker for fresh stats, which a scrape never does)."""
+    text = cluster.cluster.metrics.exposition().decode()
+    names = ("running_requests", "waiting_requests", "waiting_tokens", "kv_usage_ratio")
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if any(line.startswith(f"pdserve_worker_{n}{{") for n in names)}
+
+
+def test_gauges_return_to_idle_after_a_kill_and_cancels(cluster, workload):
+    """The decode worker dies with every request decoding and their clients cancel at once: no
+    request reaches the replacement, which stays idle. The load gauges must not keep showing
+    the dead process's last report (running requests, KV in use) for as long as nothing runs."""
+    prompts = workload[0]
+    decode = cluster.cluster.registry.get("decode-0")
+    restarts = decode.restarts
+
+    async def kill_and_cancel():
+        async with AsyncPdserveClient(address(cluster), timeout_s=120) as client:
+            streams = [client.generate(token_ids=p, max_tokens=100, ignore_eos=True) for p in prompts]
+            for stream in streams:
+                await stream.__anext__()   # every request is decoding
+            _kill(decode.pid)
+            for stream in streams:
+                await stream.aclose()
+
+    asyncio.run(kill_and_cancel())
+    _wait_ready(cluster, "decode-0", restarts + 1)
+    deadline = time.monotonic() + 10   # before the leak check: its calls make workers report
+    while any(_worker_gauges(cluster).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stuck = {name: value for name, value in _worker_gauges(cluster).items() if value}
+    assert not stuck, f"gauges stuck after the kill: {stuck}"
     assert cluster_leaks(cluster) == {}

@@ -243,3 +243,32 @@ def test_a_reserve_that_arrives_after_the_routers_free_is_refused():
 
 async def _collect(stream) -> list:
     return [item async for item in stream]
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_the_last_result_of_a_burst_reports_every_block_back(num_requests):
+    """A prefill worker reports its stats only on its results (it has no stream), so the
+    result that leaves it idle must show the blocks its hand-off released: the router's
+    gauges (KV usage, free blocks) read that report until the next request, however long."""
+    specs = [RequestSpec(f"b{i}", tuple(range(40 + i, 77 + 5 * i)), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+             for i in range(num_requests)]
+
+    async def run():
+        prefill, decode = _workers()
+        try:
+            peer = InProcessPeer(decode)
+            results = await asyncio.gather(*(prefill.prefill(spec, "shm", peer) for spec in specs))
+            for spec in specs:
+                await decode.abort(spec.req_id)
+            return results, await prefill.leak_report(), await decode.leak_report()
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+
+    results, *reports = asyncio.run(run())
+    assert all(r.outcome is HandoffOutcome.OK for r in results)
+    for report in reports:
+        assert report["requests"] == 0 and report["free_blocks"] == report["total_blocks"]
+    last = results[-1].stats   # the last to finish here (each hands off in order)
+    assert (last.num_running, last.num_waiting) == (0, 0)
+    assert last.num_free_blocks == last.num_total_blocks, "the idle worker's last report shows blocks held"
