@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from engine.errors import PeerLostError
 from engine.types import FirstToken, PrefillResult, RequestSpec, WorkerStats
@@ -39,6 +39,8 @@ class DecodePeer:
             return await ref
         except (ActorUnavailableError, RayActorError) as exc:
             raise PeerLostError(f"decode worker lost during the hand-off: {type(exc).__name__}") from exc
+        except RayTaskError as exc:   # raised there on purpose: that error, never Ray's wrapper, whose
+            raise exc.cause from None  # text (process, address, traceback) would reach the client
 
 
 @ray.remote

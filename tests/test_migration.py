@@ -333,3 +333,24 @@ def test_a_migrating_request_waits_for_room_for_its_prompt_instead_of_failing():
     decode.observe_stats(WorkerStats("d0", "decode", 0, 9, 0, 4, 64, 16))
     decision = admission.decide(resumed, best_effort=True)
     assert decision.action is Action.ADMIT and decision.prediction.prefill is prefill
+
+
+def test_a_decode_actors_refusal_reaches_the_hand_off_in_its_own_words(ray_session):
+    """The prefill worker's view of a decode actor (``DecodePeer``) passes an error the decode
+    worker raised on purpose through as that error: Ray's wrapper around it names the process,
+    address and actor and carries the traceback, and a refusal's text reaches the client
+    (RESOURCE_EXHAUSTED: the prompt's blocks did not fit)."""
+    import ray
+
+    from engine.errors import CapacityError
+    from prefill_worker.actor import DecodePeer
+
+    @ray.remote
+    class FullDecodeWorker:
+        def reserve(self, spec, transport):
+            raise CapacityError("3 KV blocks needed, 2 free")
+
+    peer = DecodePeer(FullDecodeWorker.remote())
+    with pytest.raises(CapacityError) as info:
+        asyncio.run(peer.reserve(RequestSpec("r", (1, 2)), "shm"))
+    assert str(info.value) == "3 KV blocks needed, 2 free"
