@@ -33,9 +33,10 @@ class RequestMigration:
 
     def attempt_spec(self) -> RequestSpec:
         """What the current attempt runs."""
-        if not self.num_migrations:
+        if not self.num_migrations and not self.num_refusals:
             return self.spec
-        req_id = f"{self.spec.req_id}.m{self.num_migrations}" + (f".r{self.num_refusals}" if self.num_refusals else "")
+        req_id = (self.spec.req_id + (f".m{self.num_migrations}" if self.num_migrations else "")
+                  + (f".r{self.num_refusals}" if self.num_refusals else ""))
         return resumed(self.spec, tuple(self.sent_token_ids), req_id)
 
     def refused(self) -> None:

@@ -16,7 +16,8 @@ Colocated mode, conditional disaggregation choosing it, or no prefill worker up:
 worker runs the whole request. The prefill worker's ``HandoffOutcome`` decides what follows: a
 failed transfer is recomputed on the decode worker (never decoded from garbage; after the
 first token when that went ahead: ``migration.resumed``), a reservation refused for room
-raises ``ReservationRefused`` (any other reserve failure fails the request), a dead decode
+raises ``ReservationRefused``: the request waits for room and tries again under a fresh id
+(any other reserve failure fails the request), a dead decode
 worker moves the request (the first token sent counts as sent). On cancel, deadline
 or error the request is aborted on the prefill worker first (its ``abort`` returns once it can
 no longer write into the reserved blocks) and then on the decode worker, which frees the
@@ -53,7 +54,8 @@ from router.worker_calls import WorkerLost, call, stream_call
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS_FOR_TPOT = 8   # a shorter output's TPOT says little about the prediction
-RESERVE_RETRY_S = 0.5     # a refused reservation of a migrating request retries at least this often
+RESERVE_RETRY_S = 0.5     # a request whose reservation was refused for room retries at least this often
+REFUSED_WAIT_S = 30.0     # ... for this long, when it has no TTFT target (admission's own backstop)
 
 
 @dataclass(slots=True)
@@ -177,13 +179,15 @@ class Orchestrator:
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
         run = RequestMigration(spec, self.migration_limit)
         resume_deadline = None
+        room_deadline = time.monotonic() + (spec.slo.ttft_s or REFUSED_WAIT_S)   # see ReservationRefused below
         while True:
             attempt_spec = run.attempt_spec()
             pair = await self._admit(attempt_spec, run.num_migrations)
             trace.path.admitted(time.perf_counter())
             try:
-                # A resumed attempt's latency is the loss's, not admission's prediction's to learn from.
-                learn = run.num_migrations == 0
+                # A resumed or retried attempt's latency is the loss's or the wait's, not admission's
+                # prediction's to learn from.
+                learn = run.num_migrations == 0 and run.num_refusals == 0
                 async for delta in self._attempt(attempt_spec, pair, trace, learn):
                     yield run.sent(delta)
                 return
@@ -197,9 +201,12 @@ class Orchestrator:
                                lost.cause, run.num_migrations + 1, len(run.sent_token_ids))
                 resume_deadline = time.monotonic() + RESUME_WAIT_S
             except ReservationRefused:
-                # A migrating request was admitted once: a reservation refused for room (stats lag
-                # a step) waits for capacity and tries again, until the resume deadline.
-                if resume_deadline is None or time.monotonic() > resume_deadline:
+                # The decode side was full after all: admission saw its last report, which the
+                # reservations in flight outrun in a burst. As when admission sees it full, the
+                # request waits for room and tries again (a fresh one until its TTFT target, a
+                # migrating one until its resume deadline); then RESOURCE_EXHAUSTED.
+                deadline = room_deadline if resume_deadline is None else resume_deadline
+                if time.monotonic() > deadline:
                     raise
                 run.refused()
                 await self.admission.capacity_changed(RESERVE_RETRY_S)

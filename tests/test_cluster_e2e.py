@@ -14,7 +14,7 @@ import pytest
 from deploy.launcher import ClusterConfig, ClusterThread
 from engine.config import EngineConfig
 from router.client import AsyncPdserveClient, PdserveClient
-from tests.conftest import cluster_leaks, greedy_workload
+from tests.conftest import cluster_leaks, greedy_workload, hf_greedy
 
 MODEL = {"seed": 0}
 
@@ -22,10 +22,10 @@ MODEL = {"seed": 0}
 def start_cluster(mode: str, **overrides) -> ClusterThread:
     """Warm spares only where a test asks for them (they cost a process each on 2 cores)."""
     overrides.setdefault("standby_workers", False)
+    overrides.setdefault("prefill_engine", EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64))
+    overrides.setdefault("decode_engine", EngineConfig(num_kv_blocks=160, block_size=16))
     config = ClusterConfig(
         mode=mode, random_model=MODEL, port=0, cpus_per_worker=0.5, threads_per_worker=1,
-        prefill_engine=EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64),
-        decode_engine=EngineConfig(num_kv_blocks=160, block_size=16),
         allow_fault_injection=True, **overrides,
     )
     cluster = ClusterThread(config)
@@ -199,3 +199,23 @@ def test_health_and_reflection_are_served(disagg):
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"pdserve.v1.Pdserve", "grpc.health.v1.Health"} <= names
+
+
+def test_a_burst_past_the_decode_pool_waits_for_room_instead_of_failing(ray_session, hf_reference):
+    """Eight prompts at once into a decode pool that holds four: admission's view of the pool
+    is the decode worker's last report, which the reservations in flight outrun, so some are
+    refused for room. A full decode side queues, it does not refuse: those requests wait for
+    room and are served, equal to HF, and nothing leaks."""
+    import random
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(90)] for _ in range(8)]   # 6 blocks each
+    cluster = start_cluster("disaggregated", decode_engine=EngineConfig(num_kv_blocks=24, block_size=16))
+    try:
+        results = asyncio.run(_concurrent(address(cluster), prompts, [20] * len(prompts)))
+        refused = cluster.cluster.metrics.handoffs.labels("reserve_refused")._value.get()
+        assert refused > 0, "no reservation was refused: the test proved nothing"
+        assert results == [hf_greedy(hf_reference, p, 20) for p in prompts]
+        assert cluster_leaks(cluster) == {}
+    finally:
+        cluster.stop()

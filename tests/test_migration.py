@@ -302,6 +302,18 @@ def test_a_retry_after_a_refused_reservation_runs_under_a_fresh_id():
     assert ids == ["r.m1", "r.m1.r1", "r.m1.r2", "r.m2"]
 
 
+def test_a_first_attempt_refused_for_room_retries_under_a_fresh_id():
+    """The refused attempt's free may still be on its way to the decode worker, which then
+    refuses any later reserve under that id: the retry runs as a new id, the same request."""
+    spec = RequestSpec("r", (1, 2), SamplingParams(max_tokens=4))
+    run = RequestMigration(spec)
+    assert run.attempt_spec() is spec
+    run.refused()
+    retry = run.attempt_spec()
+    assert retry.req_id == "r.r1" and retry.prompt_token_ids == (1, 2) and retry.sampling == spec.sampling
+    assert run.sent(TokenDelta("r.r1", (5,))).req_id == "r"
+
+
 def test_a_pair_whose_transport_keeps_failing_routes_around_it():
     registry = WorkerRegistry(dist_ready=True)
     p, d = WorkerHandle("p0", "prefill", None, "n1", "cpu"), WorkerHandle("d0", "decode", None, "n2", "cpu")
