@@ -74,6 +74,45 @@ def test_validation_errors_name_the_parameter():
     assert err.value.field == "messages[0].content[0]"
 
 
+@pytest.mark.parametrize("model, body, param", [
+    (ChatCompletionRequest, {"max_tokens": 3_000_000_000}, "max_tokens"),           # int32 in GenerateRequest
+    (ChatCompletionRequest, {"max_completion_tokens": 2**40}, "max_completion_tokens"),
+    (ChatCompletionRequest, {"seed": 2**70}, "seed"),                               # int64
+    (ChatCompletionRequest, {"top_k": 2**40}, "top_k"),
+    (ChatCompletionRequest, {"priority": -2**40}, "priority"),
+    (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 2**40}, "top_logprobs"),
+    (ChatCompletionRequest, {"stop_token_ids": [3, 2**70]}, "stop_token_ids[1]"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"role": "\udc00", "content": "a"}]}, "messages[0].role"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+     "messages[0].content[0].text"),
+    (ChatCompletionRequest, {"stop": "\udfff"}, "stop"),
+    (ChatCompletionRequest, {"stop": ["ok", "\udfff"]}, "stop[1]"),
+    (CompletionRequest, {"prompt": [5, 2**70]}, "prompt[1]"),
+    (CompletionRequest, {"prompt": [[5, 2**70]]}, "prompt[0][1]"),
+    (CompletionRequest, {"prompt": "\ud800"}, "prompt"),
+    (CompletionRequest, {"prompt": ["\ud800"]}, "prompt[0]"),
+    (CompletionRequest, {"prompt": "x", "logprobs": 2**40}, "logprobs"),
+])
+def test_values_a_generate_request_cannot_hold_are_400_naming_the_parameter(model, body, param):
+    """JSON carries any integer and (through \\u escapes) lone surrogates; GenerateRequest's fields
+    hold int32 / int64 and UTF-8 only, and protobuf refuses the rest with a ValueError, which was
+    a 500 "Internal Server Error" in plain text. Each is the client's mistake: a 400 naming it."""
+    body = ({"messages": [{"role": "user", "content": "x"}]} if model is ChatCompletionRequest else {}) | body
+    with pytest.raises(InvalidRequestError) as err:
+        req = parse(model, body)
+        (chat_request if model is ChatCompletionRequest else completion_request)(req, None)
+    assert err.value.field == param, err.value
+
+
+def test_values_at_the_proto_bounds_still_convert():
+    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "\U0001f600 ok"}],
+                                        "max_tokens": 2**31 - 1, "seed": 2**63 - 1, "stop_token_ids": [2**63 - 1]})
+    msg = chat_request(req, None)   # the engine's own checks (max_model_len, vocabulary) refuse them later
+    assert (msg.sampling.max_tokens, msg.sampling.seed) == (2**31 - 1, 2**63 - 1)
+    assert msg.chat.messages[0].content == "\U0001f600 ok"
+
+
 def test_field_paths_map_back_to_openai_parameters():
     assert param_for("sampling.top_p", chat=True) == "top_p"
     assert param_for("sampling.max_tokens", chat=True, max_tokens_name="max_completion_tokens") == "max_completion_tokens"
