@@ -191,6 +191,32 @@ def test_top_logprobs_shapes():
         {"token": "d", "logprob": -0.3, "bytes": [100]}, {"token": "e", "logprob": -1.5, "bytes": [101]}]}
 
 
+def _byte_level_tokenizer():
+    """GPT-2's scheme with no merges: token id b is the byte b (SmolLM2 splits "😀" likewise)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_logprob_bytes_rebuild_characters_split_across_tokens():
+    """OpenAI's ``bytes``: the token's own bytes, so that a character spread over several tokens
+    (each decoding to U+FFFD alone) is rebuilt by joining them. Decoded text is no source for them."""
+    tokenizer = _byte_level_tokenizer()
+    ids = list("a 😀é".encode("utf-8"))
+    assert tokenizer.decode(ids[2:3]) == "\ufffd"   # a partial character decodes to the replacement
+    events = [_event(ids, "a 😀é", FinishReason.STOP, tuple(-0.5 for _ in ids), Usage(1, len(ids)),
+                     tuple(((t, -0.5),) for t in ids))]
+    chat = ResponseFormat(True, "c", "m", logprobs=True, tokenizer=tokenizer).whole(events)
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8") == "a 😀é"
+    assert b"".join(bytes(e["top_logprobs"][0]["bytes"]) for e in entries) == "a 😀é".encode("utf-8")
+
+
 def test_stop_strings_are_trimmed_from_streamed_text():
     from router.stop_text import StopTextTrimmer
 
