@@ -272,7 +272,9 @@ class Orchestrator:
                 self._abort_later(at)
             elif learn and len(trace.token_times) >= MIN_TOKENS_FOR_TPOT:
                 self._observed_tpot(pair, progress, trace.timings().tpot_s)
-            self._capacity_changed()
+            # Past its first token the request held room on its decode worker alone; before it, its
+            # prefill worker's queue changed too (and a replaced worker is another one).
+            self._capacity_changed(decode if not prefill_pending and decode.generation == at.decode_gen else None)
 
     def _decoding(self, decode: WorkerHandle, progress: DecodeProgress, num_tokens: int) -> None:
         first = progress.first_token_s is None and num_tokens > 0
@@ -376,11 +378,14 @@ class Orchestrator:
             if self.on_stats is not None:
                 self.on_stats(prefill)
 
-    def _capacity_changed(self) -> None:
-        """A request left its workers (finished, failed or aborted). Named as no single worker:
-        the router's own counts changed at once, the worker's stats (its freed blocks) only with
-        its next report, and an idle worker sends none: every woken request decides again."""
-        self.admission.notify()
+    def _capacity_changed(self, worker: WorkerHandle | None) -> None:
+        """A request left its workers (finished, failed or aborted): the router's own counts of
+        them changed at once (their stats, e.g. freed blocks, only with their next report, and an
+        idle worker sends none). ``worker``: the one worker whose room changed (the request's
+        decode worker, once its prefill was over): queued requests are checked against it alone,
+        as on its report (a request queues for decode room), and only those it could take decide
+        again; None: any may have changed, every woken request decides again."""
+        self.admission.notify(worker)
 
     async def _recompute(self, at: _Attempt, trace: RequestTrace, error: str, sent: tuple[int, ...]) -> None:
         """Run the request on its decode worker from its prompt, after the tokens already ``sent``."""

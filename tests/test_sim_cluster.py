@@ -168,6 +168,45 @@ def test_cancelled_streams_leave_nothing(sim_cluster):
     assert_nothing_left(thread)
 
 
+def test_a_request_ending_names_its_decode_worker_to_the_queue(sim_cluster):
+    """A request that ends after its first token held room on its decode worker alone: the wake
+    it sends queued requests names that worker (each is checked against it, as on its report),
+    not every worker (a full decision each). One that ends before its first token also changed
+    its prefill worker's queue: its wake names none."""
+    thread, port = sim_cluster
+    admission = thread.cluster.admission
+    woken: list[object] = []
+    notify = admission.notify
+
+    def recording(worker=None):
+        woken.append(worker)
+        notify(worker)
+
+    thread.run(_patched(admission, "notify", recording))
+    try:
+        with PdserveClient(f"127.0.0.1:{port}") as client:
+            results = [client.generate_text(token_ids=list(range(5 + i, 45 + i)), max_tokens=4) for i in range(6)]
+        assert all(not r.error for r in results)
+        names = [w.worker_id if w is not None else None for w in woken]
+        assert None not in names, names
+        assert {r.timings.decode_worker_id for r in results} <= set(names)
+        woken.clear()
+        with PdserveClient(f"127.0.0.1:{port}", timeout_s=0.06) as client:
+            with pytest.raises(grpc.RpcError) as err:   # past its deadline in a 6,000-token prefill (120 ms)
+                client.generate_text(token_ids=[7] * 6_000, max_tokens=4)
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert thread.run(_router_idle(thread.cluster))
+        assert None in woken
+    finally:
+        thread.run(_patched(admission, "notify", notify))
+    assert_nothing_left(thread)
+
+
+async def _patched(obj, name: str, value) -> None:
+    """Set an attribute on the cluster's own loop (its handlers read it there)."""
+    setattr(obj, name, value)
+
+
 def assert_nothing_left(thread) -> None:
     """The leak check: no request on any simulated worker, all blocks free, and nothing counted
     on the router (streams registered, requests decoding or prefilling, queued in admission)."""
