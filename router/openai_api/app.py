@@ -6,7 +6,7 @@ token (the same token and the same constant-time check as gRPC: ``router.auth.ch
 503 otherwise. A body is read up to ``max_receive_message_bytes`` (gRPC's cap on one message)
 and refused past it before it is parsed. The client's ``X-Request-Id`` header is the request's
 label (one live request per label: 409 otherwise), echoed in the response's ``id``; the
-router's own id never leaves it.
+router's own id never leaves it. Every error, our own bugs' too, is a body in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     api = _Api(core, health, config)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, api.internal_error)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
@@ -92,6 +93,14 @@ class _Api:
         req, label = await self._parse(request, CompletionRequest)
         msg = self._checked(completion_request, req, label)
         return self._response(msg, req, label, chat=False, logprobs=req.logprobs is not None)
+
+    async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        """Our bug outside a running request (``run.py`` answers those): OpenAI's error body with
+        a reference to the router's log (``router.errors`` words and logs it), not Starlette's
+        plain-text page."""
+        code, message = self.core.failure(exc, None)
+        err = errors.from_status(code, message)
+        return JSONResponse(err.body(), status_code=err.status)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
