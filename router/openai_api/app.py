@@ -4,7 +4,8 @@ Every route but ``GET /health`` needs ``Authorization: Bearer <token>`` when the
 token (the same token and the same constant-time check as gRPC: ``router.auth.check_bearer``);
 ``/health`` stays open, like grpc.health.v1, and follows it: 200 while a serving path exists,
 503 otherwise. A body is read up to ``max_receive_message_bytes`` (gRPC's cap on one message)
-and refused past it before it is parsed. The client's ``X-Request-Id`` header is the request's
+and refused past it before it is parsed; at most ``max_concurrent_streams`` bodies are received
+at once (429 past it). The client's ``X-Request-Id`` header is the request's
 label (one live request per label: 409 otherwise), echoed in the response's ``id``; the
 router's own id never leaves it. Every error, our own bugs' too, is a body in OpenAI's shape.
 """
@@ -21,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError
 from router.auth import check_bearer
 from router.generation import GenerationCore
 from router.health import ServingHealth
@@ -72,6 +73,7 @@ class _Api:
         self.core, self.serving_health, self.config = core, health, config
         self._token = config.auth_token.encode() if config.auth_token else None
         self._created = int(time.time())
+        self._receiving = 0   # request bodies being received now (``_check_receiving``)
 
     async def health(self) -> JSONResponse:
         serving = bool(self.serving_health.serving)
@@ -128,13 +130,32 @@ class _Api:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise errors.too_large(int(declared), limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise errors.too_large(size, limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        self._check_receiving()
+        self._receiving += 1
+        try:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.too_large(size, limit)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self._receiving -= 1
+
+    def _check_receiving(self) -> None:
+        """Bodies arriving at once are bounded as live calls are (``max_concurrent_streams``): each
+        may hold up to ``max_receive_message_bytes`` until it is complete, so clients that upload
+        slowly, or never finish, cannot grow the router's memory without bound (gRPC's calls
+        are bounded by core's pending-call limit and flow control). Past it: 429 at once."""
+        cap = self.core.limits.max_concurrent_streams
+        if self._receiving < cap:
+            return
+        exc = CapacityError(f"max_concurrent_streams: {cap} request bodies are being received; retry later")
+        if self.core.metrics is not None:   # refused before admission: counted as gRPC's max_streams refusals
+            self.core.metrics.request_rejected("max_streams")
+        code, message = self.core.failure(exc, None)
+        raise errors.from_status(code, message, exc)
 
     def _checked(self, fn, *args):
         """``fn(*args)``; bad input is a 400 (counted like gRPC's INVALID_ARGUMENT)."""
