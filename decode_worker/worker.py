@@ -193,5 +193,8 @@ class DecodeWorker(WorkerBase):
         super().shutdown()
         for receiver in self._receivers.values():
             receiver.close()
+        self.release_cache()
+
+    def release_cache(self) -> None:
         if self.shm_path:
             release_kv_cache(self.shm_path)

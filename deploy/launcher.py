@@ -279,7 +279,14 @@ class Cluster:
             self._recipes[spec.worker_id] = (opts, (spec, colocated))
             self._add_standby_recipe(decode_kind, spec, (colocated,), cfg.decode_resources, gpus_of["decode"])
             actors.append((decode_kind, opts.remote(spec, colocated)))
-        infos = await asyncio.gather(*(a.start.remote() for _, a in actors))
+        infos = await asyncio.gather(*(a.start.remote() for _, a in actors), return_exceptions=True)
+        failure = next((info for info in infos if isinstance(info, BaseException)), None)
+        if failure is not None:
+            # Not in the registry yet, so ``stop`` would not find them (a placement group's removal
+            # kills its actors, but a cluster may run without one): none may outlive the failed start.
+            for _, actor in actors:
+                ray.kill(actor, no_restart=True)
+            raise failure
         for (role, actor), info in zip(actors, infos):
             self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
                                            shm_path=info.get("shm_path"), pid=info.get("pid"),

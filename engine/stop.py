@@ -32,8 +32,10 @@ class StopChecker:
         if self.tokenizer is None:
             return False
         # A stop string ends within the text of the last few tokens; decoding only that tail keeps
-        # the check O(1) per token. A token is at least one character, so len(stop)+1 tokens suffice.
-        window = max(len(s) for s in request.sampling.stop) + 1
+        # the check O(1) per token. A token is at least one byte of text, not one character
+        # (byte-level BPE splits an emoji into up to 4 tokens), so the stop string's UTF-8 length
+        # + 1 tokens suffice.
+        window = max(len(s.encode("utf-8")) for s in request.sampling.stop) + 1
         tail_ids = request.generated_tail(window)
         prev_text = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=True)
         text = self.tokenizer.decode(tail_ids, skip_special_tokens=True)

@@ -76,7 +76,11 @@ class WorkerBase:
         config = replace(spec.engine, role=role)
         layout = kv_cache.layout_for(self.loaded.model.config, config)
         cache = self.allocate_cache(layout, kv_cache.num_blocks_for(layout, config))
-        self.engine = LLMEngine(self.loaded, config, cache)
+        try:
+            self.engine = LLMEngine(self.loaded, config, cache)
+        except BaseException:   # e.g. a model the engine refuses: the pool must not outlive the failed start
+            self.release_cache()
+            raise
         self.startup_s["kv_cache_and_engine"] = time.perf_counter() - begin
         self.aio: asyncio.AbstractEventLoop | None = None
         self.closed: asyncio.Event | None = None
@@ -103,6 +107,9 @@ class WorkerBase:
     def allocate_cache(self, layout: KVLayout, num_blocks: int) -> torch.Tensor | None:
         """Override to place the KV pool somewhere special; None lets the engine allocate it."""
         return None
+
+    def release_cache(self) -> None:
+        """Override with ``allocate_cache``: free what it placed outside the process (a /dev/shm file)."""
 
     def start(self) -> None:
         """Call from the event loop the worker's coroutines will run on."""

@@ -97,8 +97,13 @@ class GenerationCore:
         span = tracing.start("request", door=door, req_id=identity.req_id)   # None: tracing off
         outcome: FinishReason | str = "unfinished"
         try:
-            with tracing.child(span, "tokenize"):
-                spec = await self.spec(request, identity.req_id)
+            try:
+                with tracing.child(span, "tokenize"):
+                    spec = await self.spec(request, identity.req_id)
+            except asyncio.CancelledError:   # the client left while its prompt was tokenized
+                if self.metrics is not None:
+                    self.metrics.request_left_early()
+                raise
             if span is not None:
                 spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span))
             async with contextlib.aclosing(self._stream(spec, request, span)) as events:

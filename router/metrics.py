@@ -331,6 +331,12 @@ class RouterMetrics:
         for gap in itls:
             observe(gap)
 
+    def request_left_early(self) -> None:
+        """The client left before its request reached admission (while its prompt was being
+        tokenized): ``aborted``, as any abort, with no latency to observe."""
+        self._outcome["aborted"].inc()
+        self.window.record(False)
+
     def request_rejected(self, reason: str) -> None:
         """Admission (or the router: shutting down, no workers) refused a request: counts the
         outcome ``rejected`` and the decision ``reject`` with ``reason``. Call this instead of

@@ -108,27 +108,35 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         write (still pending in core) would make the abort send them again, a batch core
         refuses (TOO_MANY_OPERATIONS): no status would leave and the client would wait for its
         deadline. With them sent, an abort is a status batch alone, which core takes while a
-        write is pending (the status follows the message once the client reads)."""
+        write is pending (the status follows the message once the client reads). Their send
+        (a round trip through gRPC core) runs while the request is tokenized, admitted and
+        dispatched; the first write and any abort wait for it to complete."""
         identity: RequestIdentity | None = None
+        headers: _Headers | None = None
         try:
             identity = self.core.claim(request)
-            await context.send_initial_metadata(())
+            headers = _Headers(context)
             async with contextlib.aclosing(self.core.stream(request, identity)) as events:
                 async for event in events:
+                    await headers.sent()
                     await context.write(_response(event, identity.label))
         except asyncio.CancelledError as exc:
             slow = self.core.slow_reader(exc)
             if slow is None:
                 raise   # the client cancelled or its deadline passed
-            await self._abort(context, slow, identity)
+            await self._abort(context, slow, identity, headers)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # typed ones map to their codes; anything else is INTERNAL, never UNKNOWN
-            await self._abort(context, exc, identity)
+            await self._abort(context, exc, identity, headers)
         finally:
             self.core.release(identity)
 
-    async def _abort(self, context, exc: BaseException, identity: RequestIdentity | None) -> None:
+    async def _abort(self, context, exc: BaseException, identity: RequestIdentity | None,
+                     headers: _Headers | None = None) -> None:
+        if headers is not None:
+            with contextlib.suppress(Exception):   # failed: the call is over, the abort says so
+                await headers.sent()
         await context.abort(*self.core.failure(exc, identity))
 
     # ---- ServerInfo -------------------------------------------------------------------------
@@ -168,6 +176,31 @@ class PdserveServicer(pb_grpc.PdserveServicer):
 
     def close(self) -> None:
         self.core.close()
+
+
+class _Headers:
+    """A Generate call's response headers, on their way while the request goes to the cluster.
+
+    grpc.aio adds the headers to a write or an abort until their own send has completed, and
+    core refuses a second headers batch while the first is pending (no status would leave):
+    so ``sent`` is awaited before the first write and before any abort. Shielded: a cancel of
+    the handler while it waits here must not cancel the send itself."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._send = asyncio.ensure_future(context.send_initial_metadata(()))
+        self._send.add_done_callback(_seen)
+
+    async def sent(self) -> None:
+        if not self._send.done():
+            await asyncio.shield(self._send)
+        elif self._send.exception() is not None:
+            raise self._send.exception()
+
+
+def _seen(task: asyncio.Future) -> None:
+    """A send that failed because the client left is read here (no 'never retrieved' warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _response(event: GenerationEvent, label: str) -> pb.GenerateResponse:

@@ -204,10 +204,13 @@ class FirstWriteFloodOrchestrator(EndlessOrchestrator):
     """The first token, then more than ``max_pending_tokens`` at once while the handler's first
     write is still pending: the slow-reader cancel lands in that write, every time."""
 
+    settle_s = 0.05   # as admission and dispatch take: the response headers' send completes meanwhile
+
     async def generate(self, spec, trace):
         queue = DeltaQueue()
         queue.put_nowait(TokenDelta(spec.req_id, (5,)))
         first = await queue.get()
+        await asyncio.sleep(self.settle_s)
         flood = TokenDelta(spec.req_id, (5,) * (queue.max_pending_tokens + 1))
         # scheduled before the handler starts its write, so it runs while that write is pending
         asyncio.get_running_loop().call_soon(queue.put_nowait, flood)
@@ -218,6 +221,32 @@ class FirstWriteFloodOrchestrator(EndlessOrchestrator):
             raise item
         finally:
             self.ended.set()
+
+
+class HeadersFloodOrchestrator(FirstWriteFloodOrchestrator):
+    """The same flood before the response headers' send (started as the call came) completed:
+    the cancel lands while the handler waits for them, before its first write."""
+
+    settle_s = 0.0
+
+
+def test_slow_reader_cancelled_before_its_headers_went_out_gets_its_status():
+    """The abort waits for the headers' send (a second headers batch while it is pending would
+    be refused by core and no status would leave): RESOURCE_EXHAUSTED, nothing left."""
+    limits = ServerLimits(max_pending_tokens=512)
+    orchestrator = HeadersFloodOrchestrator()
+    with router_on_a_thread(orchestrator, limits, max_model_len=10**9) as router:
+        with PdserveClient(f"127.0.0.1:{router.port}", timeout_s=60) as client:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in client.generate(token_ids=[5], max_tokens=10**8, request_id="slow"):
+                    pass
+        assert orchestrator.ended.wait(30)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "max_pending_tokens" in info.value.details()
+        deadline = time.monotonic() + 10
+        while len(router.servicer.live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(router.servicer.live) == 0
 
 
 @pytest.mark.parametrize("orchestrator_type", [EndlessOrchestrator, FirstWriteFloodOrchestrator],

@@ -244,3 +244,56 @@ def test_promtool_accepts_exposition(metrics):
                           capture_output=True, timeout=30)
     # promtool exits 3 on lint problems (naming, units, missing HELP) and prints them.
     assert proc.returncode == 0, (proc.stdout + proc.stderr).decode()
+
+
+class _BlockingTokenizer:
+    """encode() waits until the test lets it go: a long prompt being tokenized."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        self.release.wait(10)
+        return [3 + b for b in text.encode("utf-8")]
+
+
+def test_a_request_cancelled_while_its_prompt_is_tokenized_is_counted_aborted(metrics):
+    """Every request that got past the door's cheap checks ends as one outcome: one whose client
+    leaves while its prompt is still being tokenized (off the event loop) is ``aborted`` too, as
+    it is once a worker has it; it was counted nowhere."""
+    import asyncio
+
+    from protos import pdserve_pb2 as pb
+    from router.convert import ServerDefaults
+    from router.generation import GenerationCore
+
+    tokenizer = _BlockingTokenizer()
+    core = GenerationCore(orchestrator=None, tokenizer=tokenizer,
+                          defaults=ServerDefaults(max_model_len=64, vocab_size=300), metrics=metrics)
+    request = pb.GenerateRequest(text="a long prompt")
+
+    async def cancel_while_tokenizing():
+        identity = core.claim(request)
+
+        async def drain():
+            async for _ in core.stream(request, identity):
+                pass
+
+        task = asyncio.ensure_future(drain())
+        await asyncio.get_running_loop().run_in_executor(None, tokenizer.entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        tokenizer.release.set()
+        core.release(identity)
+
+    try:
+        asyncio.run(cancel_while_tokenizing())
+    finally:
+        tokenizer.release.set()
+        core.close()
+    assert metrics._outcome["aborted"]._value.get() == 1
+    assert sum(c._value.get() for c in metrics._outcome.values()) == 1

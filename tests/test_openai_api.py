@@ -213,6 +213,8 @@ def _error(call) -> openai.APIStatusError:
     (dict(messages=[]), "messages"),
     (dict(stop=[""]), "stop"),
     (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(seed=2**70), "seed"),                                                  # past GenerateRequest's int64
+    (dict(max_tokens=3_000_000_000), "max_tokens"),                              # past its int32
 ])
 def test_bad_chat_input_is_400_naming_the_parameter(cluster, model_name, kwargs, param):
     kwargs = {"messages": [{"role": "user", "content": "x"}], **kwargs}
@@ -237,6 +239,32 @@ def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
     with pytest.raises(urllib.error.HTTPError) as bad:
         urllib.request.urlopen(request, timeout=10)
     assert bad.value.code == 400 and json.load(bad.value)["error"]["type"] == "invalid_request_error"
+    # JSON's \\u escapes can spell a lone surrogate (no UTF-8 text holds one; the openai client cannot send it)
+    request = urllib.request.Request(base_url(cluster) + "/completions", headers={"content-type": "application/json"},
+                                     data=b'{"prompt": "a\\ud800", "max_tokens": 1}')
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        urllib.request.urlopen(request, timeout=10)
+    assert bad.value.code == 400 and json.load(bad.value)["error"]["param"] == "prompt"
+
+
+def test_an_unexpected_error_is_a_500_in_openais_shape(cluster, model_name, monkeypatch):
+    """Our own bug (here: the conversion raises) is a 500 whose body is OpenAI's error object with
+    a reference to grep the router's log for, never Starlette's plain-text page; the server goes on."""
+    from router.openai_api import app
+
+    def broken(req, label):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(app, "chat_request", broken)
+    err = _error(lambda: client_for(cluster).chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "x"}], max_tokens=2))
+    assert isinstance(err, openai.InternalServerError) and err.body["type"] == "internal_error", err.body
+    assert "ref " in err.body["message"] and "secret" not in err.body["message"]
+    monkeypatch.undo()
+    whole = client_for(cluster).chat.completions.create(model=model_name, messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=2, extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 2
+    assert cluster_leaks(cluster) == {}
 
 
 def test_duplicate_request_id_is_409_and_the_first_goes_on(cluster, model_name):

@@ -74,6 +74,45 @@ def test_validation_errors_name_the_parameter():
     assert err.value.field == "messages[0].content[0]"
 
 
+@pytest.mark.parametrize("model, body, param", [
+    (ChatCompletionRequest, {"max_tokens": 3_000_000_000}, "max_tokens"),           # int32 in GenerateRequest
+    (ChatCompletionRequest, {"max_completion_tokens": 2**40}, "max_completion_tokens"),
+    (ChatCompletionRequest, {"seed": 2**70}, "seed"),                               # int64
+    (ChatCompletionRequest, {"top_k": 2**40}, "top_k"),
+    (ChatCompletionRequest, {"priority": -2**40}, "priority"),
+    (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 2**40}, "top_logprobs"),
+    (ChatCompletionRequest, {"stop_token_ids": [3, 2**70]}, "stop_token_ids[1]"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"role": "\udc00", "content": "a"}]}, "messages[0].role"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+     "messages[0].content[0].text"),
+    (ChatCompletionRequest, {"stop": "\udfff"}, "stop"),
+    (ChatCompletionRequest, {"stop": ["ok", "\udfff"]}, "stop[1]"),
+    (CompletionRequest, {"prompt": [5, 2**70]}, "prompt[1]"),
+    (CompletionRequest, {"prompt": [[5, 2**70]]}, "prompt[0][1]"),
+    (CompletionRequest, {"prompt": "\ud800"}, "prompt"),
+    (CompletionRequest, {"prompt": ["\ud800"]}, "prompt[0]"),
+    (CompletionRequest, {"prompt": "x", "logprobs": 2**40}, "logprobs"),
+])
+def test_values_a_generate_request_cannot_hold_are_400_naming_the_parameter(model, body, param):
+    """JSON carries any integer and (through \\u escapes) lone surrogates; GenerateRequest's fields
+    hold int32 / int64 and UTF-8 only, and protobuf refuses the rest with a ValueError, which was
+    a 500 "Internal Server Error" in plain text. Each is the client's mistake: a 400 naming it."""
+    body = ({"messages": [{"role": "user", "content": "x"}]} if model is ChatCompletionRequest else {}) | body
+    with pytest.raises(InvalidRequestError) as err:
+        req = parse(model, body)
+        (chat_request if model is ChatCompletionRequest else completion_request)(req, None)
+    assert err.value.field == param, err.value
+
+
+def test_values_at_the_proto_bounds_still_convert():
+    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "\U0001f600 ok"}],
+                                        "max_tokens": 2**31 - 1, "seed": 2**63 - 1, "stop_token_ids": [2**63 - 1]})
+    msg = chat_request(req, None)   # the engine's own checks (max_model_len, vocabulary) refuse them later
+    assert (msg.sampling.max_tokens, msg.sampling.seed) == (2**31 - 1, 2**63 - 1)
+    assert msg.chat.messages[0].content == "\U0001f600 ok"
+
+
 def test_field_paths_map_back_to_openai_parameters():
     assert param_for("sampling.top_p", chat=True) == "top_p"
     assert param_for("sampling.max_tokens", chat=True, max_tokens_name="max_completion_tokens") == "max_completion_tokens"
@@ -150,6 +189,32 @@ def test_top_logprobs_shapes():
     chat = ResponseFormat(True, "c", "m", logprobs=True, tokenizer=Tok()).chunk(events[0])["choices"][0]["logprobs"]
     assert chat["content"][1] == {"token": "c", "logprob": -2.0, "bytes": [99], "top_logprobs": [
         {"token": "d", "logprob": -0.3, "bytes": [100]}, {"token": "e", "logprob": -1.5, "bytes": [101]}]}
+
+
+def _byte_level_tokenizer():
+    """GPT-2's scheme with no merges: token id b is the byte b (SmolLM2 splits "😀" likewise)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_logprob_bytes_rebuild_characters_split_across_tokens():
+    """OpenAI's ``bytes``: the token's own bytes, so that a character spread over several tokens
+    (each decoding to U+FFFD alone) is rebuilt by joining them. Decoded text is no source for them."""
+    tokenizer = _byte_level_tokenizer()
+    ids = list("a 😀é".encode("utf-8"))
+    assert tokenizer.decode(ids[2:3]) == "\ufffd"   # a partial character decodes to the replacement
+    events = [_event(ids, "a 😀é", FinishReason.STOP, tuple(-0.5 for _ in ids), Usage(1, len(ids)),
+                     tuple(((t, -0.5),) for t in ids))]
+    chat = ResponseFormat(True, "c", "m", logprobs=True, tokenizer=tokenizer).whole(events)
+    entries = chat["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8") == "a 😀é"
+    assert b"".join(bytes(e["top_logprobs"][0]["bytes"]) for e in entries) == "a 😀é".encode("utf-8")
 
 
 def test_stop_strings_are_trimmed_from_streamed_text():

@@ -51,3 +51,25 @@ def test_chat_over_http_equals_grpc_and_stop_strings_stop(smol_cluster):
     text = "".join(c.choices[0].text for c in chunks)
     assert "." not in text and chunks[-1].choices[0].finish_reason == "stop"
     assert cluster_leaks(smol_cluster) == {}
+
+
+def test_emoji_stop_string_stops_and_logprob_bytes_rebuild_the_emoji(smol_cluster):
+    """SmolLM2 answers this with "👌🏼👌🏼…", each emoji spread over 3 byte-level tokens that
+    decode to U+FFFD one by one. A stop string of one such character must stop generation (the
+    engine's check once looked at too few tokens: the text was trimmed, yet generation ran on
+    to max_tokens), and the logprob entries' ``bytes`` must join back into the emoji."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "Write a smiley face emoji."}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=16,
+                                           temperature=0, logprobs=True)
+    text = whole.choices[0].message.content
+    assert text.startswith("👌🏼👌🏼"), text   # the greedy answer this test is built on
+    entries = whole.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in entries)
+    assert joined.decode("utf-8", errors="replace") == text and joined.startswith("👌🏼👌🏼".encode())
+    stopped = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=16,
+                                             temperature=0, stop=["🏼"])
+    assert stopped.choices[0].message.content == "👌" and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 6   # 👌 and 🏼: 3 tokens each
+    assert cluster_leaks(smol_cluster) == {}

@@ -169,6 +169,31 @@ def test_stop_string():
     assert_empty(s)
 
 
+class _ByteLevelTokenizer:
+    """Fake byte-level tokenizer: token id i is the byte i, so one character may take up to four
+    tokens, as in GPT-2-style BPE (SmolLM2 splits "😀" into 3 tokens, each decoding to U+FFFD)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("stop, text", [("😀", "ab😀cd"), ("中", "x中y"), ("é!", "caté!zz"), ("a😀", "ba😀c")])
+def test_stop_string_spread_over_more_tokens_than_characters(stop, text):
+    """The check decodes a tail window of the output; that window must hold the stop string's
+    UTF-8 bytes, not just as many tokens as it has characters (a 1-character emoji is 4 bytes)."""
+    s = make_scheduler(tokenizer=_ByteLevelTokenizer())
+    s.add(req("a", 3, max_tokens=20, stop=(stop,)))
+    tokens = iter(text.encode("utf-8"))
+    finished = []
+    while not finished:
+        out, _ = s.schedule()
+        sampled = {x.request.req_id: (next(tokens), None) for x in out.scheduled if x.sample}
+        finished = s.update_from_output(out, sampled)
+    assert finished[0].finish_reason is FinishReason.STOP
+    assert bytes(finished[0].output_token_ids).decode() == text[:text.index(stop) + len(stop)]
+    assert_empty(s)
+
+
 def test_prefill_role_holds_blocks_until_released():
     s = make_scheduler(role=EngineRole.PREFILL)
     s.add(req("a", 10, max_tokens=5))

@@ -4,9 +4,10 @@ Every route but ``GET /health`` needs ``Authorization: Bearer <token>`` when the
 token (the same token and the same constant-time check as gRPC: ``router.auth.check_bearer``);
 ``/health`` stays open, like grpc.health.v1, and follows it: 200 while a serving path exists,
 503 otherwise. A body is read up to ``max_receive_message_bytes`` (gRPC's cap on one message)
-and refused past it before it is parsed. The client's ``X-Request-Id`` header is the request's
+and refused past it before it is parsed; at most ``max_concurrent_streams`` bodies are received
+at once (429 past it). The client's ``X-Request-Id`` header is the request's
 label (one live request per label: 409 otherwise), echoed in the response's ``id``; the
-router's own id never leaves it.
+router's own id never leaves it. Every error, our own bugs' too, is a body in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError
 from router.auth import check_bearer
 from router.generation import GenerationCore
 from router.health import ServingHealth
@@ -49,6 +50,7 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     api = _Api(core, health, config)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, api.internal_error)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
@@ -71,6 +73,7 @@ class _Api:
         self.core, self.serving_health, self.config = core, health, config
         self._token = config.auth_token.encode() if config.auth_token else None
         self._created = int(time.time())
+        self._receiving = 0   # request bodies being received now (``_check_receiving``)
 
     async def health(self) -> JSONResponse:
         serving = bool(self.serving_health.serving)
@@ -92,6 +95,14 @@ class _Api:
         req, label = await self._parse(request, CompletionRequest)
         msg = self._checked(completion_request, req, label)
         return self._response(msg, req, label, chat=False, logprobs=req.logprobs is not None)
+
+    async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        """Our bug outside a running request (``run.py`` answers those): OpenAI's error body with
+        a reference to the router's log (``router.errors`` words and logs it), not Starlette's
+        plain-text page."""
+        code, message = self.core.failure(exc, None)
+        err = errors.from_status(code, message)
+        return JSONResponse(err.body(), status_code=err.status)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -119,13 +130,32 @@ class _Api:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise errors.too_large(int(declared), limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise errors.too_large(size, limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        self._check_receiving()
+        self._receiving += 1
+        try:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.too_large(size, limit)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self._receiving -= 1
+
+    def _check_receiving(self) -> None:
+        """Bodies arriving at once are bounded as live calls are (``max_concurrent_streams``): each
+        may hold up to ``max_receive_message_bytes`` until it is complete, so clients that upload
+        slowly, or never finish, cannot grow the router's memory without bound (gRPC's calls
+        are bounded by core's pending-call limit and flow control). Past it: 429 at once."""
+        cap = self.core.limits.max_concurrent_streams
+        if self._receiving < cap:
+            return
+        exc = CapacityError(f"max_concurrent_streams: {cap} request bodies are being received; retry later")
+        if self.core.metrics is not None:   # refused before admission: counted as gRPC's max_streams refusals
+            self.core.metrics.request_rejected("max_streams")
+        code, message = self.core.failure(exc, None)
+        raise errors.from_status(code, message, exc)
 
     def _checked(self, fn, *args):
         """``fn(*args)``; bad input is a 400 (counted like gRPC's INVALID_ARGUMENT)."""

@@ -6,13 +6,34 @@ nothing here), as vLLM does; known fields this server cannot honour are refused 
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
+
+Every integer and string that becomes a ``GenerateRequest`` field is typed with that field's
+width here (``Int32``, ``Int64``, ``Text``: UTF-8, so no lone surrogate, which JSON's ``\\u``
+escapes can spell): a value it cannot hold is a 400 naming the parameter, as any wrong type is,
+instead of protobuf's ValueError (a 500). Whether a value that fits makes sense (max_tokens
+within max_model_len, a token id in the vocabulary) is the shared validation's question.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise ValueError(f"not valid Unicode: lone surrogate {bad!r} at index {exc.start} (a \\u escape of "
+                         "a surrogate must be one of a high-low pair)") from None
+    return text
+
+
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]    # the proto's int32 fields
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]    # int64: seeds, token ids
+Text = Annotated[str, AfterValidator(_utf8)]                 # proto strings are UTF-8
 
 
 class _Body(BaseModel):
@@ -25,21 +46,21 @@ class StreamOptions(_Body):
 
 class ContentPart(_Body):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
 
 
 class _Sampling(_Body):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -47,28 +68,28 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int32 | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool | None = None
     # pdserve's SLO hints (as in GenerateRequest)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
-    priority: int | None = None
+    priority: Int32 | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: Text | list[Int64] | list[Text] | list[list[Int64]]
+    logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -25,6 +25,7 @@ from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, Compl
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+_TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's "not a <type>" errors
 
 
 def _refuse(ok: object, param: str, message: str) -> None:
@@ -37,8 +38,16 @@ def parse(model: type, body: object):
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        err = _meant(exc.errors())
         raise InvalidRequestError(_loc(err["loc"]) or "body", err["msg"]) from None
+
+
+def _meant(errs: list) -> dict:
+    """The error to report. pydantic tries every member of a union (``prompt``: a string, ids,
+    strings, lists of ids) and reports each; the member the value was meant for is the one that
+    got past the type test (a bound, a missing key, a bad string), so that error names the
+    parameter and says what is wrong, not "Input should be a valid string"."""
+    return next((e for e in errs if not _TYPE_MISMATCH.fullmatch(e["type"])), errs[0])
 
 
 def _loc(loc: tuple) -> str:

@@ -5,7 +5,8 @@
 The first chat chunk carries ``role: assistant``; the finishing event's chunk carries the
 finish reason; with ``stream_options.include_usage`` every chunk has ``usage: null`` and one
 last chunk with no choices carries the usage. A logprob entry's ``token`` is the token's own
-text (``token_id:<id>`` when the model has no tokenizer, vLLM's spelling). Chat: each token's
+text (``token_id:<id>`` when the model has no tokenizer, vLLM's spelling); its ``bytes`` are the
+token's own bytes (``token_bytes.py``), which join into whole characters where text alone cannot. Chat: each token's
 entry lists the position's ``top_logprobs`` (N most likely, most likely first; empty for N = 0).
 Completions: each position's ``top_logprobs`` maps token text to logprob for the N most likely
 and the sampled token (OpenAI: "the logprob of the sampled token is always returned", so up to
@@ -22,6 +23,7 @@ from typing import Any
 from engine.types import FinishReason, TopLogprobs
 from router.convert import Usage
 from router.generation import GenerationEvent
+from router.openai_api.token_bytes import TokenBytes
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
@@ -44,8 +46,13 @@ class ResponseFormat:
     logprobs: bool = False
     include_usage: bool = False
     tokenizer: Any | None = None
+    token_bytes: TokenBytes | None = None   # the tokenizer's; made from it when not given
     created: int = field(default_factory=lambda: int(time.time()))
     _role_sent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logprobs and self.token_bytes is None:
+            self.token_bytes = TokenBytes(self.tokenizer)
 
     @property
     def _object(self) -> str:
@@ -101,9 +108,8 @@ class ResponseFormat:
         values = list(logprobs or ())
         tops = list(tops) if tops else [()] * len(tokens)
         if self.chat:
-            return {"content": [self._entry(tok, lp) | {"top_logprobs": [self._entry(self._token_text(t), v)
-                                                                        for t, v in top]}
-                                for tok, lp, top in zip(tokens, values, tops)]}
+            return {"content": [self._entry(t, lp) | {"top_logprobs": [self._entry(i, v) for i, v in top]}
+                                for t, lp, top in zip(token_ids, values, tops)]}
         offsets, at = [], 0
         for tok in tokens:
             offsets.append(at)
@@ -111,9 +117,9 @@ class ResponseFormat:
         top_maps = [{self._token_text(t): v for t, v in top} | {tok: lp} for tok, lp, top in zip(tokens, values, tops)]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
 
-    @staticmethod
-    def _entry(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(self.token_bytes(token_id, text))}
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

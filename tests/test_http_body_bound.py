@@ -1,0 +1,78 @@
+"""The HTTP door bounds the request bodies it receives at once (router/openai_api/app.py): each
+may hold up to max_receive_message_bytes until complete, so clients that upload slowly, or never
+finish, would otherwise grow the router's memory without bound. With max_concurrent_streams
+bodies arriving, one more request gets 429 in OpenAI's shape at once; once the slow uploads go,
+bodies are read again. Real uvicorn on a port; the slow clients are raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from router.convert import ServerDefaults
+from router.generation import GenerationCore
+from router.health import ServingHealth
+from router.limits import ServerLimits
+from router.openai_api.server import openai_server
+
+CAP = 2
+HEAD = ("POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        "Content-Length: {length}\r\nConnection: close\r\n\r\n")
+
+
+async def _request(port: int, body: bytes) -> tuple[int, dict]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(HEAD.format(length=len(body)).encode() + body)
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    try:
+        return int(head.split()[1]), json.loads(payload or b"{}")
+    except json.JSONDecodeError:   # not one JSON body (e.g. chunked): shown as it came
+        return int(head.split()[1]), {"raw": payload[:200].decode(errors="replace")}
+
+
+async def _listening(port: int) -> None:
+    for _ in range(100):   # uvicorn's task takes the socket over a moment after start()
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionRefusedError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return
+    raise AssertionError("the HTTP server never listened")
+
+
+async def _scenario() -> None:
+    core = GenerationCore(None, None, ServerDefaults(max_model_len=64, vocab_size=100,
+                                                     limits=ServerLimits(max_concurrent_streams=CAP)))
+    server = openai_server(core, ServingHealth(), "m", 64, "127.0.0.1", 0)
+    port = await server.start()
+    await _listening(port)
+    slow = []
+    try:
+        for _ in range(CAP):   # uploads that announce 1,000 bytes and send one
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(HEAD.format(length=1000).encode() + b"{")
+            await writer.drain()
+            slow.append((reader, writer))
+        await asyncio.sleep(0.3)   # the server is receiving both
+        status, body = await _request(port, b'{"prompt": "hi"}')
+        assert status == 429, (status, body)
+        assert body["error"]["type"] == "rate_limit_error" and "max_concurrent_streams" in body["error"]["message"]
+        for _, writer in slow:
+            writer.close()
+        await asyncio.sleep(0.3)
+        status, body = await _request(port, b"{not json")   # read again: refused for what it holds
+        assert status == 400 and "not valid JSON" in body["error"]["message"], (status, body)
+    finally:
+        for _, writer in slow:
+            writer.close()
+        await server.stop()
+        core.close()
+
+
+def test_bodies_received_at_once_are_bounded():
+    asyncio.run(_scenario())
