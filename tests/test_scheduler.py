@@ -155,15 +155,21 @@ class _CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-def test_stop_string():
-    s = make_scheduler(tokenizer=_CharTokenizer())
-    s.add(req("a", 3, max_tokens=20, stop=("cd",)))
-    tokens = iter([ord(c) for c in "abcdef"])
+def _feed_until_finished(s, token_ids) -> list:
+    """Step ``s``, sampling ``token_ids`` in order, until a request finishes: the finished ones."""
+    tokens = iter(token_ids)
     finished = []
     while not finished:
         out, _ = s.schedule()
         sampled = {x.request.req_id: (next(tokens), None) for x in out.scheduled if x.sample}
         finished = s.update_from_output(out, sampled)
+    return finished
+
+
+def test_stop_string():
+    s = make_scheduler(tokenizer=_CharTokenizer())
+    s.add(req("a", 3, max_tokens=20, stop=("cd",)))
+    finished = _feed_until_finished(s, [ord(c) for c in "abcdef"])
     assert finished[0].finish_reason is FinishReason.STOP
     assert bytes(finished[0].output_token_ids).decode() == "abcd"
     assert_empty(s)
@@ -183,12 +189,7 @@ def test_stop_string_spread_over_more_tokens_than_characters(stop, text):
     UTF-8 bytes, not just as many tokens as it has characters (a 1-character emoji is 4 bytes)."""
     s = make_scheduler(tokenizer=_ByteLevelTokenizer())
     s.add(req("a", 3, max_tokens=20, stop=(stop,)))
-    tokens = iter(text.encode("utf-8"))
-    finished = []
-    while not finished:
-        out, _ = s.schedule()
-        sampled = {x.request.req_id: (next(tokens), None) for x in out.scheduled if x.sample}
-        finished = s.update_from_output(out, sampled)
+    finished = _feed_until_finished(s, text.encode("utf-8"))
     assert finished[0].finish_reason is FinishReason.STOP
     assert bytes(finished[0].output_token_ids).decode() == text[:text.index(stop) + len(stop)]
     assert_empty(s)
