@@ -175,6 +175,18 @@ def test_whole_completion_with_logprobs():
         {"token": "token_id:9", "logprob": -0.1, "bytes": list(b"token_id:9"), "top_logprobs": []}]
 
 
+def test_a_ruled_out_token_s_logprob_is_valid_json():
+    """-inf (a token whose logit is -inf) would be written as -Infinity, which JSON parsers refuse."""
+    import json
+
+    events = [_event([1, 2], "ab", FinishReason.STOP, (float("-inf"), -1.0), Usage(1, 2),
+                     (((1, float("-inf")),), ((2, -1.0), (3, float("-inf")))))]
+    for chat in (True, False):
+        body = ResponseFormat(chat, "c", "m", logprobs=True).whole(events)
+        text = json.dumps(body, allow_nan=False)   # raises on -inf
+        assert "-9999.0" in text
+
+
 def test_top_logprobs_shapes():
     """Completions: N most likely plus the sampled token (up to N + 1 entries); chat: the N most
     likely as entries of their own."""

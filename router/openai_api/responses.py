@@ -105,8 +105,8 @@ class ResponseFormat:
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
                   tops: Sequence[TopLogprobs] | None) -> dict:
         tokens = [self._token_text(t) for t in token_ids]
-        values = list(logprobs or ())
-        tops = list(tops) if tops else [()] * len(tokens)
+        values = [_json_logprob(v) for v in logprobs or ()]
+        tops = [[(i, _json_logprob(v)) for i, v in top] for top in tops] if tops else [()] * len(tokens)
         if self.chat:
             return {"content": [self._entry(t, lp) | {"top_logprobs": [self._entry(i, v) for i, v in top]}
                                 for t, lp, top in zip(token_ids, values, tops)]}
@@ -125,3 +125,12 @@ class ResponseFormat:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+LOWEST_LOGPROB = -9999.0   # vLLM's floor for the same reason
+
+
+def _json_logprob(value: float) -> float:
+    """A log-probability JSON can carry: a token the model rules out (logit -inf) has -inf, which
+    Python's json writes as -Infinity, a literal JSON parsers refuse; floored instead."""
+    return max(value, LOWEST_LOGPROB)
