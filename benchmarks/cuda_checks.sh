@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA path on one GPU, checked then measured: the GPU tests (engine on cuda vs HF generate
 # with decode steps as CUDA graphs and eager, graph replay vs eager logits, a one-GPU cluster
-# handing KV over by CUDA IPC, the IPC round trip) and the decode-graph CPU-side tests, then
+# handing KV over by CUDA IPC, the IPC round trip, the Triton paged decode-attention kernel vs
+# attention over each request's own context) and the decode-graph CPU-side tests, then
+# bench_attention_cuda (the Triton kernel vs the torch path, 30 layers replayed as a graph),
+# profile_decode_cuda (the kernels of a graph-replayed decode step at batch 64, bf16), then
 # bench_engine (W64 throughput vs HF, fp32 and bf16, CUDA graphs vs eager interleaved in the same
 # run, with the issue's targets: >= 5,000 out tok/s, decode step at batch 64 <= 5 ms) and
 # bench_disagg_overhead (in-process vs disaggregated vs colocated, one request at a time) on the
@@ -10,6 +13,8 @@
 #   bash benchmarks/cuda_checks.sh [OUT_DIR] [MODEL]
 #
 # OUT_DIR defaults to benchmarks/results/cuda; MODEL (an HF directory) to the embedded SmolLM2.
+# On the lent machine (no Ray, no model hub): `bash benchmarks/device_bundle.sh` here, carry .dev,
+# there `source benchmarks/device_setup.sh && bash benchmarks/cuda_checks.sh "$OUT" /tmp/twin`.
 # STAGE_TIMEOUT_S bounds each stage (default 1800 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +28,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=0   # a failed test still lets the benchmarks run; the script's exit status reports it
 t="timeout ${STAGE_TIMEOUT_S:-1800}"
 $t python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_cuda_graphs.py tests/test_gpu_placement.py \
+  tests/test_triton_attention.py \
   "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes" 2>&1 | tee "$out/tests.txt" || status=1
+$t python3 -m benchmarks.bench_attention_cuda --out "$out/attention.txt"
+$t python3 -m benchmarks.profile_decode_cuda ${model:+--model "$model"} --dtype bfloat16 | tee "$out/profile_decode_bfloat16.txt"
 for dtype in float32 bfloat16; do
   $t python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
     --decode-graphs both --rounds 2 \

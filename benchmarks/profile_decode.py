@@ -33,7 +33,8 @@ from engine import attention, skinny_linear  # noqa: E402
 BATCH, BLOCK = 64, 16
 
 
-def build_engine(ctx_min: int, ctx_max: int, steps: int):
+def build_engine(ctx_min: int, ctx_max: int, steps: int, model: str | None = None, device: str = "cpu",
+                 dtype: str = "float32"):
     from engine.config import EngineConfig, EngineRole
     from engine.engine import LLMEngine
     from engine.model_loader import load_model
@@ -42,7 +43,8 @@ def build_engine(ctx_min: int, ctx_max: int, steps: int):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 10000) for _ in range(rng.randint(ctx_min, ctx_max) - 1)] for _ in range(BATCH)]
     blocks = sum(-(-(len(p) + steps + 8) // BLOCK) for p in prompts) + 8
-    engine = LLMEngine(load_model(), EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=BATCH))
+    config = EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=BATCH, device=device, dtype=dtype)
+    engine = LLMEngine(load_model(model, dtype=dtype, device=device), config)
     free = list(engine.kv.pool._free)   # a long-running server's pool: blocks scattered
     rng.shuffle(free)
     engine.kv.pool._free = OrderedDict.fromkeys(free)

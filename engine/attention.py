@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from engine import paged_kernel
+from engine import paged_kernel, triton_attention
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -96,17 +96,12 @@ def _prefill(q, k_cache, v_cache, seg: PrefillSegment, scaling) -> torch.Tensor:
 
 
 def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torch.Tensor:
-    if (
-        grp.context_lens is not None
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
-        and q.device.type == "cpu"
-        and paged_kernel.enabled()
-    ):
+    kernel = _paged_kernel_for(q, k_cache) if grp.context_lens is not None else None
+    if kernel is not None:
         # Reads each request's blocks in place, once: no gathered copy, no padding.
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         qd = q.index_select(1, grp.q_index).transpose(0, 1)   # [G, heads, head_dim]; faster than q[:, idx]
-        return paged_kernel.paged_decode_attention(qd, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
+        return kernel(qd, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
     kv_heads, head_dim = k_cache.shape[-2:]
     n = grp.q_index.numel()
     k = _gather(k_cache, grp.block_tables.view(-1)).view(n, -1, kv_heads, head_dim).transpose(1, 2)
@@ -114,6 +109,17 @@ def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torc
     qd = q[:, grp.q_index].view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3)
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=grp.key_mask, scale=scaling)
     return o.reshape(n, kv_heads * groups, head_dim)
+
+
+def _paged_kernel_for(q: torch.Tensor, k_cache: torch.Tensor):
+    """The paged decode kernel for this device and dtype (C++ on CPU for float32, Triton on CUDA),
+    or None: the torch path then gathers."""
+    if q.device.type == "cpu":
+        fp32 = q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        return paged_kernel.paged_decode_attention if fp32 and paged_kernel.enabled() else None
+    if triton_attention.supports(q, k_cache) and triton_attention.enabled():
+        return triton_attention.paged_decode_attention
+    return None
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
