@@ -6,10 +6,11 @@ token's slot, then (2) attends each request's queries to that request's own KV r
 block table — never across requests:
 - prefill chunks: one SDPA per request, causal (a chunk after already-computed tokens: with a mask
   offset by them);
-- decode tokens: float32 on CPU goes to the C++ paged kernel (engine/paged_kernel.py), which reads
-  each request's blocks in place, once, with an online softmax; otherwise (or with
-  PDSERVE_ATTENTION=torch) they are gathered in groups of similar context length into one padded
-  SDPA per group (the padding is only in the gathered keys, masked out; the packed GEMMs carry none).
+- decode tokens: float32 on CPU go to the C++ paged kernel (engine/paged_kernel.py), on CUDA to
+  the Triton one (engine/triton_attention.py); both read each request's blocks in place, once,
+  with an online softmax. Otherwise (no kernel for the device or dtype, or PDSERVE_ATTENTION=torch)
+  they are gathered in groups of similar context length into one padded SDPA per group (the
+  padding is only in the gathered keys, masked out; the packed GEMMs carry none).
 Grouped-query attention never repeats KV heads in memory: prefill passes SDPA ``enable_gqa``, the
 torch decode path folds the query heads sharing a KV head into the query-length axis.
 """
