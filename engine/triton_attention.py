@@ -25,7 +25,7 @@ import os
 
 import torch
 
-ENV_VAR = "PDSERVE_ATTENTION"   # the same switch as the CPU kernel's: "torch" turns both off
+from engine.paged_kernel import ENV_VAR   # one switch for both paged kernels: "torch" turns them off
 TILE_BLOCKS = 4                 # KV blocks per tile of the context walk
 PART_TOKENS = 128               # context tokens per program: long contexts are split over programs (flash decoding)
 
