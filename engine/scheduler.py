@@ -138,6 +138,8 @@ class Scheduler:
 
     def _make_room(self, request: Request, n: int, scheduled: dict, out: SchedulerOutput) -> bool:
         total = request.num_computed_tokens + n
+        if self.kv.covers(request.req_id, total):
+            return True   # most decode steps: the last block still has room
         while not self.kv.can_allocate(request.req_id, total):
             victim = max(self.running, key=Request.sort_key)
             self._preempt(victim)
