@@ -225,6 +225,7 @@ class DecodeGraphPool:
             block_tables=rows[:, TABLE : TABLE + width].contiguous(),
             key_mask=key_mask[:, None, None, :],
             context_lens=context_lens,
+            every_token=True,
         )
         meta = AttentionMetadata(self.kv_cache, rows[:, SLOT].contiguous(), prefills=[], decode_groups=[group])
         logits = self.forward(rows[:, ID].contiguous()[None], rows[:, POS].contiguous()[None],

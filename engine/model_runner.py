@@ -129,7 +129,7 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             prefills=prefills,
-            decode_groups=self._decode_groups(decodes),
+            decode_groups=self._decode_groups(decodes, decode_only=not prefills),
         )
         num_kv = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         return ModelInputs(
@@ -159,19 +159,21 @@ class ModelRunner:
         zeros = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=self.device)
         return zeros.masked_fill_(~visible, float("-inf"))
 
-    def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]]) -> list[DecodeGroup]:
-        # Similar context lengths share a group so the padded gather wastes little. The paged
-        # kernel gathers nothing: one call for all decodes balances its threads best. A GPU is
-        # bound on launching kernels, not on the padding: one group, 4 SDPAs fewer per layer at 64.
+    def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]], decode_only: bool) -> list[DecodeGroup]:
+        # A GPU is bound on launching kernels, not on padding: one group in step order (a
+        # decode-only step's then attends without gathering q or scattering its output).
+        # On CPU similar context lengths share a group so the padded gather wastes little; the
+        # paged kernel gathers nothing: one call for all decodes, longest first, balances its threads.
+        if self.device.type == "cuda":
+            return [self._decode_group(decodes, every_token=decode_only)] if decodes else []
         decodes.sort(key=lambda d: d[1].request.num_computed_tokens)
-        one_group = self._paged_kernel() or self.device.type == "cuda"
-        size = max(1, len(decodes)) if one_group else self.decode_group
+        size = max(1, len(decodes)) if self._paged_kernel() else self.decode_group
         return [self._decode_group(decodes[i : i + size]) for i in range(0, len(decodes), size)]
 
     def _paged_kernel(self) -> bool:
         return self.kv_cache.dtype == torch.float32 and self.device.type == "cpu" and paged_kernel.enabled()
 
-    def _decode_group(self, members: list[tuple[int, ScheduledRequest]]) -> DecodeGroup:
+    def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False) -> DecodeGroup:
         ctx_lens = [s.request.num_computed_tokens + 1 for _, s in members]
         max_blocks = -(-max(ctx_lens) // self.block_size)
         tables = [self.kv.block_tables[s.request.req_id][:max_blocks] for _, s in members]
@@ -184,6 +186,7 @@ class ModelRunner:
             block_tables=self._tensor(tables),
             key_mask=key_mask[:, None, None, :],
             context_lens=context_lens,
+            every_token=every_token,
         )
 
     def _tensor(self, values: list) -> torch.Tensor:
