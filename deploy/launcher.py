@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
 from engine.worker_spec import WorkerSpec
+from kvtransfer.rendezvous import rendezvous_address
 from kvtransfer.select import choose_transport
 from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router import event_loop
@@ -348,7 +348,7 @@ class Cluster:
             for p in reg.prefill for d in reg.decode))
         if not needs:
             return
-        address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        address = rendezvous_address(ray.util.get_node_ip_address())
         workers = reg.all
         await asyncio.gather(*(w.actor.join_kv_group.remote(address, len(workers), rank) for rank, w in enumerate(workers)))
         reg.dist_ready = True
@@ -447,12 +447,6 @@ def gpu_share(cluster_gpus: float, num_gpu_workers: int) -> float:
 
 def _on_gpu(engine: EngineConfig) -> bool:
     return engine.device.startswith("cuda")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class ClusterThread:

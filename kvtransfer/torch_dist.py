@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import socket
 import threading
 import time
 from typing import Sequence
@@ -61,18 +60,6 @@ _NUM_CHUNKS = 4  # measured on 2 cores, 23.6 MB over gloo: 1 chunk 30.6 ms, 4 ch
 
 
 # ---- group set-up ---------------------------------------------------------------------
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the launcher's rendezvous port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def rendezvous_address(host: str = "127.0.0.1") -> str:
-    """``tcp://host:port`` with a free port, for ``init_kv_group``'s ``init_method``."""
-    return f"tcp://{host}:{free_port(host)}"
-
 
 def default_backend(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
