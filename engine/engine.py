@@ -29,6 +29,7 @@ import torch
 
 from engine import cuda_graphs, kv_cache, model_support
 from engine.config import EngineConfig, EngineRole
+from engine.dtypes import torch_dtype
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -311,7 +312,7 @@ class LLMEngine:
 def _check_dtype(model: torch.nn.Module, kv_dtype: str) -> None:
     """The KV cache holds what the model's projections produce: one dtype for both."""
     model_dtype = next(model.parameters()).dtype
-    if model_dtype != getattr(torch, kv_dtype):
+    if model_dtype != torch_dtype(kv_dtype):
         raise ValueError(f"the model's weights are {model_dtype} but the engine's dtype is {kv_dtype}: "
                          "load the model in the engine's dtype")
 

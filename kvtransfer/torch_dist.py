@@ -46,10 +46,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from engine.dtypes import torch_dtype
 from engine.errors import KVTransferError
 from engine.types import KVLayout
 from kvtransfer.blocks import Staging, check_side, gather_blocks, scatter_blocks
-from kvtransfer.cache_alloc import layout_of, torch_dtype
+from kvtransfer.cache_alloc import layout_of
 from kvtransfer.connector import TransferResult
 from kvtransfer.handle import DistPeers, KVBlocksHandle, check_layout
 
@@ -245,7 +246,7 @@ def _receive(channel: _Channel, cache: torch.Tensor, handle: KVBlocksHandle, tim
     if error is None:
         payload = channel.staging.view(cache, num_blocks)
     else:  # take the sender's frames anyway, so the pair stays in step, then raise
-        payload = torch.empty(sent_layout.cache_shape(num_blocks), dtype=torch_dtype(sent_layout), device=cache.device)
+        payload = torch.empty(sent_layout.cache_shape(num_blocks), dtype=torch_dtype(sent_layout.dtype), device=cache.device)
     chunks = _layer_chunks(sent_layout.num_layers)
     posted = [channel.start(dist.irecv, payload[layers]) for layers in chunks]
     for work, layers in zip(posted, chunks):
