@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-_TABLE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from engine.config import DTYPES
+
+_TABLE = {name: getattr(torch, name) for name in DTYPES}
 
 
 def torch_dtype(name: str) -> torch.dtype:
