@@ -510,6 +510,19 @@ class ClusterThread:
             self._thread.join(10)
 
 
+def router_holds(cluster: Cluster) -> dict[str, int]:
+    """Per-request state the router itself still holds (empty when idle): live request ids,
+    first tokens awaited, decode-stream registrations, admission waiters, running cleanups."""
+    held = {
+        "live_requests": len(cluster.servicer.core.live),
+        "first_token_waits": len(cluster.inbox),
+        "decode_streams": cluster.streams.num_registered,
+        "admission_waiters": cluster.admission.num_waiting,
+        "cleanups": cluster.orchestrator.num_cleanups,
+    }
+    return {name: n for name, n in held.items() if n}
+
+
 def holds_anything(report: dict) -> bool:
     """A ``leak_reports`` entry that is not idle: requests or KV blocks held by the worker, or
     requests and prompt tokens the router still counts against it."""

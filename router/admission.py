@@ -235,6 +235,11 @@ class Admission:
         take is not woken (a task switch per request cost more than the check)."""
         self._waiters.wake(MAX_WAKE_PER_NOTIFY, worker)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting here now: queued for room, or for a capacity change after a refusal."""
+        return len(self._waiters)
+
     async def capacity_changed(self, timeout_s: float) -> None:
         """Return at the next capacity change (a worker report, a finished request) or after
         ``timeout_s``: a request whose reservation was refused retries then, not in a spin."""

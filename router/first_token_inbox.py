@@ -36,6 +36,10 @@ class FirstTokenInbox:
         self._listener = UnixLineServer("pdserve-inbox-", "first-tokens.sock", self._deliver, MAX_LINE_BYTES)
         self._waiting: dict[str, asyncio.Future] = {}
 
+    def __len__(self) -> int:
+        """First tokens awaited now (each a request between dispatch and its first token)."""
+        return len(self._waiting)
+
     @property
     def path(self) -> str | None:
         return self._listener.path

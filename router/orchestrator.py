@@ -438,6 +438,11 @@ class Orchestrator:
             logger.warning("abort of %s on %s failed: %s", req_id, worker.worker_id, exc)
             return False
 
+    @property
+    def num_cleanups(self) -> int:
+        """Request cleanups (aborts, releases) still running."""
+        return len(self._cleanups)
+
     async def drain_cleanups(self) -> None:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
