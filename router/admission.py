@@ -323,7 +323,9 @@ class Admission:
             # Best effort, or no timings yet: the least loaded pair where the prompt's blocks fit
             # beside the reservations promised there (a prefill whose reservation is refused is
             # computed again: it waits for room here instead).
-            best = search.least_loaded(lambda d: _has_prompt_room(d.worker, spec))
+            # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
+            room = (lambda d: _has_prompt_room(d.worker, spec)) if search.prefills else None
+            best = search.least_loaded(room)
             if best is None:
                 return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
             return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
@@ -396,7 +398,8 @@ class Admission:
             return True   # idle: a decision admits there whatever it predicts (``_idle``)
         ttft_t, tpot_t = self._targets(spec)
         if not self.enabled or (ttft_t is None and tpot_t is None):
-            return _has_prompt_room(worker, spec)   # queued best effort: for the prompt's room alone
+            # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
+            return not self.registry.alive("prefill") or _has_prompt_room(worker, spec)
         side = _Search(self, spec, None, 0.0).decode_side(worker)
         return _within(side.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(worker, spec)
 

@@ -44,7 +44,9 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
     if not self.enabled or (ttft_t is None and tpot_t is None) or not search.has_timings():
         # Best effort, or no timings yet: least loaded where the prompt fits (the rule changed on
         # purpose in session 14, mirrored here: a prefill whose reservation would be refused waits).
-        best = search.least_loaded(lambda d: _has_prompt_room(d.worker, spec))
+        # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
+        room = (lambda d: _has_prompt_room(d.worker, spec)) if search.prefills else None
+        best = search.least_loaded(room)
         if best is None:
             return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
         return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)

@@ -449,3 +449,13 @@ def test_a_best_effort_request_queued_for_room_is_woken_by_room_for_its_prompt()
     assert admission._could_take(d, s)
     d.promise(16)
     assert not admission._could_take(d, s)
+
+
+def test_best_effort_on_a_colocated_worker_queues_in_its_engine_not_here():
+    """No prefill worker: no reservation to refuse, the engine queues what does not fit yet."""
+    registry = WorkerRegistry()
+    d = WorkerHandle("d0", "colocated", None, "n", "cpu", stats("d0", "colocated", decode_steps(), free=2, running=1))
+    registry.add(d)
+    admission = Admission(registry)
+    assert admission.decide(spec(prompt=320)).action is Action.ADMIT
+    assert admission._could_take(d, spec(prompt=320))
