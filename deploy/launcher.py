@@ -183,6 +183,9 @@ class Cluster:
         self.supervisor.start()
         for w in self.registry.all:
             self.metrics.worker_state(w.worker_id, w.role, up=True)
+        # Admission's view of each decode pool from the first request on (a burst at start would
+        # otherwise meet no report, and every reservation past the pool would be refused).
+        await asyncio.gather(*(self._first_report(w, w.generation) for w in self.registry.all))
         self.inbox = FirstTokenInbox()
         await self.inbox.start()
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
@@ -244,8 +247,9 @@ class Cluster:
         self.admission.notify()   # requests queued for a worker to come back
 
     async def _first_report(self, worker: WorkerHandle, generation: int) -> None:
-        """A replacement's stats as it starts: an idle worker reports nothing on its own (a
-        prefill worker reports only with results), and its gauges must not stay blank."""
+        """A worker's stats as it starts (the cluster's start, or a replacement's): an idle
+        worker reports nothing on its own (a prefill worker reports only with results), and its
+        gauges and admission's view of its pool must not stay blank."""
         try:
             stats = await call(worker, "stats", generation=generation)
         except Exception as exc:   # lost again meanwhile: its next replacement reports

@@ -106,3 +106,5 @@ async def first_ahead(items: AsyncIterator[Any], early: asyncio.Future | None) -
         if not pending.done():   # the stream must be idle before its owner closes it
             pending.cancel()
             await asyncio.wait([pending])
+        if not pending.cancelled():   # a read that ended (or failed) unseen: closed, not an error
+            pending.exception()
