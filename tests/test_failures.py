@@ -338,5 +338,14 @@ def test_cancels_after_a_kill_log_no_error_per_request(cluster, workload, caplog
         assert cluster_leaks(cluster) == {}
     the_death = {"router.supervisor", "router.health", "router.streams"}
     noisy = [f"{r.name}: {r.getMessage()[:300]}" for r in caplog.records
-             if r.levelno >= logging.ERROR and r.name not in the_death]
+             if r.levelno >= logging.ERROR and r.name not in the_death and not _client_loop_closed(r)]
     assert not noisy, noisy
+
+
+def _client_loop_closed(record) -> bool:
+    """grpc.aio's poller handing an event to this test's own client loop after asyncio.run closed
+    it (this process runs the cluster's loop and a loop per test client): the test's artefact,
+    not a line the router logs."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return ("PollerCompletionQueue._handle_events" in record.getMessage()
+            and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
