@@ -2,8 +2,9 @@
 
 Unknown fields are ignored (clients send ``user``, ``metadata`` and the like, which change
 nothing here), as vLLM does; a field sent as ``null`` is a field left out (OpenAI's schema makes
-every optional parameter nullable, and clients that write unset fields as null are common); known fields this server cannot honour are refused by
-``requests.py`` with a 400 that names them, never silently dropped. Beside OpenAI's fields,
+every optional parameter nullable, and many clients write unset fields as null); known fields
+this server cannot honour are refused by ``requests.py`` with a 400 that names them, never
+silently dropped. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).

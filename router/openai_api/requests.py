@@ -5,8 +5,8 @@ messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the cl
 What is refused here (a 400 naming the parameter): ``n`` / ``best_of`` > 1, ``echo``,
 ``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
 text, a batch of prompts, content parts that are not text. The ``developer`` role (OpenAI's
-newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as OpenAI defines them:
-chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
+newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
+OpenAI defines them: chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
 logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
 request's ``sampling.top_logprobs``). A parameter
 left out takes the server's default, as over gRPC (temperature: greedy; max_tokens: the
