@@ -2,13 +2,14 @@
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and one model by name
 (``/v1/models/{model}``; a name may hold slashes), ``/health``. Every route but ``GET /health``
-needs ``Authorization: Bearer <token>`` when the router has a token (the same token and the
-same constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays open, like grpc.health.v1, and follows it: 200 while a serving path exists,
-503 otherwise. A body is read up to ``max_receive_message_bytes`` (gRPC's cap on one message)
-and refused past it before it is parsed; at most ``max_concurrent_streams`` bodies are received
-at once (429 past it). The client's ``X-Request-Id`` header is the request's
-label (one live request per label: 409 otherwise), echoed in the response's ``id``; the
-router's own id never leaves it. Every error, our own bugs' too, is a body in OpenAI's shape.
+needs ``Authorization: Bearer <token>`` when the router has a token (the same token and the same
+constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays open, like
+grpc.health.v1, and follows it: 200 while a serving path exists, 503 otherwise. A body is read up
+to ``max_receive_message_bytes`` (gRPC's cap on one message) and refused past it before it is
+parsed; at most ``max_concurrent_streams`` bodies are received at once (429 past it). The client's
+``X-Request-Id`` header is the request's label (one live request per label: 409 otherwise), echoed
+in the response's ``id``; the router's own id never leaves it. Every error, our own bugs' too, is
+a body in OpenAI's shape.
 """
 
 from __future__ import annotations
