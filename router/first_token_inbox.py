@@ -102,3 +102,5 @@ async def first_ahead(items: AsyncIterator[Any], early: asyncio.Future | None) -
         if not pending.done():   # the stream must be idle before its owner closes it
             pending.cancel()
             await asyncio.wait([pending])
+        if not pending.cancelled():   # the consumer left: how that read ended is no one's to handle,
+            pending.exception()       # and unretrieved, asyncio would log it as an error
