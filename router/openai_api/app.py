@@ -6,7 +6,8 @@ needs ``Authorization: Bearer <token>`` when the router has a token (the same to
 constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays open, like
 grpc.health.v1, and follows it: 200 while a serving path exists, 503 otherwise. A body is read up
 to ``max_receive_message_bytes`` (gRPC's cap on one message) and refused past it before it is
-parsed; at most ``max_concurrent_streams`` bodies are received at once (429 past it). The client's
+parsed; at most ``max_concurrent_streams`` bodies are received at once (429 past it), each within
+``http_body_timeout_s`` (408 past it); a client that leaves mid-body is no error. The client's
 ``X-Request-Id`` header is the request's label (one live request per label: 409 otherwise), echoed
 in the response's ``id``; the router's own id never leaves it. Every error, our own bugs' too, is
 a body in OpenAI's shape.
@@ -14,6 +15,7 @@ a body in OpenAI's shape.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,8 +23,9 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.errors import CapacityError, InvalidRequestError
 from router.auth import check_bearer
@@ -52,6 +55,7 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     api = _Api(core, health, config)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, api.internal_error)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -63,6 +67,12 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client left while its body was arriving: no request was made, no one reads an answer."""
+    logger.debug("client left before its request body was complete")
+    return Response(status_code=499)   # nginx's "client closed request": never sent, for the record
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -147,14 +157,18 @@ class _Api:
             raise errors.too_large(int(declared), limit)
         self._check_receiving()
         self._receiving += 1
+        timeout_s = self.core.limits.http_body_timeout_s
         try:
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise errors.too_large(size, limit)
-                chunks.append(chunk)
+            async with asyncio.timeout(timeout_s):   # a stalled upload gives its place up
+                chunks, size = [], 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise errors.too_large(size, limit)
+                    chunks.append(chunk)
             return b"".join(chunks)
+        except TimeoutError:
+            raise errors.body_timeout(timeout_s) from None
         finally:
             self._receiving -= 1
 
