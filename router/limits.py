@@ -2,7 +2,7 @@
 
 Every limit is a server option (``pdserve serve`` flags, ``ServerLimits`` in ``ServerDefaults``)
 with a default sized for a public endpoint, and is reported in ``ServerInfo.limits`` (but
-``http_body_timeout_s``: the HTTP door's own, nothing a gRPC client can act on). The checks
+``http_receive_timeout_s``: the HTTP door's own, nothing a gRPC client can act on). The checks
 that need only the request message (``check_request``) run before any tokenizer sees the prompt,
 so a huge prompt costs its bytes and nothing more. A request past a limit is refused with
 INVALID_ARGUMENT naming the field; load limits (concurrent streams, admission queue, a stream
@@ -47,10 +47,10 @@ class ServerLimits:
     # gRPC's own cap on one incoming message: room for a max_prompt_bytes prompt plus its
     # framing, and for token_ids prompts (an id is up to 10 bytes on the wire).
     max_receive_message_bytes: int = _limit(4 * MIB, "gRPC's cap on one incoming message")
-    # HTTP only (gRPC's calls have the client's deadline and core's keepalive): a body that
-    # stalls would hold one of the max_concurrent_streams places for bodies being received.
-    http_body_timeout_s: float = _limit(60.0, "seconds an HTTP request body may take to arrive in full; "
-                                              "a slower upload gets 408 and gives its place up")
+    # HTTP only (gRPC's calls have the client's deadline and core's keepalive): a request head
+    # that never ends holds a file descriptor, a body that stalls one of the places for bodies.
+    http_receive_timeout_s: float = _limit(60.0, "seconds an HTTP request's head, then its body, may take to "
+                                                 "arrive: a late head closes the connection, a late body gets 408")
     max_concurrent_streams: int = _limit(256, "live Generate calls; more get RESOURCE_EXHAUSTED at once")
     max_queued_requests: int = _limit(128, "requests waiting in admission; more get RESOURCE_EXHAUSTED at once")
     max_pending_tokens: int = _limit(4096, "tokens a stream's reader may leave unread before it is cancelled")
@@ -71,8 +71,8 @@ class ServerLimits:
             raise ValueError("SLO hint ranges must have min <= max")
         if self.min_priority > self.max_priority:
             raise ValueError("priority range must have min <= max")
-        if not self.http_body_timeout_s > 0:
-            raise ValueError("http_body_timeout_s must be > 0")
+        if not self.http_receive_timeout_s > 0:
+            raise ValueError("http_receive_timeout_s must be > 0")
         if not 1 <= self.stream_interval <= self.max_pending_tokens:
             raise ValueError("stream_interval must be in [1, max_pending_tokens]")
 

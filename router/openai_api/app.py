@@ -7,7 +7,7 @@ constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays op
 grpc.health.v1, and follows it: 200 while a serving path exists, 503 otherwise. A body is read up
 to ``max_receive_message_bytes`` (gRPC's cap on one message) and refused past it before it is
 parsed; at most ``max_concurrent_streams`` bodies are received at once (429 past it), each within
-``http_body_timeout_s`` (408 past it); a client that leaves mid-body is no error. The client's
+``http_receive_timeout_s`` (408 past it); a client that leaves mid-body is no error. The client's
 ``X-Request-Id`` header is the request's label (one live request per label: 409 otherwise), echoed
 in the response's ``id``; the router's own id never leaves it. Every error, our own bugs' too, is
 a body in OpenAI's shape.
@@ -157,7 +157,7 @@ class _Api:
             raise errors.too_large(int(declared), limit)
         self._check_receiving()
         self._receiving += 1
-        timeout_s = self.core.limits.http_body_timeout_s
+        timeout_s = self.core.limits.http_receive_timeout_s
         try:
             async with asyncio.timeout(timeout_s):   # a stalled upload gives its place up
                 chunks, size = [], 0
