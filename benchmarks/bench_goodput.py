@@ -104,6 +104,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 from deploy.bench import report  # noqa: E402
 from deploy.bench.cli import main as bench_main  # noqa: E402
 from deploy.bench.dataset import arrival_offsets  # noqa: E402
+from kvtransfer.rendezvous import free_port  # noqa: E402
 
 logger = logging.getLogger("bench_goodput")
 
@@ -302,12 +303,6 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             continue
     logger.warning("transformers serve (pid %d) did not exit", proc.pid)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_port_free(port: int, timeout_s: float = 30.0) -> None:

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from engine.types import KVLayout  # noqa: E402
 from kvtransfer.peer import KVPeer  # noqa: E402
-from kvtransfer.torch_dist import rendezvous_address  # noqa: E402
+from kvtransfer.rendezvous import rendezvous_address  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 NUM_TOKENS = 512

@@ -18,6 +18,7 @@ import signal
 import sys
 
 from deploy import security_args
+from kvtransfer.select import TRANSPORTS
 from router import event_loop
 from router.event_loop import LoopKind
 
@@ -86,7 +87,7 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="the metrics port's bind address, separate from --host (default: loopback only)")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one ('auto' on a ray up head)")
-    p.add_argument("--kv-transport", choices=("shm", "torch_dist", "object_store", "cuda_ipc"), default=None)
+    p.add_argument("--kv-transport", choices=tuple(TRANSPORTS), default=None)
     p.add_argument("--device", default="auto",
                    help="cpu, cuda, or auto: cuda when the Ray cluster has GPUs (one per worker, or a share)")
     p.add_argument("--gpus-per-worker", type=float, default=None,
@@ -173,9 +174,9 @@ def cluster_config(args: argparse.Namespace):
     limits = server_limits(args)
     if limits != type(limits)():   # only what differs from ServerDefaults' own default
         defaults["limits"] = limits
-    if args.ttft_ms:
+    if args.ttft_ms is not None:
         defaults["ttft_s"] = args.ttft_ms / 1000
-    if args.tpot_ms:
+    if args.tpot_ms is not None:
         defaults["tpot_s"] = args.tpot_ms / 1000
     return ClusterConfig(
         mode=args.mode, num_prefill=args.num_prefill, num_decode=args.num_decode, model=args.model,
@@ -197,7 +198,11 @@ def cluster_config(args: argparse.Namespace):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    config = cluster_config(args)
+    try:
+        config = cluster_config(args)
+    except ValueError as exc:   # a value no cluster could serve with: a usage error, as argparse's own
+        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        return 2
     return event_loop.run(_serve(config), config.event_loop)
 
 

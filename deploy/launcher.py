@@ -24,7 +24,6 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,8 @@ from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
 from engine.worker_spec import WorkerSpec
-from kvtransfer.select import choose_transport
+from kvtransfer.rendezvous import rendezvous_address
+from kvtransfer.select import TRANSPORTS, choose_transport
 from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router import event_loop
 from router.convert import ServerDefaults
@@ -99,6 +99,43 @@ class ClusterConfig:
     served_model_name: str | None = None  # the model's name (HTTP API, ServerInfo); None: its clean name (model_name)
     tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
     event_loop: str | None = None        # the router's loop (router/event_loop.py): auto, uvloop, asyncio; None: $PDSERVE_EVENT_LOOP or auto
+
+    def __post_init__(self) -> None:
+        """A configuration no cluster could serve with is refused here, naming the field, before
+        Ray or any worker starts (`pdserve serve` reports it as a usage error)."""
+        _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _require(self.num_decode >= 1, "num_decode", f"must be >= 1, got {self.num_decode}")
+        minimum = 1 if self.mode == "disaggregated" else 0
+        _require(self.num_prefill >= minimum, "num_prefill", f"must be >= {minimum} in {self.mode} mode, "
+                                                               f"got {self.num_prefill}")
+        _require(self.cpus_per_worker > 0, "cpus_per_worker", f"must be > 0, got {self.cpus_per_worker}")
+        _require(self.gpus_per_worker is None or self.gpus_per_worker > 0, "gpus_per_worker",
+                 f"must be > 0, got {self.gpus_per_worker}")
+        _require(self.threads_per_worker is None or self.threads_per_worker >= 1, "threads_per_worker",
+                 f"must be >= 1, got {self.threads_per_worker}")
+        for name in ("port", "metrics_port", "http_port"):
+            port = getattr(self, name)
+            _require(port is None or 0 <= port <= 65535, name, f"must be in [0, 65535] (0: any free port), got {port}")
+        _require(self.kv_transport is None or self.kv_transport in TRANSPORTS, "kv_transport",
+                 f"must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
+        _require(self.migration_limit >= 0, "migration_limit", f"must be >= 0, got {self.migration_limit}")
+        _require(self.max_worker_restarts is None or self.max_worker_restarts >= 0, "max_worker_restarts",
+                 f"must be >= 0, got {self.max_worker_restarts}")
+        _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s", f"must be > 0, got {self.worker_start_timeout_s}")
+        _require(self.stop_timeout_s >= 0, "stop_timeout_s", f"must be >= 0, got {self.stop_timeout_s}")
+        for name in ("ttft_s", "tpot_s"):
+            target = self.defaults.get(name)
+            _require(target is None or target > 0, name, f"(a default SLO target) must be > 0, got {target}")
+        _require(self.defaults.get("max_tokens", 1) >= 1, "max_tokens",
+                 f"(the default) must be >= 1, got {self.defaults.get('max_tokens')}")
+
+
+MODES = ("disaggregated", "colocated")
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {message}")
 
 
 class Cluster:
@@ -348,7 +385,7 @@ class Cluster:
             for p in reg.prefill for d in reg.decode))
         if not needs:
             return
-        address = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        address = rendezvous_address(ray.util.get_node_ip_address())
         workers = reg.all
         await asyncio.gather(*(w.actor.join_kv_group.remote(address, len(workers), rank) for rank, w in enumerate(workers)))
         reg.dist_ready = True
@@ -447,12 +484,6 @@ def gpu_share(cluster_gpus: float, num_gpu_workers: int) -> float:
 
 def _on_gpu(engine: EngineConfig) -> bool:
     return engine.device.startswith("cuda")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class ClusterThread:

@@ -44,6 +44,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [G, max_blocks] (padded with block 0; masked out)
     key_mask: torch.Tensor      # [G, 1, 1, max_blocks * block_size] bool
     context_lens: torch.Tensor | None = None  # [G] int64 keys per request (the paged kernel's bound)
+    # The group's queries are the step's tokens 0..G-1 in order (a decode-only step in one group):
+    # attention reads q and returns its rows as they are, no gather of q and no scatter of the output.
+    every_token: bool = False
 
 
 @dataclass(slots=True)
@@ -70,6 +73,8 @@ def paged_attention(
     q = query[0]                                   # [heads, tokens, head_dim]
     num_heads, num_tokens, head_dim = q.shape
     groups = num_heads // k_cache.shape[-2]
+    if not meta.prefills and len(meta.decode_groups) == 1 and meta.decode_groups[0].every_token:
+        return _decode(q, k_cache, v_cache, meta.decode_groups[0], groups, scaling).unsqueeze(0), None
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
         out[seg.q_start : seg.q_start + seg.q_len] = _prefill(q, k_cache, v_cache, seg, scaling)
@@ -101,13 +106,14 @@ def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torc
     if kernel is not None:
         # Reads each request's blocks in place, once: no gathered copy, no padding.
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        qd = q.index_select(1, grp.q_index).transpose(0, 1)   # [G, heads, head_dim]; faster than q[:, idx]
+        # [G, heads, head_dim]; index_select is faster than q[:, idx]
+        qd = q.transpose(0, 1) if grp.every_token else q.index_select(1, grp.q_index).transpose(0, 1)
         return kernel(qd, k_cache, v_cache, grp.block_tables, grp.context_lens, scale)
     kv_heads, head_dim = k_cache.shape[-2:]
     n = grp.q_index.numel()
     k = _gather(k_cache, grp.block_tables.view(-1)).view(n, -1, kv_heads, head_dim).transpose(1, 2)
     v = _gather(v_cache, grp.block_tables.view(-1)).view(n, -1, kv_heads, head_dim).transpose(1, 2)
-    qd = q[:, grp.q_index].view(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3)
+    qd = (q if grp.every_token else q[:, grp.q_index]).reshape(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3)
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=grp.key_mask, scale=scaling)
     return o.reshape(n, kv_heads * groups, head_dim)
 

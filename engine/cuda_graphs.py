@@ -159,7 +159,7 @@ class DecodeGraphPool:
         self.capture_s = 0.0
 
     # ---- per step -------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> GraphInputs | Fallback:
+    def prepare(self, out: SchedulerOutput) -> GraphInputs | Fallback:
         """Load a decode-only step into the static buffer, or say why it must run eager."""
         fallback = self._fallback(out)
         if fallback is not None:
@@ -168,7 +168,7 @@ class DecodeGraphPool:
         scheduled, bs = out.scheduled, self.block_size
         batch = pick(self.plan.batch_sizes, len(scheduled))
         width = pick(self.plan.widths, -(-max(s.request.num_computed_tokens + 1 for s in scheduled) // bs))
-        self._load(out, block_tables, batch, width)
+        self._load(out, batch, width)
         sample = [i for i, s in enumerate(scheduled) if s.sample]
         sample_rows = None if len(sample) == len(scheduled) else torch.tensor(sample, device=self.device)
         num_kv = sum(s.request.num_computed_tokens + 1 for s in scheduled)
@@ -185,7 +185,7 @@ class DecodeGraphPool:
             return Fallback.WIDTH
         return None
 
-    def _load(self, out: SchedulerOutput, block_tables: dict[str, list[int]], batch: int, width: int) -> None:
+    def _load(self, out: SchedulerOutput, batch: int, width: int) -> None:
         """Real rows first, in scheduling order; padded rows read and write the null block only."""
         if self._copied is not None:
             self._copied.synchronize()   # the last step's copy has read the host rows (async, pinned)
@@ -194,7 +194,7 @@ class DecodeGraphPool:
         rows[n:batch, :TABLE] = (0, 0, self.null_slot, 1)
         for i, s in enumerate(out.scheduled):
             req, pos = s.request, s.request.num_computed_tokens
-            table = block_tables[req.req_id]
+            table = s.block_ids
             rows[i, :TABLE] = (req.all_token_ids[pos], pos, table[pos // bs] * bs + pos % bs, pos + 1)
             num_blocks = pos // bs + 1
             rows[i, TABLE : TABLE + num_blocks] = table[:num_blocks]
@@ -225,6 +225,7 @@ class DecodeGraphPool:
             block_tables=rows[:, TABLE : TABLE + width].contiguous(),
             key_mask=key_mask[:, None, None, :],
             context_lens=context_lens,
+            every_token=True,
         )
         meta = AttentionMetadata(self.kv_cache, rows[:, SLOT].contiguous(), prefills=[], decode_groups=[group])
         logits = self.forward(rows[:, ID].contiguous()[None], rows[:, POS].contiguous()[None],

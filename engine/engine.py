@@ -29,6 +29,7 @@ import torch
 
 from engine import cuda_graphs, kv_cache, model_support
 from engine.config import EngineConfig, EngineRole
+from engine.dtypes import torch_dtype
 from engine.errors import CapacityError, InvalidRequestError
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -100,7 +101,7 @@ class LLMEngine:
             loaded.max_model_len, self.pool_tokens)
         stop = StopChecker(loaded.eos_token_ids, loaded.max_model_len, loaded.tokenizer)
         self.scheduler = Scheduler(config, self.kv, stop)
-        self.runner = ModelRunner(loaded.model, cache, self.kv, config.decode_attention_group,
+        self.runner = ModelRunner(loaded.model, cache, config.block_size, config.decode_attention_group,
                                   cuda_graphs.plan_for(config, cache.shape[2], self.max_model_len))
         model_support.probe(self.runner, self.layout)
         self._seeds: dict[str, int] = {}
@@ -141,13 +142,8 @@ class LLMEngine:
 
     def abort(self, req_id: str) -> None:
         """Takes effect at the next step boundary (a parked or held request is freed at once)."""
-        if req_id in self.scheduler.parked:
-            self.scheduler.finish(self.scheduler.parked[req_id], FinishReason.ABORT)
+        if self.scheduler.abort(req_id):
             self._seeds.pop(req_id, None)
-        elif req_id in self.scheduler.held:
-            self.release(req_id)
-        else:
-            self.scheduler.abort(req_id)
 
     def release(self, req_id: str) -> None:
         """Prefill role: the held KV has been exported (or the hand-off failed); free its blocks."""
@@ -224,7 +220,7 @@ class LLMEngine:
             if len(r.output_token_ids) > r.num_reported_tokens:
                 result.deltas.append(self._delta(r))
         for r in finished:
-            if r.req_id in self.scheduler.held:
+            if self.scheduler.is_held(r.req_id):
                 blocks = tuple(self.kv.block_tables[r.req_id])
                 result.prefilled.append(self._prefill_done(r, blocks))
             else:
@@ -278,7 +274,7 @@ class LLMEngine:
         if self.config.role is EngineRole.PREFILL and len(spec.prompt_token_ids) > self.pool_tokens:
             raise InvalidRequestError("prompt", f"has {len(spec.prompt_token_ids)} tokens; this worker's KV pool "
                                                 f"holds {self.pool_tokens}")
-        if spec.req_id in self.scheduler.requests or spec.req_id in self.scheduler.held:
+        if self.scheduler.knows(spec.req_id):
             raise InvalidRequestError("request_id", f"{spec.req_id!r} is already in flight")
 
     def _new_request(self, spec: RequestSpec) -> Request:
@@ -316,7 +312,7 @@ class LLMEngine:
 def _check_dtype(model: torch.nn.Module, kv_dtype: str) -> None:
     """The KV cache holds what the model's projections produce: one dtype for both."""
     model_dtype = next(model.parameters()).dtype
-    if model_dtype != getattr(torch, kv_dtype):
+    if model_dtype != torch_dtype(kv_dtype):
         raise ValueError(f"the model's weights are {model_dtype} but the engine's dtype is {kv_dtype}: "
                          "load the model in the engine's dtype")
 

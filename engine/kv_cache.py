@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
+from engine.dtypes import torch_dtype
 from engine.types import KVLayout
 
 
@@ -45,4 +46,4 @@ def _available_bytes(device: str) -> int:
 
 
 def allocate(layout: KVLayout, num_blocks: int, device: str) -> torch.Tensor:
-    return torch.zeros(layout.cache_shape(num_blocks), dtype=getattr(torch, layout.dtype), device=device)
+    return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout.dtype), device=device)

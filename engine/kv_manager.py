@@ -71,6 +71,11 @@ class KVCacheManager:
         have = len(self.block_tables.get(req_id, ()))
         return max(0, cdiv(num_tokens_total, self.block_size) - have)
 
+    def covers(self, req_id: str, num_tokens_total: int) -> bool:
+        """``req_id``'s table already has room for ``num_tokens_total`` tokens."""
+        table = self.block_tables.get(req_id)
+        return table is not None and len(table) * self.block_size >= num_tokens_total
+
     def can_allocate(self, req_id: str, num_tokens_total: int) -> bool:
         return self.num_blocks_needed(req_id, num_tokens_total) <= self.pool.num_free
 

@@ -37,6 +37,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from engine.dtypes import torch_dtype
 from engine.sliding_window import exact_context
 from engine.tokenizer_files import has_tokenizer
 
@@ -132,7 +133,7 @@ def load_model(
     model_dir = ensure_converted(path, cache_dir) if is_gguf else path
     logger.info("loading %s from %s (%s, %s)", name, model_dir, dtype, device)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=_torch_dtype(dtype), attn_implementation="sdpa", local_files_only=True
+        model_dir, dtype=torch_dtype(dtype), attn_implementation="sdpa", local_files_only=True
     )
     tokenizer = _load_tokenizer(model_dir)
     return _finish(model.to(device), tokenizer, name)
@@ -234,13 +235,6 @@ def _load_tokenizer(model_dir: Path) -> Any | None:
         logger.warning("no tokenizer files in %s; serving token ids only", model_dir)
         return None
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    value = getattr(torch, dtype, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; expected e.g. 'float32', 'bfloat16', 'float16'")
-    return value
 
 
 @contextlib.contextmanager

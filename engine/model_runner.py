@@ -22,7 +22,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
-from engine.kv_manager import KVCacheManager
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -39,14 +38,13 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv: KVCacheManager, decode_group: int,
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int, decode_group: int,
                  graph_plan: GraphPlan | None = None) -> None:
         attention.register()
         model.config._attn_implementation = attention.ATTN_IMPLEMENTATION
         self.model = model
         self.kv_cache = kv_cache
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.decode_group = decode_group
         self.device = kv_cache.device
         if self.device.type == "cpu":
@@ -104,7 +102,7 @@ class ModelRunner:
         return sdpa_kernel(_CUDA_SDPA_BACKENDS)
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs | GraphInputs:
-        graph_inputs = self.graphs.prepare(out, self.kv.block_tables) if self.graphs is not None else None
+        graph_inputs = self.graphs.prepare(out) if self.graphs is not None else None
         if isinstance(graph_inputs, GraphInputs):
             return graph_inputs
         ids: list[int] = []
@@ -118,36 +116,36 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(self._slots(req.req_id, start, n))
+            slots.extend(self._slots(s.block_ids, start, n))
             if n == 1 and start > 0:
                 decodes.append((q_start, s))
             else:
-                prefills.append(self._prefill_segment(req.req_id, q_start, start, n))
+                prefills.append(self._prefill_segment(s.block_ids, q_start, start, n))
             if s.sample:
                 logits_indices.append(q_start + n - 1)
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
             prefills=prefills,
-            decode_groups=self._decode_groups(decodes),
+            decode_groups=self._decode_groups(decodes, decode_only=not prefills),
         )
         num_kv = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         return ModelInputs(
             self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_indices), metadata, num_kv
         )
 
-    def _slots(self, req_id: str, start: int, n: int) -> list[int]:
-        table, bs = self.kv.block_tables[req_id], self.block_size
+    def _slots(self, table: list[int], start: int, n: int) -> list[int]:
+        bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    def _prefill_segment(self, req_id: str, q_start: int, start: int, n: int) -> PrefillSegment:
+    def _prefill_segment(self, table: list[int], q_start: int, start: int, n: int) -> PrefillSegment:
         ctx_len = start + n
         num_blocks = -(-ctx_len // self.block_size)
         return PrefillSegment(
             q_start=q_start,
             q_len=n,
             ctx_len=ctx_len,
-            block_ids=self._tensor(self.kv.block_tables[req_id][:num_blocks]),
+            block_ids=self._tensor(table[:num_blocks]),
             mask=self._causal_mask(start, n) if start else None,
         )
 
@@ -159,22 +157,24 @@ class ModelRunner:
         zeros = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=self.device)
         return zeros.masked_fill_(~visible, float("-inf"))
 
-    def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]]) -> list[DecodeGroup]:
-        # Similar context lengths share a group so the padded gather wastes little. The paged
-        # kernel gathers nothing: one call for all decodes balances its threads best. A GPU is
-        # bound on launching kernels, not on the padding: one group, 4 SDPAs fewer per layer at 64.
+    def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]], decode_only: bool) -> list[DecodeGroup]:
+        # A GPU is bound on launching kernels, not on padding: one group in step order (a
+        # decode-only step's then attends without gathering q or scattering its output).
+        # On CPU similar context lengths share a group so the padded gather wastes little; the
+        # paged kernel gathers nothing: one call for all decodes, longest first, balances its threads.
+        if self.device.type == "cuda":
+            return [self._decode_group(decodes, every_token=decode_only)] if decodes else []
         decodes.sort(key=lambda d: d[1].request.num_computed_tokens)
-        one_group = self._paged_kernel() or self.device.type == "cuda"
-        size = max(1, len(decodes)) if one_group else self.decode_group
+        size = max(1, len(decodes)) if self._paged_kernel() else self.decode_group
         return [self._decode_group(decodes[i : i + size]) for i in range(0, len(decodes), size)]
 
     def _paged_kernel(self) -> bool:
         return self.kv_cache.dtype == torch.float32 and self.device.type == "cpu" and paged_kernel.enabled()
 
-    def _decode_group(self, members: list[tuple[int, ScheduledRequest]]) -> DecodeGroup:
+    def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False) -> DecodeGroup:
         ctx_lens = [s.request.num_computed_tokens + 1 for _, s in members]
         max_blocks = -(-max(ctx_lens) // self.block_size)
-        tables = [self.kv.block_tables[s.request.req_id][:max_blocks] for _, s in members]
+        tables = [s.block_ids[:max_blocks] for _, s in members]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         context_lens = self._tensor(ctx_lens)
         key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
@@ -184,6 +184,7 @@ class ModelRunner:
             block_tables=self._tensor(tables),
             key_mask=key_mask[:, None, None, :],
             context_lens=context_lens,
+            every_token=every_token,
         )
 
     def _tensor(self, values: list) -> torch.Tensor:

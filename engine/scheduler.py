@@ -37,6 +37,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int     # tokens computed this step, starting at request.num_computed_tokens
     sample: bool            # True when this chunk reaches the last known token: sample the next one
+    # The request's block table after this step's allocation: the KV manager's own list, read
+    # by the model runner (which never touches the manager, as in vLLM: block ids ride on the plan).
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -97,9 +100,26 @@ class Scheduler:
         request.num_reported_tokens = 1  # the prefill worker already delivered the first token
         return request
 
-    def abort(self, req_id: str) -> None:
+    def abort(self, req_id: str) -> bool:
+        """True when the request is gone now: a parked one (KV not landed) or a held one (prefill
+        done, KV not exported) frees its blocks at once; a queued or running one at the next step
+        boundary (``schedule`` returns it among the aborted)."""
+        if req_id in self.parked:
+            self.finish(self.parked[req_id], FinishReason.ABORT)
+            return True
+        if req_id in self.held:
+            self.release_held(req_id)
+            return True
         if req_id in self.requests:
             self._pending_aborts.add(req_id)
+        return False
+
+    def is_held(self, req_id: str) -> bool:
+        return req_id in self.held
+
+    def knows(self, req_id: str) -> bool:
+        """In flight here: queued, running, parked or held (a request id may not be reused)."""
+        return req_id in self.requests or req_id in self.held
 
     def release_held(self, req_id: str) -> None:
         """Prefill role: the KV has been exported; give its blocks back."""
@@ -138,6 +158,8 @@ class Scheduler:
 
     def _make_room(self, request: Request, n: int, scheduled: dict, out: SchedulerOutput) -> bool:
         total = request.num_computed_tokens + n
+        if self.kv.covers(request.req_id, total):
+            return True   # most decode steps: the last block still has room
         while not self.kv.can_allocate(request.req_id, total):
             victim = max(self.running, key=Request.sort_key)
             self._preempt(victim)
@@ -166,9 +188,9 @@ class Scheduler:
             out.scheduled.append(self._plan(request, n))
             budget -= n
 
-    @staticmethod
-    def _plan(request: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(request, n, sample=request.num_computed_tokens + n == request.num_tokens)
+    def _plan(self, request: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(request, n, sample=request.num_computed_tokens + n == request.num_tokens,
+                                block_ids=self.kv.block_tables[request.req_id])
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s (recompute)", request.req_id)

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-ENV_VAR = "PDSERVE_ATTENTION"   # the same switch as the CPU kernel's: "torch" turns both off
+from engine.paged_kernel import ENV_VAR   # one switch for both paged kernels: "torch" turns them off
 TILE_BLOCKS = 4                 # KV blocks per tile of the context walk
 PART_TOKENS = 128               # context tokens per program: long contexts are split over programs (flash decoding)
 
@@ -137,14 +137,15 @@ def paged_decode_attention(
     denom = torch.empty_like(m)
     acc = q.new_empty(n, num_heads, num_parts, head_dim, dtype=torch.float32)
     partial, combine = _kernels()
-    partial[(n, kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, m, denom, acc, float(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUPS=groups, GROUPS_PAD=max(16, _next_pow2(groups)), HEAD_DIM=head_dim, BLOCK=block_size,
-        TILE=block_size * TILE_BLOCKS, PART=PART_TOKENS, NUM_PARTS=num_parts, IEEE=q.dtype == torch.float32,
-    )
-    combine[(n, num_heads)](m, denom, acc, out, out.stride(0), out.stride(1),
-                            HEADS=num_heads, HEAD_DIM=head_dim, NUM_PARTS=num_parts, PARTS_PAD=_next_pow2(num_parts))
+    with torch.cuda.device(q.device):   # Triton launches on the current device, not on the tensors'
+        partial[(n, kv_heads, num_parts)](
+            q, k_cache, v_cache, block_tables, context_lens, m, denom, acc, float(scale),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            GROUPS=groups, GROUPS_PAD=max(16, _next_pow2(groups)), HEAD_DIM=head_dim, BLOCK=block_size,
+            TILE=block_size * TILE_BLOCKS, PART=PART_TOKENS, NUM_PARTS=num_parts, IEEE=q.dtype == torch.float32,
+        )
+        combine[(n, num_heads)](m, denom, acc, out, out.stride(0), out.stride(1), HEADS=num_heads,
+                                HEAD_DIM=head_dim, NUM_PARTS=num_parts, PARTS_PAD=_next_pow2(num_parts))
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Callable, TypeVar
 import torch
 
 from engine import kv_cache, tracing
+from engine.dtypes import torch_dtype
 from engine.engine import LLMEngine, StepResult
 from engine.loop import EngineLoop
 from engine.types import KVEvent, KVLayout, WorkerStats
@@ -31,7 +32,7 @@ def load_for(spec: WorkerSpec):
 
     if spec.random_model is not None:
         loaded = random_model(**spec.random_model)
-        loaded.model.to(device=spec.engine.device, dtype=getattr(torch, spec.engine.dtype))
+        loaded.model.to(device=spec.engine.device, dtype=torch_dtype(spec.engine.dtype))
         return loaded
     return load_model(spec.model, dtype=spec.engine.dtype, device=spec.engine.device)
 

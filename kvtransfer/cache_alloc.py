@@ -20,15 +20,9 @@ import os
 
 import torch
 
+from engine.dtypes import dtype_name, torch_dtype
 from engine.errors import KVTransferError
 from engine.types import KVLayout
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def torch_dtype(layout: KVLayout) -> torch.dtype:
-    return _DTYPES[layout.dtype]
-
 
 def layout_of(cache: torch.Tensor) -> KVLayout:
     """The ``KVLayout`` a cache tensor actually has (checked against handles on both sides)."""
@@ -37,7 +31,7 @@ def layout_of(cache: torch.Tensor) -> KVLayout:
             f"KV cache must be [layers, 2, blocks, block_size, heads, head_dim], got {tuple(cache.shape)}"
         )
     num_layers, _, _, block_size, num_kv_heads, head_dim = cache.shape
-    dtype = str(cache.dtype).removeprefix("torch.")
+    dtype = dtype_name(cache.dtype)
     return KVLayout(num_layers, num_kv_heads, head_dim, block_size, dtype)
 
 
@@ -50,7 +44,7 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """A zeroed cache of ``layout.cache_shape(num_blocks)``; file-backed when ``shm_path`` is set."""
     if shm_path is None:
-        return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout), device=device)
+        return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout.dtype), device=device)
     if torch.device(device).type != "cpu":
         raise KVTransferError(f"a /dev/shm cache lives in host memory, not on {device}")
     _create_file(shm_path, _numel(layout, num_blocks) * layout.dtype_bytes)
@@ -94,5 +88,5 @@ def _create_file(path: str, num_bytes: int) -> None:
 
 
 def _map(layout: KVLayout, num_blocks: int, path: str) -> torch.Tensor:
-    flat = torch.from_file(path, shared=True, size=_numel(layout, num_blocks), dtype=torch_dtype(layout))
+    flat = torch.from_file(path, shared=True, size=_numel(layout, num_blocks), dtype=torch_dtype(layout.dtype))
     return flat.view(layout.cache_shape(num_blocks))

@@ -31,9 +31,9 @@ from typing import Sequence
 
 import torch
 
+from engine.dtypes import dtype_name, torch_dtype
 from engine.errors import KVTransferError
 from kvtransfer.blocks import check_side, copy_blocks
-from kvtransfer.cache_alloc import torch_dtype
 from kvtransfer.connector import TransferResult
 from kvtransfer.handle import CudaIpcLocator, KVBlocksHandle
 
@@ -58,7 +58,7 @@ def export_cache(cache: torch.Tensor) -> CudaIpcLocator:
         storage_offset_bytes=int(storage_offset), ref_counter_handle=bytes(rc_handle),
         ref_counter_offset=int(rc_offset), event_handle=bytes(event_handle) if event_handle else b"",
         event_sync_required=bool(event_sync), shape=tuple(size), stride=tuple(stride),
-        offset=int(offset), dtype=str(dtype).removeprefix("torch."),
+        offset=int(offset), dtype=dtype_name(dtype),
     )
 
 
@@ -67,7 +67,7 @@ def open_cache(loc: CudaIpcLocator) -> torch.Tensor:
     _require_cuda()
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[loc.dtype]
+    dtype = torch_dtype(loc.dtype)
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size(loc.shape), loc.stride, loc.offset, torch.storage.TypedStorage,
         dtype, loc.device, loc.handle, loc.storage_size_bytes, loc.storage_offset_bytes, False,
@@ -126,7 +126,7 @@ class CudaIpcReceiver:
         start = time.perf_counter()
         check_side(cache, handle, "dst")
         loc = _locator(handle)
-        if loc.shape != tuple(cache.shape) or torch_dtype(handle.layout) != cache.dtype:
+        if loc.shape != tuple(cache.shape) or torch_dtype(handle.layout.dtype) != cache.dtype:
             raise KVTransferError(
                 f"{handle.req_id}: KV was written to a {loc.shape} cache, this one is {tuple(cache.shape)}"
             )

@@ -33,10 +33,11 @@ import numpy as np
 import ray
 import torch
 
+from engine.dtypes import torch_dtype
 from engine.errors import KVTransferError
 from engine.types import KVLayout
 from kvtransfer.blocks import Staging, check_side, gather_blocks, scatter_blocks
-from kvtransfer.cache_alloc import layout_of, torch_dtype
+from kvtransfer.cache_alloc import layout_of
 from kvtransfer.connector import TransferResult
 from kvtransfer.handle import KVBlocksHandle, check_layout
 
@@ -97,7 +98,7 @@ class ObjectStoreReceiver:
         with warnings.catch_warnings():  # a read-only plasma buffer; we only read it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(packed.data)
-        src = flat.view(torch_dtype(packed.layout)).view(packed.layout.cache_shape(packed.num_blocks))
+        src = flat.view(torch_dtype(packed.layout.dtype)).view(packed.layout.cache_shape(packed.num_blocks))
         scatter_blocks(src.to(cache.device), cache, handle.dst_block_ids)
         return TransferResult(handle, handle.num_bytes, time.perf_counter() - start)
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import socket
 import threading
 import time
 from typing import Sequence
@@ -47,10 +46,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from engine.dtypes import torch_dtype
 from engine.errors import KVTransferError
 from engine.types import KVLayout
 from kvtransfer.blocks import Staging, check_side, gather_blocks, scatter_blocks
-from kvtransfer.cache_alloc import layout_of, torch_dtype
+from kvtransfer.cache_alloc import layout_of
 from kvtransfer.connector import TransferResult
 from kvtransfer.handle import DistPeers, KVBlocksHandle, check_layout
 
@@ -61,18 +61,6 @@ _NUM_CHUNKS = 4  # measured on 2 cores, 23.6 MB over gloo: 1 chunk 30.6 ms, 4 ch
 
 
 # ---- group set-up ---------------------------------------------------------------------
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the launcher's rendezvous port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def rendezvous_address(host: str = "127.0.0.1") -> str:
-    """``tcp://host:port`` with a free port, for ``init_kv_group``'s ``init_method``."""
-    return f"tcp://{host}:{free_port(host)}"
-
 
 def default_backend(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -258,7 +246,7 @@ def _receive(channel: _Channel, cache: torch.Tensor, handle: KVBlocksHandle, tim
     if error is None:
         payload = channel.staging.view(cache, num_blocks)
     else:  # take the sender's frames anyway, so the pair stays in step, then raise
-        payload = torch.empty(sent_layout.cache_shape(num_blocks), dtype=torch_dtype(sent_layout), device=cache.device)
+        payload = torch.empty(sent_layout.cache_shape(num_blocks), dtype=torch_dtype(sent_layout.dtype), device=cache.device)
     chunks = _layer_chunks(sent_layout.num_layers)
     posted = [channel.start(dist.irecv, payload[layers]) for layers in chunks]
     for work, layers in zip(posted, chunks):

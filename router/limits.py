@@ -67,6 +67,12 @@ class ServerLimits:
     max_priority: int = _limit(10)
 
     def __post_init__(self) -> None:
+        for name in _COUNTS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("min_ttft_ms", "min_tpot_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:
             raise ValueError("SLO hint ranges must have min <= max")
         if self.min_priority > self.max_priority:
@@ -76,6 +82,11 @@ class ServerLimits:
         if not 1 <= self.stream_interval <= self.max_pending_tokens:
             raise ValueError("stream_interval must be in [1, max_pending_tokens]")
 
+
+
+# Limits that count something: none of them can be 0 (or less) and leave a usable server.
+_COUNTS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages",
+           "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens")
 
 
 def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:

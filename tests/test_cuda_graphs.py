@@ -99,7 +99,7 @@ def decode_step(kv: KVCacheManager, contexts: list[int], sample: list[bool] | No
         req = Request(RequestSpec(f"q{i}", tuple(range(100 + i, 100 + i + ctx)), SamplingParams(max_tokens=4)))
         req.num_computed_tokens = ctx - 1
         kv.allocate_slots(req.req_id, ctx)
-        scheduled.append(ScheduledRequest(req, 1, True if sample is None else sample[i]))
+        scheduled.append(ScheduledRequest(req, 1, True if sample is None else sample[i], kv.block_tables[req.req_id]))
     return SchedulerOutput(scheduled, len(contexts))
 
 
@@ -118,7 +118,7 @@ def test_rows_hold_each_request_and_padding_points_at_the_null_block():
     plan = GraphPlan(capture=False, batch_sizes=(1, 2, 4), widths=(4, 8, 16), null_block=39)
     pool = pool_for(plan)
     out = decode_step(kv, [6, 18, 41])
-    inputs = pool.prepare(out, kv.block_tables)
+    inputs = pool.prepare(out)
     assert isinstance(inputs, GraphInputs)
     assert (inputs.batch, inputs.width, inputs.num_rows) == (4, 16, 3)   # 3 -> 4 rows; 11 blocks -> 16
     assert inputs.sample_rows is None and inputs.num_kv_tokens == 6 + 18 + 41
@@ -137,16 +137,16 @@ def test_rows_hold_each_request_and_padding_points_at_the_null_block():
 def test_rows_that_do_not_sample_are_left_out_of_the_logits():
     kv = KVCacheManager(39, BLOCK)
     pool = pool_for(GraphPlan(capture=False, batch_sizes=(1, 2, 4), widths=(4,), null_block=39))
-    inputs = pool.prepare(decode_step(kv, [3, 5, 7], sample=[True, False, True]), kv.block_tables)
+    inputs = pool.prepare(decode_step(kv, [3, 5, 7], sample=[True, False, True]))
     assert inputs.sample_rows.tolist() == [0, 2]
 
 
 def test_a_smaller_step_after_a_larger_one_leaves_no_stale_row():
     kv = KVCacheManager(39, BLOCK)
     pool = pool_for(GraphPlan(capture=False, batch_sizes=(1, 2, 4), widths=(4, 8), null_block=39))
-    pool.prepare(decode_step(kv, [20, 21, 22, 23]), kv.block_tables)
+    pool.prepare(decode_step(kv, [20, 21, 22, 23]))
     small = KVCacheManager(39, BLOCK)
-    inputs = pool.prepare(decode_step(small, [2]), small.block_tables)
+    inputs = pool.prepare(decode_step(small, [2]))
     assert (inputs.batch, inputs.width) == (1, 4)
     table = small.block_tables["q0"]
     assert pool._rows[0, : TABLE + 4].tolist() == [101, 1, table[0] * BLOCK + 1, 2, table[0], 39, 39, 39]
@@ -208,7 +208,7 @@ def test_capture_bookkeeping(tiny_model, monkeypatch):
     assert changed.nonzero().flatten().tolist() == [63], "capture runs write the null block only"
 
     kv = KVCacheManager(63, 4)
-    inputs = pool.prepare(decode_step(kv, [3, 9, 30]), kv.block_tables)
+    inputs = pool.prepare(decode_step(kv, [3, 9, 30]))
     assert (inputs.batch, inputs.width) == (4, 8)
     logits = pool.run(inputs)
     assert fake.events[-1] == ("replay", pool._graphs[(4, 8)]) and pool.num_replays == 1
@@ -220,17 +220,17 @@ def test_fallbacks_prefill_batch_and_width():
     plan = GraphPlan(capture=False, batch_sizes=(1, 2), widths=(4, 8), null_block=39)
     pool = pool_for(plan)
     kv = KVCacheManager(39, BLOCK)
-    assert pool.prepare(decode_step(kv, [3, 4, 5]), kv.block_tables) is Fallback.BATCH
+    assert pool.prepare(decode_step(kv, [3, 4, 5])) is Fallback.BATCH
     kv = KVCacheManager(39, BLOCK)
-    assert pool.prepare(decode_step(kv, [33]), kv.block_tables) is Fallback.WIDTH     # 9 blocks > 8
+    assert pool.prepare(decode_step(kv, [33])) is Fallback.WIDTH     # 9 blocks > 8
     kv = KVCacheManager(39, BLOCK)
     mixed = decode_step(kv, [5])
     prompt = Request(RequestSpec("p", (1, 2, 3), SamplingParams()))
     kv.allocate_slots("p", 3)
-    mixed.scheduled.append(ScheduledRequest(prompt, 3, True))
-    assert pool.prepare(mixed, kv.block_tables) is Fallback.PREFILL
+    mixed.scheduled.append(ScheduledRequest(prompt, 3, True, kv.block_tables["p"]))
+    assert pool.prepare(mixed) is Fallback.PREFILL
     kv = KVCacheManager(39, BLOCK)
-    assert isinstance(pool.prepare(decode_step(kv, [32, 2]), kv.block_tables), GraphInputs)  # 8 blocks: fits
+    assert isinstance(pool.prepare(decode_step(kv, [32, 2])), GraphInputs)  # 8 blocks: fits
     assert pool.fallbacks == {Fallback.BATCH: 1, Fallback.WIDTH: 1, Fallback.PREFILL: 1}
 
 

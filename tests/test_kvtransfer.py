@@ -232,7 +232,7 @@ def peers():
 def gloo_pair(peers):
     """The two peers in a fresh 2-rank gloo group (prefill rank 0, decode rank 1)."""
     import ray
-    from kvtransfer.torch_dist import rendezvous_address
+    from kvtransfer.rendezvous import rendezvous_address
 
     prefill, decode, _ = peers
     address = rendezvous_address()

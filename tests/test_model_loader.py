@@ -220,3 +220,12 @@ def test_default_model_answers_paris(smollm2_cache: Path) -> None:
     out = lm.model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert answer.strip() == "The capital of France is Paris."
+
+
+def test_one_dtype_table_names_its_choices():
+    from engine.dtypes import dtype_name, torch_dtype
+
+    for name in ("float32", "float16", "bfloat16"):
+        assert dtype_name(torch_dtype(name)) == name
+    with pytest.raises(ValueError, match="'float64'.*float32, float16, bfloat16"):
+        torch_dtype("float64")

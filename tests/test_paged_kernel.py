@@ -3,6 +3,8 @@ and the engine's dispatch to it. Skipped only where the kernel cannot be built (
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -185,6 +187,34 @@ def test_dispatch_falls_back_without_context_lens(kernel, monkeypatch):
     grp.context_lens = torch.tensor([5, 40])
     half = attention._decode(packed.double(), kc.double(), vc.double(), grp, groups, 0.125)
     assert half.dtype == torch.float64
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_every_token_group_equals_the_gathered_one(kernel, monkeypatch, path):
+    """A decode-only step's one group (``every_token``: its queries are the step's tokens in order)
+    attends on q as it is and returns the rows as they are: the same values as gathering q by
+    q_index and scattering the output back, through paged_attention itself."""
+    if path == "torch":
+        monkeypatch.setenv(paged_kernel.ENV_VAR, "torch")
+    lens = [1, 16, 17, 250, 333]
+    packed, kc, vc, grp, groups = _decode_inputs(lens)
+    q = packed[:, grp.q_index]                                        # [heads, tokens, d]: only decode tokens
+    query = q.transpose(0, 1).contiguous().transpose(0, 1)[None]       # strided as a model's q_proj view is
+    kv_heads, d = kc.shape[-2:]
+    key = torch.zeros(1, kv_heads, len(lens), d)
+    cache = torch.stack([torch.stack([kc, vc])])                      # [layers=1, 2, blocks, bs, kv_heads, d]
+    spare = next(b for b in range(kc.shape[0]) if b not in set(grp.block_tables.flatten().tolist()))   # no table reads it
+    slots = torch.arange(len(lens)) + spare * kc.shape[1]
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    results = {}
+    for every_token in (False, True):
+        group = dataclasses.replace(grp, q_index=torch.arange(len(lens)), every_token=every_token)
+        meta = attention.AttentionMetadata(cache.clone(), slots, prefills=[], decode_groups=[group])
+        results[every_token], _ = attention.paged_attention(layer, query, key, key, None, scaling=0.125,
+                                                            pdserve_attn=meta)
+    assert results[True].shape == results[False].shape == (1, len(lens), q.shape[0], d)
+    assert torch.equal(results[True], results[False])
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, caplog):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from router.client import AsyncPdserveClient
+from kvtransfer.rendezvous import free_port
 from tests.conftest import cluster_leaks, require_tool
 from tests.test_cluster_e2e import address, start_cluster
 
@@ -30,12 +30,6 @@ RATE_WINDOW = "30s"   # Grafana's $__rate_interval, wide enough for the whole lo
 
 def require_prometheus() -> str:
     return require_tool("prometheus")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(metrics_port: int) -> dict:
@@ -57,7 +51,7 @@ def prometheus(cluster, tmp_path_factory):
     binary = require_prometheus()
     tmp = tmp_path_factory.mktemp("prometheus")
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(_config(cluster.cluster.metrics_port)))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -1,0 +1,55 @@
+"""`pdserve serve` with a value no cluster could serve with: refused at once as a usage error
+(exit status 2, the field named, nothing started), before Ray or any worker. The same rules hold
+for programmatic configs (ClusterConfig, EngineConfig, ServerLimits raise ValueError)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy.cli import main
+from deploy.launcher import ClusterConfig
+from engine.config import EngineConfig
+
+REFUSED = [
+    ("--num-decode 0", "num_decode must be >= 1"),
+    ("--num-prefill 0", "num_prefill must be >= 1 in disaggregated mode"),
+    ("--mode colocated --num-prefill -1", "num_prefill must be >= 0 in colocated mode"),
+    ("--dtype float64", "dtype must be auto or one of float32, float16, bfloat16"),
+    ("--device tpu", "device must be cpu, cuda, cuda:N or auto"),
+    ("--port 70000", "port must be in [0, 65535]"),
+    ("--metrics-port -1", "metrics_port must be in [0, 65535]"),
+    ("--kv-cache-gib 0", "kv_cache_bytes must be >= 1"),
+    ("--threads-per-worker 0", "threads_per_worker must be >= 1"),
+    ("--cpus-per-worker 0", "cpus_per_worker must be > 0"),
+    ("--gpus-per-worker -1", "gpus_per_worker must be > 0"),
+    ("--ttft-ms -5", "ttft_s (a default SLO target) must be > 0"),
+    ("--tpot-ms 0", "tpot_s (a default SLO target) must be > 0"),
+    ("--default-max-tokens 0", "max_tokens (the default) must be >= 1"),
+    ("--migration-limit -1", "migration_limit must be >= 0"),
+    ("--max-worker-restarts -1", "max_worker_restarts must be >= 0"),
+    ("--stop-timeout -1", "stop_timeout_s must be >= 0"),
+    ("--max-concurrent-streams 0", "max_concurrent_streams must be >= 1"),
+    ("--max-queued-requests -1", "max_queued_requests must be >= 1"),
+    ("--min-ttft-ms 0", "min_ttft_ms must be > 0"),
+    ("--block-size 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("args,message", REFUSED)
+def test_serve_refuses_a_config_no_cluster_could_serve_with(args, message, capsys, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a refused config"))
+    assert main(["serve", *args.split()]) == 2
+    assert f"pdserve serve: error: {message}" in capsys.readouterr().err
+
+
+def test_programmatic_configs_follow_the_same_rules():
+    with pytest.raises(ValueError, match="num_decode must be >= 1"):
+        ClusterConfig(num_decode=0)
+    with pytest.raises(ValueError, match="kv_transport must be one of shm, torch_dist, object_store, cuda_ipc"):
+        ClusterConfig(kv_transport="rdma")
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
+        EngineConfig(kv_cache_memory_fraction=0)
+    assert ClusterConfig(mode="colocated", num_prefill=0).num_prefill == 0   # colocated: decode workers prefill
+    assert EngineConfig(device="cuda:1").dtype == "bfloat16"
