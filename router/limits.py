@@ -70,15 +70,13 @@ class ServerLimits:
         for name in _COUNTS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("min_ttft_ms", "min_tpot_ms"):
+        for name in ("min_ttft_ms", "min_tpot_ms", "http_receive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:
             raise ValueError("SLO hint ranges must have min <= max")
         if self.min_priority > self.max_priority:
             raise ValueError("priority range must have min <= max")
-        if not self.http_receive_timeout_s > 0:
-            raise ValueError("http_receive_timeout_s must be > 0")
         if not 1 <= self.stream_interval <= self.max_pending_tokens:
             raise ValueError("stream_interval must be in [1, max_pending_tokens]")
 
