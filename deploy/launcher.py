@@ -183,6 +183,9 @@ class Cluster:
         self.supervisor.start()
         for w in self.registry.all:
             self.metrics.worker_state(w.worker_id, w.role, up=True)
+        # Admission's view of each decode pool from the first request on (a burst at start would
+        # otherwise meet no report, and every reservation past the pool would be refused).
+        await asyncio.gather(*(self._first_report(w, w.generation) for w in self.registry.all))
         self.inbox = FirstTokenInbox()
         await self.inbox.start()
         self.orchestrator = Orchestrator(self.registry, self.streams, self.admission, self.metrics,
@@ -244,8 +247,9 @@ class Cluster:
         self.admission.notify()   # requests queued for a worker to come back
 
     async def _first_report(self, worker: WorkerHandle, generation: int) -> None:
-        """A replacement's stats as it starts: an idle worker reports nothing on its own (a
-        prefill worker reports only with results), and its gauges must not stay blank."""
+        """A worker's stats as it starts (the cluster's start, or a replacement's): an idle
+        worker reports nothing on its own (a prefill worker reports only with results), and its
+        gauges and admission's view of its pool must not stay blank."""
         try:
             stats = await call(worker, "stats", generation=generation)
         except Exception as exc:   # lost again meanwhile: its next replacement reports
@@ -508,6 +512,19 @@ class ClusterThread:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+
+
+def router_holds(cluster: Cluster) -> dict[str, int]:
+    """Per-request state the router itself still holds (empty when idle): live request ids,
+    first tokens awaited, decode-stream registrations, admission waiters, running cleanups."""
+    held = {
+        "live_requests": len(cluster.servicer.core.live),
+        "first_token_waits": len(cluster.inbox),
+        "decode_streams": cluster.streams.num_registered,
+        "admission_waiters": cluster.admission.num_waiting,
+        "cleanups": cluster.orchestrator.num_cleanups,
+    }
+    return {name: n for name, n in held.items() if n}
 
 
 def holds_anything(report: dict) -> bool:

@@ -290,6 +290,7 @@ class LLMEngine:
             num_running=len(s.running),
             num_waiting_tokens=s.num_waiting_tokens,
             num_free_blocks=self.kv.num_free_blocks,
+            num_parked_blocks=s.num_parked_blocks,
             num_total_blocks=self.kv.num_total_blocks,
             block_size=self.config.block_size,
             num_preemptions=s.num_preemptions,

@@ -85,6 +85,12 @@ class Scheduler:
         self.parked[request.req_id] = request
         return list(self.kv.block_tables[request.req_id])
 
+    @property
+    def num_parked_blocks(self) -> int:
+        """Blocks held by reservations whose KV has not landed yet (a router counts these as its
+        own promises until the request decodes: see ``WorkerStats.num_parked_blocks``)."""
+        return sum(len(self.kv.block_tables.get(req_id, ())) for req_id in self.parked)
+
     def unpark(self, req_id: str, first_token_id: int) -> Request:
         """KV landed: the request joins the running batch with its prompt computed."""
         request = self.parked.pop(req_id)

@@ -8,6 +8,10 @@ from typing import Any
 from engine.request import Request
 from engine.types import FinishReason
 
+# Tokens decoded before the tail the stop check reads, for their effect on its text (as the
+# router's detokenizer decodes the output after the prompt's last ids: ``router.convert``).
+CONTEXT_TOKENS = 4
+
 
 class StopChecker:
     def __init__(self, eos_token_ids: tuple[int, ...], max_model_len: int, tokenizer: Any | None) -> None:
@@ -37,7 +41,21 @@ class StopChecker:
         # + 1 tokens suffice.
         window = max(len(s.encode("utf-8")) for s in request.sampling.stop) + 1
         tail_ids = request.generated_tail(window)
-        prev_text = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=True)
-        text = self.tokenizer.decode(tail_ids, skip_special_tokens=True)
+        start = len(request.all_token_ids) - len(tail_ids)
+        context = request.all_token_ids[max(0, start - CONTEXT_TOKENS):start]
+        before = self.tokenizer.decode(context, skip_special_tokens=True) if context else ""
+        prev_text = self._text_after(context, before, tail_ids[:-1])
+        text = self._text_after(context, before, tail_ids)
         # Only a match that the newest token completes counts, so a stop string is found once.
         return any(s in text and s not in prev_text for s in request.sampling.stop)
+
+    def _text_after(self, context: list[int], before: str, ids: list[int]) -> str:
+        """The text of ``ids`` as it reads after ``context`` (the tokens before them, whose text
+        is ``before``): the text the client sees. A SentencePiece tokenizer (Llama's) drops a
+        word's leading space at the start of a decoded text, so ``ids`` decoded alone would miss
+        a stop string " Paris" at the first generated token. The context's own text is not part
+        of it: a stop string matches the output alone (vLLM's rule)."""
+        text = self.tokenizer.decode(context + ids, skip_special_tokens=True)
+        if text.startswith(before):
+            return text[len(before):]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)   # the context ends inside a character

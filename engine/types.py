@@ -135,6 +135,9 @@ class WorkerStats:
     # worker counts the prompts it reserves for: a hit there is KV not transferred).
     prefix_cache_query_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # Of the blocks not free, those held by reservations whose KV has not landed (decode role):
+    # the router still counts them among its own promises (``WorkerHandle.free_blocks``).
+    num_parked_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:

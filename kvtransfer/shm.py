@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from engine.errors import KVTransferError
+from engine.errors import KVTransferError, PeerLostError
 from kvtransfer.blocks import check_side, copy_blocks
 from kvtransfer.cache_alloc import attach_kv_cache
 from kvtransfer.connector import TransferResult
@@ -67,7 +67,10 @@ class ShmSender:
         try:
             st = os.stat(path)
         except FileNotFoundError as exc:
-            raise KVTransferError(f"{handle.req_id}: no shared KV cache at {path}") from exc
+            # Only its owner's shutdown or the supervisor (after the owner died) unlinks a pool: the
+            # decode worker is gone, which the router acts on as such (never a failed transfer).
+            raise PeerLostError(f"{handle.req_id}: the decode worker's KV pool {path} is gone "
+                                "(the worker died or was shut down)") from exc
         cached = self._mapped.get(path)
         if cached is not None and cached[:2] == (st.st_dev, st.st_ino):
             return cached[2]

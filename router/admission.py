@@ -235,6 +235,11 @@ class Admission:
         take is not woken (a task switch per request cost more than the check)."""
         self._waiters.wake(MAX_WAKE_PER_NOTIFY, worker)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting here now: queued for room, or for a capacity change after a refusal."""
+        return len(self._waiters)
+
     async def capacity_changed(self, timeout_s: float) -> None:
         """Return at the next capacity change (a worker report, a finished request) or after
         ``timeout_s``: a request whose reservation was refused retries then, not in a spin."""
@@ -320,7 +325,14 @@ class Admission:
                 return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
             return Decision(Action.ADMIT, Cause.MIGRATION, prediction=roomy)
         if not self.enabled or (ttft_t is None and tpot_t is None) or not search.has_timings():
-            best = search.least_loaded()  # best effort, or no timings yet: least loaded
+            # Best effort, or no timings yet: the least loaded pair where the prompt's blocks fit
+            # beside the reservations promised there (a prefill whose reservation is refused is
+            # computed again: it waits for room here instead).
+            # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
+            room = (lambda d: _has_prompt_room(d.worker, spec)) if search.prefills else None
+            best = search.least_loaded(room)
+            if best is None:
+                return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
             return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
         best = search.choose(ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
@@ -389,7 +401,10 @@ class Admission:
             return False
         if not worker.num_inflight and not (worker.stats and (worker.stats.num_running or worker.stats.num_waiting)):
             return True   # idle: a decision admits there whatever it predicts (``_idle``)
-        _, tpot_t = self._targets(spec)
+        ttft_t, tpot_t = self._targets(spec)
+        if not self.enabled or (ttft_t is None and tpot_t is None):
+            # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
+            return not self.registry.alive("prefill") or _has_prompt_room(worker, spec)
         side = _Search(self, spec, None, 0.0).decode_side(worker)
         return _within(side.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(worker, spec)
 
@@ -680,14 +695,15 @@ def _kv_tokens(w: WorkerHandle) -> int:
 
 
 def _has_prompt_room(w: WorkerHandle, spec: RequestSpec) -> bool:
-    """Room for what ``reserve`` takes now: the prompt's blocks (decoding may preempt later)."""
+    """Room for what ``reserve`` takes now: the prompt's blocks (decoding may preempt later),
+    beside the reservations already promised there (``WorkerHandle.free_blocks``)."""
     if w.stats is None:
         return True
-    return -(-len(spec.prompt_token_ids) // w.stats.block_size) <= w.stats.num_free_blocks
+    return -(-len(spec.prompt_token_ids) // w.stats.block_size) <= w.free_blocks
 
 
 def _has_kv_room(w: WorkerHandle, spec: RequestSpec) -> bool:
     if w.stats is None:
         return True
     need = -(-(len(spec.prompt_token_ids) + spec.sampling.max_tokens) // w.stats.block_size)
-    return need <= w.stats.num_free_blocks
+    return need <= w.free_blocks

@@ -36,6 +36,10 @@ class FirstTokenInbox:
         self._listener = UnixLineServer("pdserve-inbox-", "first-tokens.sock", self._deliver, MAX_LINE_BYTES)
         self._waiting: dict[str, asyncio.Future] = {}
 
+    def __len__(self) -> int:
+        """First tokens awaited now (each a request between dispatch and its first token)."""
+        return len(self._waiting)
+
     @property
     def path(self) -> str | None:
         return self._listener.path
@@ -102,5 +106,5 @@ async def first_ahead(items: AsyncIterator[Any], early: asyncio.Future | None) -
         if not pending.done():   # the stream must be idle before its owner closes it
             pending.cancel()
             await asyncio.wait([pending])
-        if not pending.cancelled():   # the consumer left: how that read ended is no one's to handle,
-            pending.exception()       # and unretrieved, asyncio would log it as an error
+        if not pending.cancelled():   # a read that ended (or failed) unseen: closed, not an error
+            pending.exception()

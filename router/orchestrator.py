@@ -244,6 +244,9 @@ class Orchestrator:
         prefill_pending = True
         progress = DecodeProgress(spec.sampling.max_tokens, spec.slo.tpot_s, prefill_mark=decode.prefill_tokens_sent)
         decode.track(spec.req_id, progress)
+        # Its reservation counts against the decode worker's room until the request decodes there
+        # (admission must not send a prefill whose reservation that worker will refuse).
+        promised = decode.promise(len(spec.prompt_token_ids)) if prefill is not None else 0
         finished = False
         try:
             async with contextlib.aclosing(self._start(at, trace)) as firsts:
@@ -260,6 +263,10 @@ class Orchestrator:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if promised:   # its worker's report that came with this item shows its blocks
+                    decode.keep_promise(promised, at.decode_gen)
+                    promised = 0
+                    self.admission.notify(decode)   # that report woke the queue while it still counted
                 if item.num_cached_tokens:
                     trace.local_cached_tokens = item.num_cached_tokens
                 if prefill_pending and item.token_ids:
@@ -272,6 +279,7 @@ class Orchestrator:
                 yield item
         finally:
             self.streams.unregister(spec.req_id)
+            decode.keep_promise(promised, at.decode_gen)
             if decode.generation == at.decode_gen:
                 decode.untrack(spec.req_id)
             if prefill_pending:
@@ -437,6 +445,11 @@ class Orchestrator:
         except Exception as exc:
             logger.warning("abort of %s on %s failed: %s", req_id, worker.worker_id, exc)
             return False
+
+    @property
+    def num_cleanups(self) -> int:
+        """Request cleanups (aborts, releases) still running."""
+        return len(self._cleanups)
 
     async def drain_cleanups(self) -> None:
         if self._cleanups:

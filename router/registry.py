@@ -88,6 +88,7 @@ class WorkerHandle:
     restarts: int = 0
     pid: int | None = None        # the actor's process (operators and failure tests)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)   # prompt prefixes its cache probably holds
+    promised_blocks: int = 0      # blocks reserved for (or soon asked of) this decode worker, not yet decoding
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
@@ -118,6 +119,7 @@ class WorkerHandle:
         self.stats = None
         self.prefix = PrefixIndex(self.prefix.block_size, self.prefix.enabled)   # a fresh pool
         self.num_prefill_tokens = 0
+        self.promised_blocks = 0
         self.decoding.clear()
         self.state = WorkerState.READY
 
@@ -134,6 +136,28 @@ class WorkerHandle:
     def placed_prompt(self, token_ids) -> None:
         """A prompt sent here (to prefill, or to decode): its prefix will be in this worker's cache."""
         self.prefix.record(token_ids, self.stats.num_total_blocks if self.stats else None)
+
+    def promise(self, num_prompt_tokens: int) -> int:
+        """A prefill is sent whose KV will ask this decode worker for its prompt's blocks: counted
+        from now until the request decodes here (``keep_promise``). Returns the blocks promised."""
+        blocks = -(-num_prompt_tokens // self.stats.block_size) if self.stats is not None else 0
+        self.promised_blocks += blocks
+        return blocks
+
+    def keep_promise(self, blocks: int, generation: int) -> None:
+        """The promise is over: the request decodes here (its blocks are in the reports from now
+        on) or it ended; ``generation``: the actor it was made to (a replacement holds none)."""
+        if generation == self.generation:
+            self.promised_blocks -= blocks
+
+    @property
+    def free_blocks(self) -> int | None:
+        """Free blocks as admission must see them: the last report's, less the reservations in
+        flight the report may not show yet. The report's parked blocks are reservations already
+        made: the router counts them among its promises, so they are added back (counted once)."""
+        if self.stats is None:
+            return None
+        return self.stats.num_free_blocks + self.stats.num_parked_blocks - self.promised_blocks
 
     def track(self, req_id: str, progress: DecodeProgress) -> None:
         """A request sent here to decode: counted until ``untrack``."""

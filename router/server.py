@@ -134,6 +134,13 @@ class PdserveServicer(pb_grpc.PdserveServicer):
 
     async def _abort(self, context, exc: BaseException, identity: RequestIdentity | None,
                      headers: _Headers | None = None) -> None:
+        if context.done():
+            # The call ended first (the client cancelled or left, e.g. as a worker's death ended
+            # its request): no status can reach it, and gRPC core refuses the write that found
+            # out (ExecuteBatchError). Not an internal error: one debug line, no abort.
+            logger.debug("%s: the call ended before its outcome could be sent (%s: %s)",
+                         identity.req_id if identity else "-", type(exc).__name__, exc)
+            return
         if headers is not None:
             with contextlib.suppress(Exception):   # failed: the call is over, the abort says so
                 await headers.sent()

@@ -10,7 +10,7 @@ fresh actor (fresh engine, fresh pool, via ``spawn``), install it as the next ge
 report it (``on_ready``: its stream, health, queued requests). Repeated crashes back off
 exponentially (a slot that stayed up ``STABLE_S`` starts over at no delay), so a worker that
 crashes on start cannot cause a restart storm; ``max_restarts`` (None: no limit) gives up on a
-slot, which then stays DEAD.
+slot, which then stays DEAD. Once ``stop`` began, a lost slot goes DEAD at once (no restart).
 """
 
 from __future__ import annotations
@@ -66,13 +66,26 @@ class Supervisor:
     def worker_lost(self, lost: WorkerLost) -> None:
         """Any component that saw ``lost.worker``'s actor fail reports it here."""
         worker = lost.worker
-        if self._stopping or not worker.mark_down(lost.generation):
+        if self._stopping:
+            self._lost_while_stopping(lost)
+            return
+        if not worker.mark_down(lost.generation):
             return
         logger.error("worker %s (generation %d) lost: %s", worker.worker_id, lost.generation, lost.cause)
         if worker.role != "colocated" and self.registry.dist_ready:
             self.registry.lose_kv_group()
         self._on_down(worker)
         self._spawn_task(self._restart(worker, worker.actor, worker.shm_path), f"restart-{worker.worker_id}")
+
+    def _lost_while_stopping(self, lost: WorkerLost) -> None:
+        """No replacement comes, but the slot must not read as serving: requests in flight would
+        migrate onto the dead actor again and again, and fail naming the migration limit, not
+        the stop."""
+        worker = lost.worker
+        if lost.generation == worker.generation and worker.alive:
+            logger.info("worker %s lost while the cluster stops: %s", worker.worker_id, lost.cause)
+            worker.mark_dead()
+            self._on_down(worker)
 
     async def _restart(self, worker: WorkerHandle, old_actor, old_shm: str | None) -> None:
         _kill(old_actor)

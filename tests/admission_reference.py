@@ -7,7 +7,8 @@ worker's terms computed once per decision, not once per rule; sides not frozen) 
 changing what it decides; this copy is what "what it decided" means. Its helpers that were not
 changed (step-time predictions, slack and fit rules, ``Prediction`` and ``Decision``) are
 imported from ``router.admission``: the oracle pins the search, not the models. Delete it when
-the rules themselves change on purpose.
+the rules themselves change on purpose (or mirror a small change: session 14's best-effort
+room rule is).
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
             return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
         return Decision(Action.ADMIT, Cause.MIGRATION, prediction=roomy)
     if not self.enabled or (ttft_t is None and tpot_t is None) or not search.has_timings():
-        best = search.least_loaded()  # best effort, or no timings yet: least loaded
+        # Best effort, or no timings yet: least loaded where the prompt fits (the rule changed on
+        # purpose in session 14, mirrored here: a prefill whose reservation would be refused waits).
+        # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
+        room = (lambda d: _has_prompt_room(d.worker, spec)) if search.prefills else None
+        best = search.least_loaded(room)
+        if best is None:
+            return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
         return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
     best = search.choose(ttft_t, tpot_t)
     if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models

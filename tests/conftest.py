@@ -84,18 +84,26 @@ def ray_session():
 
 
 def cluster_leaks(cluster_thread) -> dict:
-    """Leak check across the cluster: per worker, requests left and blocks not free."""
+    """Leak check across the cluster: per worker, requests left and blocks not free; and the
+    router's own per-request state (request ids, awaited first tokens, stream registrations...)."""
     import time
 
-    from deploy.launcher import holds_anything
+    from deploy.launcher import holds_anything, router_holds
 
     deadline = time.monotonic() + 10
     while True:  # aborts run right after the client sees its status: give them a moment
         reports = cluster_thread.run(cluster_thread.cluster.leak_reports())
         leaks = {w: r for w, r in reports.items() if holds_anything(r)}
+        held = cluster_thread.run(_router_holds(cluster_thread.cluster, router_holds))
+        if held:
+            leaks["router"] = held
         if not leaks or time.monotonic() > deadline:
             return leaks
         time.sleep(0.1)
+
+
+async def _router_holds(cluster, router_holds):
+    return router_holds(cluster)   # read on the cluster's own loop, as its handlers change it
 
 
 PROMTOOL_INSTALL = "apt-get install -y --no-install-recommends prometheus (scripts/install.sh does it)"

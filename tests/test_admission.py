@@ -413,3 +413,49 @@ def test_accurate_ttft_predictions_admit_near_the_target():
     for _ in range(200):
         admission.observe_ttft(dataclasses.replace(p, num_prompt_tokens=0), p.ttft_s * 1.5)
     assert admission.decide(s, now=100.0).action is Action.REJECT
+
+
+def test_reservations_in_flight_count_against_the_decode_pool():
+    """A burst outruns the decode worker's reports: admission counts the blocks promised to the
+    reservations it sent since (a prefill whose reservation is refused is computed twice). A
+    report's parked blocks are those same reservations, made: counted once."""
+    admission = cluster(free_blocks=40)
+    d = admission.registry.decode[0]
+    first = spec(prompt=320)   # 20 blocks
+    assert admission.decide(first).action is Action.ADMIT
+    promised = d.promise(320)
+    assert promised == 20 and d.free_blocks == 20
+    assert admission.decide(first).action is Action.ADMIT          # 20 more fit
+    d.promise(320)
+    decision = admission.decide(first)
+    assert decision.action is Action.QUEUE and decision.cause is Cause.KV_FULL   # best effort waits for room
+    ttft_bound = admission.decide(spec(prompt=320, ttft=0.5, tpot=0.05))
+    assert ttft_bound.action is Action.QUEUE and ttft_bound.cause is Cause.KV_FULL
+    # The decode worker reports both reservations made (parked): still 40 promised, none more free.
+    d.observe_stats(dataclasses.replace(d.stats, num_free_blocks=0, num_parked_blocks=40))
+    assert d.free_blocks == 0 and admission.decide(first).action is Action.QUEUE
+    d.keep_promise(promised, d.generation)   # one decodes now: its blocks are the report's (used)
+    d.observe_stats(dataclasses.replace(d.stats, num_free_blocks=0, num_parked_blocks=20))
+    assert d.free_blocks == 0
+    d.keep_promise(promised, d.generation + 1)   # a replaced actor's promise: not this one's
+    assert d.free_blocks == 0
+
+
+def test_a_best_effort_request_queued_for_room_is_woken_by_room_for_its_prompt():
+    """Queued best effort (no targets), only the prompt's blocks decide, as in ``decide``."""
+    admission = cluster(free_blocks=10, decode_running=1, decode_inflight=1)
+    d = admission.registry.decode[0]
+    s = spec(prompt=160, max_tokens=500)   # 10 prompt blocks; with max_tokens 42
+    assert admission._could_take(d, s)
+    d.promise(16)
+    assert not admission._could_take(d, s)
+
+
+def test_best_effort_on_a_colocated_worker_queues_in_its_engine_not_here():
+    """No prefill worker: no reservation to refuse, the engine queues what does not fit yet."""
+    registry = WorkerRegistry()
+    d = WorkerHandle("d0", "colocated", None, "n", "cpu", stats("d0", "colocated", decode_steps(), free=2, running=1))
+    registry.add(d)
+    admission = Admission(registry)
+    assert admission.decide(spec(prompt=320)).action is Action.ADMIT
+    assert admission._could_take(d, spec(prompt=320))

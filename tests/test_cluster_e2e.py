@@ -202,10 +202,11 @@ def test_health_and_reflection_are_served(disagg):
 
 
 def test_a_burst_past_the_decode_pool_waits_for_room_instead_of_failing(ray_session, hf_reference):
-    """Eight prompts at once into a decode pool that holds four: admission's view of the pool
-    is the decode worker's last report, which the reservations in flight outrun, so some are
-    refused for room. A full decode side queues, it does not refuse: those requests wait for
-    room and are served, equal to HF, and nothing leaks."""
+    """Eight prompts at once into a decode pool that holds four, and each grows past its prompt's
+    blocks as it decodes (the decode worker preempts): admission's view of the pool is the decode
+    worker's last report, which the burst outruns. A full decode side queues, it does not
+    refuse: those requests wait for room (in admission, or after a refused reservation) and are
+    served, equal to HF, and nothing leaks."""
     import random
 
     rng = random.Random(7)
@@ -213,9 +214,35 @@ def test_a_burst_past_the_decode_pool_waits_for_room_instead_of_failing(ray_sess
     cluster = start_cluster("disaggregated", decode_engine=EngineConfig(num_kv_blocks=24, block_size=16))
     try:
         results = asyncio.run(_concurrent(address(cluster), prompts, [20] * len(prompts)))
-        refused = cluster.cluster.metrics.handoffs.labels("reserve_refused")._value.get()
-        assert refused > 0, "no reservation was refused: the test proved nothing"
+        metrics = cluster.cluster.metrics
+        waited = metrics.admissions.labels("queue", "kv_full")._value.get() \
+            + metrics.handoffs.labels("reserve_refused")._value.get()
+        assert waited > 0, "no request waited for decode room: the test proved nothing"
         assert results == [hf_greedy(hf_reference, p, 20) for p in prompts]
+        assert cluster_leaks(cluster) == {}
+    finally:
+        cluster.stop()
+
+
+def test_a_burst_past_the_decode_pool_prefills_each_prompt_once(ray_session, hf_reference):
+    """The same burst, each request within its prompt's blocks (no growth, no preemption):
+    admission counts the blocks promised to the reservations it sent since the decode worker's
+    last report, so it sends no prefill whose reservation that worker would refuse (a refused
+    one computes the prompt again under a fresh id): none is refused, the prefill worker admits
+    each prompt once, outputs equal HF, nothing leaks."""
+    import random
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(90)] for _ in range(8)]   # 6 blocks each, with 6 tokens
+    cluster = start_cluster("disaggregated", decode_engine=EngineConfig(num_kv_blocks=24, block_size=16))
+    try:
+        results = asyncio.run(_concurrent(address(cluster), prompts, [6] * len(prompts)))
+        metrics = cluster.cluster.metrics
+        assert metrics.admissions.labels("queue", "kv_full")._value.get() > 0, "nothing waited: proved nothing"
+        assert metrics.handoffs.labels("reserve_refused")._value.get() == 0
+        prefill = cluster.cluster.registry.prefill[0]
+        assert prefill.stats.prefix_cache_query_tokens == sum(map(len, prompts)), "a prompt was prefilled twice"
+        assert results == [hf_greedy(hf_reference, p, 6) for p in prompts]
         assert cluster_leaks(cluster) == {}
     finally:
         cluster.stop()

@@ -309,3 +309,34 @@ def test_gauges_return_to_idle_after_a_kill_and_cancels(cluster, workload):
     stuck = {name: value for name, value in _worker_gauges(cluster).items() if value}
     assert not stuck, f"gauges stuck after the kill: {stuck}"
     assert cluster_leaks(cluster) == {}
+
+
+def test_cancels_after_a_kill_log_no_error_per_request(cluster, workload, caplog):
+    """The decode worker dies with every request decoding and their clients cancel: the death is
+    logged (by the components that saw it); the cancelled requests add no ERROR line each (gRPC
+    core's ExecuteBatchError for a write into a call the client already ended was an "internal
+    error" with a traceback; a first-token read left unretrieved was asyncio's "Task exception
+    was never retrieved")."""
+    import logging
+
+    prompts = workload[0]
+    decode = cluster.cluster.registry.get("decode-0")
+    restarts = decode.restarts
+
+    async def kill_and_cancel():
+        async with AsyncPdserveClient(address(cluster), timeout_s=120) as client:
+            streams = [client.generate(token_ids=p, max_tokens=100, ignore_eos=True) for p in prompts]
+            for stream in streams:
+                await stream.__anext__()   # every request is decoding
+            _kill(decode.pid)
+            for stream in streams:
+                await stream.aclose()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(kill_and_cancel())
+        _wait_ready(cluster, "decode-0", restarts + 1)
+        assert cluster_leaks(cluster) == {}
+    the_death = {"router.supervisor", "router.health", "router.streams"}
+    noisy = [f"{r.name}: {r.getMessage()[:300]}" for r in caplog.records
+             if r.levelno >= logging.ERROR and r.name not in the_death]
+    assert not noisy, noisy

@@ -159,3 +159,33 @@ def test_a_consumer_that_leaves_leaves_no_unretrieved_task_error(case):
 
     reported = asyncio.run(run())
     assert not reported, [c.get("message") for c in reported]
+
+
+def test_first_ahead_closed_after_the_stream_ended_leaves_no_unretrieved_error():
+    """The inbox's first token and the stream's end land together; the consumer closes after the
+    first token (a client that cancels): the stream's finished read (StopAsyncIteration, or an
+    error) is retrieved, not left for asyncio to log as 'Task exception was never retrieved'."""
+    import gc
+
+    errors = []
+
+    async def items():
+        if False:
+            yield None   # an empty stream: its first read ends it
+
+    async def run():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx["message"]))
+        early = asyncio.get_running_loop().create_future()
+        early.set_result(FirstToken("r", 5, None, None))
+        stream = first_ahead(items(), early)
+        await asyncio.sleep(0)   # nothing runs yet: an async generator starts on its first read
+        first = await anext(stream)
+        await asyncio.sleep(0.01)   # the stream's read ends meanwhile
+        await stream.aclose()
+        gc.collect()
+        await asyncio.sleep(0)
+        return first
+
+    assert asyncio.run(run()).token_id == 5
+    gc.collect()
+    assert errors == []

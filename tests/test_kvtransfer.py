@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import KVTransferError
+from engine.errors import KVTransferError, PeerLostError
 from engine.types import KVLayout
 from kvtransfer.blocks import block_runs, check_side, copy_blocks
 from kvtransfer.cache_alloc import allocate_kv_cache, attach_kv_cache, release_kv_cache
@@ -158,6 +158,23 @@ def test_shm_sender_drops_its_mapping_of_a_dead_workers_unlinked_pool():
     finally:
         release_kv_cache(old)
         release_kv_cache(new)
+
+
+def test_a_send_into_an_unlinked_pool_is_the_decode_worker_lost_not_a_failed_transfer():
+    """Only a decode worker's shutdown or the supervisor (after its death) unlinks its pool: a
+    hand-off that finds it gone lost its peer (the router migrates the request and counts the
+    death), it is no transfer failure (recomputed on that same, gone, worker)."""
+    path = shm_path()
+    allocate_kv_cache(LAYOUT, NUM_BLOCKS, shm_path=path)
+    sender, src = ShmSender(), random_blocks(NUM_BLOCKS, seed=5)
+    try:
+        sender.send(src, sender.bind(make_handle(transport="shm", locator=path), SRC_IDS))   # mapped
+        release_kv_cache(path)
+        for fresh in (sender, ShmSender()):   # mapped before, or never
+            with pytest.raises(PeerLostError, match="gone"):
+                fresh.send(src, fresh.bind(make_handle(transport="shm", locator=path), SRC_IDS))
+    finally:
+        release_kv_cache(path)
 
 
 # ---- transport choice and the fake ----------------------------------------------------------

@@ -19,6 +19,7 @@ from engine.request import Request
 from engine.types import KVLayout, RequestSpec, SamplingParams, TokenDelta
 from kvtransfer.handle import KVBlocksHandle
 from router import supervisor as supervisor_module
+from router.admission import Admission
 from router.migration import RequestMigration
 from router.registry import WorkerHandle, WorkerRegistry, WorkerState
 from router.supervisor import Supervisor
@@ -188,6 +189,31 @@ def test_supervisor_gives_up_past_max_restarts(monkeypatch):
 
     asyncio.run(run())
     assert worker.state is WorkerState.DEAD and not registry.can_serve
+
+
+def test_a_worker_lost_while_the_cluster_stops_is_down_not_ready():
+    """No replacement comes once the supervisor stops, yet the slot must not read as serving:
+    requests would migrate onto the dead actor until the migration limit, whose message then
+    blamed the limit. DEAD: admission says no decode worker is alive (or picks another)."""
+    registry = WorkerRegistry()
+    dead, other = WorkerHandle("d0", "decode", "a", "n", "cpu"), WorkerHandle("d1", "decode", "b", "n", "cpu")
+    registry.add(dead)
+    registry.add(other)
+    downs = []
+
+    async def run():
+        sup = Supervisor(registry, None, on_down=downs.append, on_ready=lambda w: None)
+        await sup.stop()
+        sup.worker_lost(WorkerLost(dead, 0, "killed at stop"))
+        sup.worker_lost(WorkerLost(other, 7, "a stale generation's report"))
+        assert not sup._tasks, "no restart while stopping"
+
+    asyncio.run(run())
+    assert dead.state is WorkerState.DEAD and downs == [dead]
+    assert other.alive and registry.alive("decode") == [other]
+    with pytest.raises(WorkerFailedError, match="no decode worker is alive"):
+        other.mark_dead()
+        Admission(registry).decide(RequestSpec("r", (1, 2), SamplingParams(max_tokens=2)))
 
 
 # ---------------------------------------------------------------- the reservation fence

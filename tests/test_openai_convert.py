@@ -259,6 +259,61 @@ def test_logprob_bytes_rebuild_characters_split_across_tokens():
     assert b"".join(bytes(e["top_logprobs"][0]["bytes"]) for e in entries) == "a 😀é".encode("utf-8")
 
 
+def _sentencepiece_tokenizer():
+    """Llama's word-leading-space rule (Metaspace), with SentencePiece's byte fallback pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", "."] + [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="first")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_text_offset_of_tokens_that_split_a_character():
+    """A byte-level token holding part of a character decodes to U+FFFD alone: adding up those
+    texts' lengths (vLLM's rule) puts every later offset past its token (here 'é' at 6 in a
+    5-character text). Offsets count the characters the tokens' bytes complete: a token inside a
+    character points at that character, and the next whole one where it starts in the text."""
+    tokenizer = _byte_level_tokenizer()
+    text = "a 😀é!"
+    ids = list(text.encode("utf-8"))     # a, space, 4 bytes of 😀, 2 of é, !
+    events = [_event(ids, text, FinishReason.STOP, tuple(-0.5 for _ in ids), Usage(1, len(ids)))]
+    lp = ResponseFormat(False, "c", "m", logprobs=True, tokenizer=tokenizer).whole(events)["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [0, 1, 2, 2, 2, 2, 3, 3, 4]
+    assert text[lp["text_offset"][-1]:] == "!"
+
+
+def test_text_offset_runs_on_across_streamed_chunks():
+    """Streamed, each chunk's offsets continue from the text already sent (vLLM's
+    ``initial_text_offset``): they index the whole completion, not the chunk."""
+    tokenizer = _byte_level_tokenizer()
+    fmt = ResponseFormat(False, "c", "m", logprobs=True, tokenizer=tokenizer)
+    chunks = [("ab", list(b"ab")), ("\u00e9", list("é".encode())), ("c", list(b"c"))]
+    offsets = []
+    for text, ids in chunks:
+        offsets += fmt.chunk(_event(ids, text, None, tuple(-0.5 for _ in ids)))["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [0, 1, 2, 2, 3]
+
+
+def test_text_offset_and_tokens_keep_sentencepiece_leading_spaces():
+    """A SentencePiece word token decodes alone without its leading space ("▁Paris" -> "Paris");
+    the completion's text has it. vLLM restores it from the vocabulary piece: the tokens join
+    into the text, and each offset is where its token starts. A byte-fallback piece is its byte."""
+    tokenizer = _sentencepiece_tokenizer()
+    pieces = ["▁capital", "▁is", "▁Paris", "<0xC3>", "<0xA9>", "."]
+    ids = tokenizer.convert_tokens_to_ids(pieces)
+    text = " capital is Parisé."
+    events = [_event(ids, text, FinishReason.STOP, tuple(-0.5 for _ in ids), Usage(1, len(ids)))]
+    fmt = ResponseFormat(False, "c", "m", logprobs=True, tokenizer=tokenizer)
+    lp = fmt.whole(events)["choices"][0]["logprobs"]
+    assert lp["tokens"][:3] == [" capital", " is", " Paris"]
+    assert lp["text_offset"] == [0, 8, 11, 17, 17, 18]
+    chat = ResponseFormat(True, "c", "m", logprobs=True, tokenizer=tokenizer).whole(events)
+    assert b"".join(bytes(e["bytes"]) for e in chat["choices"][0]["logprobs"]["content"]).decode() == text
+
+
 def test_stop_strings_are_trimmed_from_streamed_text():
     from router.stop_text import StopTextTrimmer
 

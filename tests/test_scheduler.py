@@ -195,6 +195,41 @@ def test_stop_string_spread_over_more_tokens_than_characters(stop, text):
     assert_empty(s)
 
 
+def _sentencepiece_tokenizer():
+    """A real HF fast tokenizer with SentencePiece's (Llama's) word-leading-space rule, built
+    locally: "▁Paris" decodes to "Paris" at the start of a text and to " Paris" after a word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", ".", "▁Par", "is", "▁a", "▁city"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.mark.parametrize("stop, output, num_out", [
+    (" Paris", ["▁Paris", ".", "▁a"], 1),                      # the very first generated token
+    (" Paris", ["▁a", "▁city", "▁Paris", "."], 3),            # later: the window had context already
+    ("is Paris", ["▁Paris", "."], None),                      # across the prompt: not the output's text
+    (" Par", ["▁Par", "is", "."], 1),
+])
+def test_stop_string_with_a_sentencepiece_leading_space(stop, output, num_out):
+    """The output's text is decoded with the prompt before it (the router's detokenizer does,
+    and so does vLLM): a first token "▁Paris" is " Paris" there. The engine's stop check must
+    see the same text, or a stop string the client sees is missed at the first token. A match
+    must still lie in the output alone."""
+    tokenizer = _sentencepiece_tokenizer()
+    s = make_scheduler(tokenizer=tokenizer)
+    prompt = tuple(tokenizer.convert_tokens_to_ids(["▁The", "▁capital", "▁is"]))
+    s.add(Request(RequestSpec("a", prompt, SamplingParams(max_tokens=len(output), stop=(stop,)))))
+    finished = _feed_until_finished(s, tokenizer.convert_tokens_to_ids(output))
+    expected = FinishReason.STOP if num_out else FinishReason.LENGTH
+    assert finished[0].finish_reason is expected
+    assert len(finished[0].output_token_ids) == (num_out or len(output))
+    assert_empty(s)
+
+
 def test_prefill_role_holds_blocks_until_released():
     s = make_scheduler(role=EngineRole.PREFILL)
     s.add(req("a", 10, max_tokens=5))

@@ -84,3 +84,53 @@ async def _burst(address: str, sent) -> collections.Counter:
     for client in clients:
         await client.close()
     return outcomes
+
+
+class _GoneContext:
+    """A Generate call whose client already left: gRPC core refuses every batch on it
+    (``ExecuteBatchError``), which grpc.aio logs at ERROR with a traceback when a handler lets
+    it out (one per request when a worker's death ends many requests whose clients cancel)."""
+
+    def __init__(self) -> None:
+        self.aborted = []
+
+    async def send_initial_metadata(self, metadata) -> None:
+        return None
+
+    async def write(self, message) -> None:
+        from grpc._cython import cygrpc
+
+        raise cygrpc.ExecuteBatchError('Failed "execute_batch": (SendMessageOperation,)')
+
+    async def abort(self, code, details="") -> None:
+        from grpc._cython import cygrpc
+
+        self.aborted.append(code)
+        raise cygrpc.ExecuteBatchError('Failed "execute_batch": (SendStatusFromServerOperation,)')
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return True
+
+
+def test_a_write_into_a_call_the_client_ended_is_no_error(caplog):
+    """The handler sees the client gone (its write refused), logs it once at DEBUG and ends;
+    nothing is aborted into the dead call and no error leaves the handler for gRPC to log."""
+    import logging
+
+    from router.client import build_request
+    from router.convert import ServerDefaults
+    from router.server import PdserveServicer, ServerInfo
+    from tests.conftest import ByteTokenizer
+
+    servicer = PdserveServicer(OneTokenOrchestrator(), ByteTokenizer(),
+                               ServerDefaults(max_model_len=4096, vocab_size=300, limits=ServerLimits()),
+                               ServerInfo("fake", "colocated", 16))
+    context = _GoneContext()
+    with caplog.at_level(logging.DEBUG, logger="router.server"):
+        asyncio.run(servicer.Generate(build_request(token_ids=[5, 6], max_tokens=1), context))
+    assert context.aborted == []
+    lines = [r for r in caplog.records if r.name == "router.server"]
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG and lines[0].exc_info is None

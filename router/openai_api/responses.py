@@ -15,6 +15,7 @@ N + 1 entries).
 
 from __future__ import annotations
 
+import codecs
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class ResponseFormat:
     token_bytes: TokenBytes | None = None   # the tokenizer's; made from it when not given
     created: int = field(default_factory=lambda: int(time.time()))
     _role_sent: bool = False
+    _num_chars: int = 0   # characters the tokens so far complete (``text_offset``)
+    _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def __post_init__(self) -> None:
         if self.logprobs and self.token_bytes is None:
@@ -110,12 +113,22 @@ class ResponseFormat:
         if self.chat:
             return {"content": [self._entry(t, lp) | {"top_logprobs": [self._entry(i, v) for i, v in top]}
                                 for t, lp, top in zip(token_ids, values, tops)]}
-        offsets, at = [], 0
-        for tok in tokens:
-            offsets.append(at)
-            at += len(tok)
         top_maps = [{self._token_text(t): v for t, v in top} | {tok: lp} for tok, lp, top in zip(tokens, values, tops)]
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps,
+                "text_offset": self._text_offsets(token_ids, tokens)}
+
+    def _text_offsets(self, token_ids: Sequence[int], tokens: Sequence[str]) -> list[int]:
+        """Where each token starts in the completion's text, counted across the whole response
+        (a streamed chunk's continue from the text already sent: vLLM's ``initial_text_offset``).
+        Counted in the characters the tokens' bytes complete, not in their texts' lengths: a
+        token inside a character (byte-level BPE spells an emoji in several) decodes alone to
+        U+FFFD, and adding those up (vLLM's rule) pushes every later offset past its token; here
+        it points at its character's start."""
+        offsets = []
+        for token_id, text in zip(token_ids, tokens):
+            offsets.append(self._num_chars)
+            self._num_chars += len(self._utf8.decode(self.token_bytes(token_id, text)))
+        return offsets
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self._token_text(token_id)
@@ -124,7 +137,7 @@ class ResponseFormat:
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.token_bytes.text(token_id, self.tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 LOWEST_LOGPROB = -9999.0   # vLLM's floor for the same reason

@@ -7,7 +7,8 @@ spells "😀" in three tokens) decodes to U+FFFD, whose bytes (EF BF BD) rebuild
 bytes come from the token's vocabulary piece instead:
   - byte-level BPE (GPT-2's scheme; the tokenizer's decoder is ``tokenizers``' ``ByteLevel``):
     each character of the piece stands for one byte (transformers' ``bytes_to_unicode`` table);
-  - SentencePiece byte fallback: a piece ``<0xF0>`` is that byte;
+  - SentencePiece byte fallback: a piece ``<0xF0>`` is that byte; a word piece ``▁Paris`` is
+    " Paris" (decoded alone its leading space is stripped);
   - anything else (special tokens, tokenizers without a vocabulary, the tests' fakes): the bytes
     of the token's decoded text, which is whole there.
 
@@ -22,6 +23,7 @@ import re
 from typing import Any
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+SPACE_MARKER = "\u2581"   # SentencePiece's word-leading space in vocabulary pieces
 
 
 class TokenBytes:
@@ -46,7 +48,20 @@ class TokenBytes:
             return bytes([int(byte.group(1), 16)])
         if self._from_char and all(ch in self._from_char for ch in piece):
             return bytes(self._from_char[ch] for ch in piece)
+        if SPACE_MARKER in piece:   # a SentencePiece word piece: its marker is a space in the text
+            return piece.replace(SPACE_MARKER, " ").encode("utf-8")
         return None   # a special or added token: its text is whole
+
+    def text(self, token_id: int, decoded: str) -> str:
+        """The token's text as it reads inside a text: ``decoded`` (the token decoded alone) with
+        the leading spaces a SentencePiece decoder strips at a text's start put back from its
+        vocabulary piece, as vLLM does ("▁Paris" decodes alone to "Paris")."""
+        convert = getattr(self._tokenizer, "convert_ids_to_tokens", None)
+        piece = convert(token_id) if convert is not None and not self._from_char else None
+        if not isinstance(piece, str) or not piece.startswith(SPACE_MARKER):
+            return decoded
+        missing = (len(piece) - len(piece.lstrip(SPACE_MARKER))) - (len(decoded) - len(decoded.lstrip(" ")))
+        return " " * missing + decoded if missing > 0 else decoded
 
 
 def _byte_level_table(tokenizer: Any | None) -> dict[str, int]:
