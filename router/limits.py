@@ -1,7 +1,8 @@
 """What one client may ask of the server: the limits that keep one request from hurting others.
 
 Every limit is a server option (``pdserve serve`` flags, ``ServerLimits`` in ``ServerDefaults``)
-with a default sized for a public endpoint, and is reported in ``ServerInfo.limits``. The checks
+with a default sized for a public endpoint, and is reported in ``ServerInfo.limits`` (but
+``http_receive_timeout_s``: the HTTP door's own, nothing a gRPC client can act on). The checks
 that need only the request message (``check_request``) run before any tokenizer sees the prompt,
 so a huge prompt costs its bytes and nothing more. A request past a limit is refused with
 INVALID_ARGUMENT naming the field; load limits (concurrent streams, admission queue, a stream
@@ -46,6 +47,10 @@ class ServerLimits:
     # gRPC's own cap on one incoming message: room for a max_prompt_bytes prompt plus its
     # framing, and for token_ids prompts (an id is up to 10 bytes on the wire).
     max_receive_message_bytes: int = _limit(4 * MIB, "gRPC's cap on one incoming message")
+    # HTTP only (gRPC's calls have the client's deadline and core's keepalive): a request head
+    # that never ends holds a file descriptor, a body that stalls one of the places for bodies.
+    http_receive_timeout_s: float = _limit(60.0, "seconds an HTTP request's head, then its body, may take to "
+                                                 "arrive: a late head closes the connection, a late body gets 408")
     max_concurrent_streams: int = _limit(256, "live Generate calls; more get RESOURCE_EXHAUSTED at once")
     max_queued_requests: int = _limit(128, "requests waiting in admission; more get RESOURCE_EXHAUSTED at once")
     max_pending_tokens: int = _limit(4096, "tokens a stream's reader may leave unread before it is cancelled")
@@ -65,7 +70,7 @@ class ServerLimits:
         for name in _COUNTS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("min_ttft_ms", "min_tpot_ms"):
+        for name in ("min_ttft_ms", "min_tpot_ms", "http_receive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:

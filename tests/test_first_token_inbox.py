@@ -117,6 +117,50 @@ def test_errors_and_closing_pass_through():
     assert seen == [FIRST] and plain == [FIRST, RESULT] and passthrough == [FIRST, RESULT]
 
 
+async def _ends_when_cancelled():
+    """A stream that ends (rather than raising CancelledError) when its pending read is
+    cancelled, as a Ray streaming call's can: that read's task finishes with StopAsyncIteration."""
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        return
+    yield FIRST
+
+
+@pytest.mark.parametrize("case", ["stream ends as it is cancelled", "stream failed unread"])
+def test_a_consumer_that_leaves_leaves_no_unretrieved_task_error(case):
+    """A client's deadline or disconnect closes ``first_ahead`` while the stream's read is pending
+    or already over; whatever that read ended with is nobody's to handle, and must not reach the
+    loop's handler as "Task exception was never retrieved" (an ERROR line per cancelled request
+    in a deadline storm)."""
+    import gc
+
+    async def run():
+        reported = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
+        early = asyncio.get_running_loop().create_future()
+        if case == "stream ends as it is cancelled":
+            items = first_ahead(_ends_when_cancelled(), early)
+            reader = asyncio.ensure_future(anext(items))
+            await asyncio.sleep(0.01)
+            reader.cancel()   # the client's deadline
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        else:
+            early.set_result(FIRST)   # the inbox's copy, and the stream's failure, in one wait
+            items = first_ahead(_stream([], None, RuntimeError("worker lost")), early)
+            await asyncio.sleep(0)
+            assert await anext(items) == FIRST
+        await items.aclose()
+        del items
+        gc.collect()
+        await asyncio.sleep(0)
+        return reported
+
+    reported = asyncio.run(run())
+    assert not reported, [c.get("message") for c in reported]
+
+
 def test_first_ahead_closed_after_the_stream_ended_leaves_no_unretrieved_error():
     """The inbox's first token and the stream's end land together; the consumer closes after the
     first token (a client that cancels): the stream's finished read (StopAsyncIteration, or an

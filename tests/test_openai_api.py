@@ -89,6 +89,16 @@ def test_models_and_health(cluster, model_name):
         cluster.run(cluster.cluster.health.update(True))
 
 
+def test_one_model_is_retrieved_by_name_and_an_unknown_one_is_404(cluster, model_name):
+    """``GET /v1/models/{model}`` (the openai package's ``models.retrieve``, which clients call to
+    check a model exists): the served model's object as /v1/models lists it; another name: 404
+    in OpenAI's shape, naming the parameter."""
+    client = client_for(cluster)
+    assert client.models.retrieve(model_name) == client.models.list().data[0]
+    err = _error(lambda: client.models.retrieve("gpt-4o"))
+    assert isinstance(err, openai.NotFoundError) and err.body["param"] == "model" and "gpt-4o" in err.body["message"]
+
+
 def test_greedy_completion_equals_grpc_and_hf(cluster, model_name, hf_reference):
     prompt = [7, 8, 9, 10, 11, 12]
     ref = hf_greedy(hf_reference, prompt, 12)

@@ -47,6 +47,36 @@ def test_unset_parameters_stay_unset_so_the_server_defaults_apply():
     assert param_for("sampling.top_logprobs", chat=True) == "top_logprobs"
 
 
+def test_null_is_a_parameter_left_out_as_openais_schema_makes_it():
+    """OpenAI's schema makes every optional parameter nullable ("n": integer or null, "stream":
+    boolean or null, ...); clients that write unset fields as null (the openai package leaves
+    them out, others do not) get the defaults, not a 400."""
+    chat_nulls = {"n": None, "stream": None, "stream_options": None, "logprobs": None, "top_logprobs": None,
+                  "max_tokens": None, "max_completion_tokens": None, "temperature": None, "top_p": None,
+                  "seed": None, "stop": None, "presence_penalty": None, "frequency_penalty": None,
+                  "logit_bias": None, "tools": None, "response_format": None, "user": None}
+    messages = [{"role": "user", "content": "x", "name": None}]
+    plain = chat_request(parse(ChatCompletionRequest, {"messages": messages}), None)
+    assert chat_request(parse(ChatCompletionRequest, {"messages": messages, **chat_nulls}), None) == plain
+    req = parse(ChatCompletionRequest, {"messages": messages, "stream": True, "stream_options": {"include_usage": None}})
+    assert req.stream and not req.stream_options.include_usage
+    cmpl_nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "best_of": None, "suffix": None,
+                  "max_tokens": None, "seed": None, "stop": None}
+    assert (completion_request(parse(CompletionRequest, {"prompt": "x", **cmpl_nulls}), None)
+            == completion_request(parse(CompletionRequest, {"prompt": "x"}), None))
+    with pytest.raises(InvalidRequestError) as err:   # a required one stays required
+        parse(CompletionRequest, {"prompt": None})
+    assert err.value.field == "prompt"
+
+
+def test_the_developer_role_is_openais_new_name_for_system():
+    """OpenAI's chat API names the instructions' role "developer" (the openai package types it;
+    newer clients send it in place of "system"): the model's chat template gets a system turn."""
+    msg = chat_request(parse(ChatCompletionRequest, {"messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "x"}]}), None)
+    assert [(m.role, m.content) for m in msg.chat.messages] == [("system", "be brief"), ("user", "x")]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 3}, "n"),
     ({"prompt": "x", "echo": True}, "echo"),

@@ -31,6 +31,7 @@ REFUSED = [
     ("--max-concurrent-streams 0", "max_concurrent_streams must be >= 1"),
     ("--max-queued-requests -1", "max_queued_requests must be >= 1"),
     ("--min-ttft-ms 0", "min_ttft_ms must be > 0"),
+    ("--http-receive-timeout-s 0", "http_receive_timeout_s must be > 0"),
     ("--block-size 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
 ]
 

@@ -1,17 +1,21 @@
 """The FastAPI app: routes, bearer-token auth, the request body's size cap, OpenAI error bodies.
 
-Every route but ``GET /health`` needs ``Authorization: Bearer <token>`` when the router has a
-token (the same token and the same constant-time check as gRPC: ``router.auth.check_bearer``);
-``/health`` stays open, like grpc.health.v1, and follows it: 200 while a serving path exists,
-503 otherwise. A body is read up to ``max_receive_message_bytes`` (gRPC's cap on one message)
-and refused past it before it is parsed; at most ``max_concurrent_streams`` bodies are received
-at once (429 past it). The client's ``X-Request-Id`` header is the request's
-label (one live request per label: 409 otherwise), echoed in the response's ``id``; the
-router's own id never leaves it. Every error, our own bugs' too, is a body in OpenAI's shape.
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and one model by name
+(``/v1/models/{model}``; a name may hold slashes), ``/health``. Every route but ``GET /health``
+needs ``Authorization: Bearer <token>`` when the router has a token (the same token and the same
+constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays open, like
+grpc.health.v1, and follows it: 200 while a serving path exists, 503 otherwise. A body is read up
+to ``max_receive_message_bytes`` (gRPC's cap on one message) and refused past it before it is
+parsed; at most ``max_concurrent_streams`` bodies are received at once (429 past it), each within
+``http_receive_timeout_s`` (408 past it); a client that leaves mid-body is no error. The client's
+``X-Request-Id`` header is the request's label (one live request per label: 409 otherwise), echoed
+in the response's ``id``; the router's own id never leaves it. Every error, our own bugs' too, is
+a body in OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,8 +23,9 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.errors import CapacityError, InvalidRequestError
 from router.auth import check_bearer
@@ -50,9 +55,11 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     api = _Api(core, health, config)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, api.internal_error)
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     return app
@@ -60,6 +67,12 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client left while its body was arriving: no request was made, no one reads an answer."""
+    logger.debug("client left before its request body was complete")
+    return Response(status_code=499)   # nginx's "client closed request": never sent, for the record
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -81,9 +94,13 @@ class _Api:
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.config.model, "object": "model", "created": self._created, "owned_by": "pdserve",
-            "max_model_len": self.config.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request, model: str) -> JSONResponse:
+        """One model by name (the openai package's ``models.retrieve``)."""
+        self._authorize(request)
+        self._check_model(model)
+        return JSONResponse(self._model_object())
 
     async def chat(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, ChatCompletionRequest)
@@ -120,10 +137,18 @@ class _Api:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise self._bad("body", f"not valid JSON: {exc}") from None
         req = self._checked(parse, model, data)
-        if req.model is not None and req.model != self.config.model:
-            raise errors.not_found(f"the model {req.model!r} does not exist; this server serves "
-                                   f"{self.config.model!r}", "model")
+        if req.model is not None:
+            self._check_model(req.model)
         return req, request.headers.get(REQUEST_ID_HEADER)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.config.model:
+            raise errors.not_found(f"the model {name!r} does not exist; this server serves "
+                                   f"{self.config.model!r}", "model")
+
+    def _model_object(self) -> dict:
+        return {"id": self.config.model, "object": "model", "created": self._created, "owned_by": "pdserve",
+                "max_model_len": self.config.max_model_len}
 
     async def _body(self, request: Request) -> bytes:
         limit = self.core.limits.max_receive_message_bytes
@@ -132,14 +157,18 @@ class _Api:
             raise errors.too_large(int(declared), limit)
         self._check_receiving()
         self._receiving += 1
+        timeout_s = self.core.limits.http_receive_timeout_s
         try:
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise errors.too_large(size, limit)
-                chunks.append(chunk)
+            async with asyncio.timeout(timeout_s):   # a stalled upload gives its place up
+                chunks, size = [], 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise errors.too_large(size, limit)
+                    chunks.append(chunk)
             return b"".join(chunks)
+        except TimeoutError:
+            raise errors.body_timeout(timeout_s) from None
         finally:
             self._receiving -= 1
 

@@ -5,6 +5,7 @@ HTTP status. The words and the decision which kind of error it is come from ``ro
   400 invalid_request_error   bad input (``param`` names the OpenAI parameter)
   401 authentication_error    missing or wrong bearer token
   404 not_found_error         an unknown model or path
+  408 invalid_request_error   a body that did not arrive within ``--http-receive-timeout-s``
   409 conflict_error          an ``X-Request-Id`` already live (gRPC: ALREADY_EXISTS)
   413 invalid_request_error   a body over ``--max-receive-message-bytes``
   429 rate_limit_error        admission refused it (the message carries the predicted TTFT),
@@ -74,3 +75,8 @@ def not_found(message: str, param: str | None = None) -> ApiError:
 def too_large(size: int, limit: int) -> ApiError:
     return ApiError(413, f"request body is over {limit} bytes (max_receive_message_bytes)",
                     "invalid_request_error", None, "request_too_large")
+
+
+def body_timeout(timeout_s: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive within {timeout_s:g} s (http_receive_timeout_s)",
+                    "invalid_request_error", None, "request_timeout")

@@ -1,8 +1,10 @@
 """The request bodies of the OpenAI API as pydantic models: what a client may send.
 
 Unknown fields are ignored (clients send ``user``, ``metadata`` and the like, which change
-nothing here), as vLLM does; known fields this server cannot honour are refused by
-``requests.py`` with a 400 that names them, never silently dropped. Beside OpenAI's fields,
+nothing here), as vLLM does; a field sent as ``null`` is a field left out (OpenAI's schema makes
+every optional parameter nullable, and many clients write unset fields as null); known fields
+this server cannot honour are refused by ``requests.py`` with a 400 that names them, never
+silently dropped. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 def _utf8(text: str) -> str:
@@ -38,6 +40,14 @@ Text = Annotated[str, AfterValidator(_utf8)]                 # proto strings are
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """``"n": null`` is ``n`` left out: its default applies (a required field stays required)."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class StreamOptions(_Body):

@@ -4,8 +4,9 @@ messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the cl
 
 What is refused here (a 400 naming the parameter): ``n`` / ``best_of`` > 1, ``echo``,
 ``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
-text, a batch of prompts, content parts that are not text. Logprobs as OpenAI defines them:
-chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
+text, a batch of prompts, content parts that are not text. The ``developer`` role (OpenAI's
+newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
+OpenAI defines them: chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
 logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
 request's ``sampling.top_logprobs``). A parameter
 left out takes the server's default, as over gRPC (temperature: greedy; max_tokens: the
@@ -25,6 +26,7 @@ from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, Compl
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+_ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the instructions' role
 _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's "not a <type>" errors
 
 
@@ -89,7 +91,7 @@ def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
             _refuse(part.type == "text" and part.text is not None, f"messages[{i}].content[{j}]",
                     f"only text content parts are supported, got {part.type!r}")
         content = "".join(part.text for part in content)
-    return pb.ChatMessage(role=m.role, content=content or "")
+    return pb.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=content or "")
 
 
 def completion_request(req: CompletionRequest, label: str | None) -> pb.GenerateRequest:

@@ -6,7 +6,8 @@ when it has a certificate (the same certificate, client CA for mTLS, and bearer 
 gRPC port; a bad one fails here, before any socket exists), binds the socket itself (so port 0
 gives a free port known at once, without waiting for uvicorn to report), and runs
 ``uvicorn.Server.serve`` as a task, which owns the socket from then on (closed when the task
-ends, however it ends); ``stop`` asks it to exit (open streams get ``GRACE_S`` to finish, then
+ends, however it ends), on h11 with a deadline on each request head (``_HeadDeadlineProtocol``);
+``stop`` asks it to exit (open streams get ``GRACE_S`` to finish, then
 are cancelled, which aborts their requests) and waits for the task. uvicorn's own signal handling is turned off: pdserve
 serve owns SIGINT / SIGTERM. uvicorn wakes every 0.1 s to check for exit (its design, not ours).
 """
@@ -15,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.security import ServerSecurity
 
@@ -33,6 +37,42 @@ class _EmbeddedServer(uvicorn.Server):
         yield   # the process's signals are pdserve's (deploy/cli.py), not uvicorn's
 
 
+class _HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head. uvicorn closes an idle
+    connection only after a response (its keep-alive timeout, disarmed by any byte): one that
+    never completes a request head (opened and left, or a head begun and stopped: slowloris)
+    stays open for good, each holding a file descriptor of the router's process, which its gRPC
+    port and Ray share. Here a head must be complete within ``head_timeout_s`` of the connection
+    or of the last response, else the connection is closed (there is no request to answer)."""
+
+    def __init__(self, *args, head_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_late)
+
+    def _head_late(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():   # no request begun
+            self.transport.close()
+
+
 def openai_server(core, health, model: str, max_model_len: int, host: str, port: int,
                   security: ServerSecurity | None = None) -> HttpServer:
     """The OpenAI-compatible API over ``core`` (the gRPC servicer's own request path: limits,
@@ -42,12 +82,14 @@ def openai_server(core, health, model: str, max_model_len: int, host: str, port:
 
     security = security or ServerSecurity()
     app = build_app(core, health, ApiConfig(model, max_model_len, security.auth_token))
-    return HttpServer(app, host, port, security)
+    return HttpServer(app, host, port, security, head_timeout_s=core.limits.http_receive_timeout_s)
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, security: ServerSecurity | None = None) -> None:
+    def __init__(self, app, host: str, port: int, security: ServerSecurity | None = None,
+                 head_timeout_s: float = 60.0) -> None:
         self.app, self.host, self.requested_port = app, host, port
+        self.head_timeout_s = head_timeout_s
         self.security = security or ServerSecurity()
         self.port: int | None = None
         self._server: _EmbeddedServer | None = None
@@ -58,7 +100,8 @@ class HttpServer:
         sock = _bind(self.host, self.requested_port)
         try:
             self.port = sock.getsockname()[1]
-            config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+            protocol = functools.partial(_HeadDeadlineProtocol, head_timeout_s=self.head_timeout_s)
+            config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", http=protocol,
                                     timeout_graceful_shutdown=GRACE_S, server_header=False)
             config.load()
             config.ssl = ssl_context
