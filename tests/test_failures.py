@@ -284,11 +284,9 @@ def _worker_gauges(cluster: ClusterThread) -> dict[str, float]:
             if any(line.startswith(f"pdserve_worker_{n}{{") for n in names)}
 
 
-def test_gauges_return_to_idle_after_a_kill_and_cancels(cluster, workload):
-    """The decode worker dies with every request decoding and their clients cancel at once: no
-    request reaches the replacement, which stays idle. The load gauges must not keep showing
-    the dead process's last report (running requests, KV in use) for as long as nothing runs."""
-    prompts = workload[0]
+def _kill_decode_and_cancel(cluster, prompts) -> None:
+    """Every prompt decoding, the decode worker SIGKILLed, every client cancels; returns once
+    the replacement is ready."""
     decode = cluster.cluster.registry.get("decode-0")
     restarts = decode.restarts
 
@@ -303,6 +301,13 @@ def test_gauges_return_to_idle_after_a_kill_and_cancels(cluster, workload):
 
     asyncio.run(kill_and_cancel())
     _wait_ready(cluster, "decode-0", restarts + 1)
+
+
+def test_gauges_return_to_idle_after_a_kill_and_cancels(cluster, workload):
+    """The decode worker dies with every request decoding and their clients cancel at once: no
+    request reaches the replacement, which stays idle. The load gauges must not keep showing
+    the dead process's last report (running requests, KV in use) for as long as nothing runs."""
+    _kill_decode_and_cancel(cluster, workload[0])
     deadline = time.monotonic() + 10   # before the leak check: its calls make workers report
     while any(_worker_gauges(cluster).values()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -319,22 +324,8 @@ def test_cancels_after_a_kill_log_no_error_per_request(cluster, workload, caplog
     was never retrieved")."""
     import logging
 
-    prompts = workload[0]
-    decode = cluster.cluster.registry.get("decode-0")
-    restarts = decode.restarts
-
-    async def kill_and_cancel():
-        async with AsyncPdserveClient(address(cluster), timeout_s=120) as client:
-            streams = [client.generate(token_ids=p, max_tokens=100, ignore_eos=True) for p in prompts]
-            for stream in streams:
-                await stream.__anext__()   # every request is decoding
-            _kill(decode.pid)
-            for stream in streams:
-                await stream.aclose()
-
     with caplog.at_level(logging.INFO):
-        asyncio.run(kill_and_cancel())
-        _wait_ready(cluster, "decode-0", restarts + 1)
+        _kill_decode_and_cancel(cluster, workload[0])
         assert cluster_leaks(cluster) == {}
     the_death = {"router.supervisor", "router.health", "router.streams"}
     noisy = [f"{r.name}: {r.getMessage()[:300]}" for r in caplog.records

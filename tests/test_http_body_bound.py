@@ -12,6 +12,7 @@ the slow clients are raw sockets."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -51,33 +52,48 @@ async def _listening(port: int) -> None:
     raise AssertionError("the HTTP server never listened")
 
 
-async def _scenario() -> None:
+@contextlib.asynccontextmanager
+async def _door(**limits):
+    """A real uvicorn HTTP door over a core with no cluster behind it; yields its port."""
     core = GenerationCore(None, None, ServerDefaults(max_model_len=64, vocab_size=100,
-                                                     limits=ServerLimits(max_concurrent_streams=CAP)))
+                                                     limits=ServerLimits(max_concurrent_streams=CAP, **limits)))
     server = openai_server(core, ServingHealth(), "m", 64, "127.0.0.1", 0)
     port = await server.start()
     await _listening(port)
-    slow = []
     try:
-        for _ in range(CAP):   # uploads that announce 1,000 bytes and send one
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(HEAD.format(length=1000).encode() + b"{")
-            await writer.drain()
-            slow.append((reader, writer))
-        await asyncio.sleep(0.3)   # the server is receiving both
-        status, body = await _request(port, b'{"prompt": "hi"}')
-        assert status == 429, (status, body)
-        assert body["error"]["type"] == "rate_limit_error" and "max_concurrent_streams" in body["error"]["message"]
-        for _, writer in slow:
-            writer.close()
-        await asyncio.sleep(0.3)
-        status, body = await _request(port, b"{not json")   # read again: refused for what it holds
-        assert status == 400 and "not valid JSON" in body["error"]["message"], (status, body)
+        yield port
     finally:
-        for _, writer in slow:
-            writer.close()
         await server.stop()
         core.close()
+
+
+async def _stalled_uploads(port: int) -> list:
+    """CAP uploads that announce 1,000 bytes, send one, and stall: (reader, writer) each."""
+    slow = []
+    for _ in range(CAP):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(HEAD.format(length=1000).encode() + b"{")
+        await writer.drain()
+        slow.append((reader, writer))
+    return slow
+
+
+async def _scenario() -> None:
+    async with _door() as port:
+        slow = await _stalled_uploads(port)
+        try:
+            await asyncio.sleep(0.3)   # the server is receiving both
+            status, body = await _request(port, b'{"prompt": "hi"}')
+            assert status == 429, (status, body)
+            assert body["error"]["type"] == "rate_limit_error" and "max_concurrent_streams" in body["error"]["message"]
+            for _, writer in slow:
+                writer.close()
+            await asyncio.sleep(0.3)
+            status, body = await _request(port, b"{not json")   # read again: refused for what it holds
+            assert status == 400 and "not valid JSON" in body["error"]["message"], (status, body)
+        finally:
+            for _, writer in slow:
+                writer.close()
 
 
 def test_bodies_received_at_once_are_bounded():
@@ -85,34 +101,23 @@ def test_bodies_received_at_once_are_bounded():
 
 
 async def _stalled_uploads_time_out() -> None:
-    limits = ServerLimits(max_concurrent_streams=CAP, http_receive_timeout_s=1.0)
-    core = GenerationCore(None, None, ServerDefaults(max_model_len=64, vocab_size=100, limits=limits))
-    server = openai_server(core, ServingHealth(), "m", 64, "127.0.0.1", 0)
-    port = await server.start()
-    await _listening(port)
-    slow = []
-    try:
-        for _ in range(CAP):   # uploads that announce 1,000 bytes, send one, and stall
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(HEAD.format(length=1000).encode() + b"{")
-            await writer.drain()
-            slow.append((reader, writer))
-        await asyncio.sleep(0.3)
-        status, _ = await _request(port, b'{"prompt": "hi"}')
-        assert status == 429, "both places are taken by the stalled uploads"
-        for reader, _ in slow:   # answered by the server, while the clients still hold their sockets
-            raw = await asyncio.wait_for(reader.read(), 10)
-            head, _, payload = raw.partition(b"\r\n\r\n")
-            assert int(head.split()[1]) == 408, raw[:200]
-            error = json.loads(payload)["error"]
-            assert error["type"] == "invalid_request_error" and "http_receive_timeout_s" in error["message"], error
-        status, body = await _request(port, b"{not json")   # the places are free again
-        assert status == 400 and "not valid JSON" in body["error"]["message"], (status, body)
-    finally:
-        for _, writer in slow:
-            writer.close()
-        await server.stop()
-        core.close()
+    async with _door(http_receive_timeout_s=1.0) as port:
+        slow = await _stalled_uploads(port)
+        try:
+            await asyncio.sleep(0.3)
+            status, _ = await _request(port, b'{"prompt": "hi"}')
+            assert status == 429, "both places are taken by the stalled uploads"
+            for reader, _ in slow:   # answered by the server, while the clients still hold their sockets
+                raw = await asyncio.wait_for(reader.read(), 10)
+                head, _, payload = raw.partition(b"\r\n\r\n")
+                assert int(head.split()[1]) == 408, raw[:200]
+                error = json.loads(payload)["error"]
+                assert error["type"] == "invalid_request_error" and "http_receive_timeout_s" in error["message"], error
+            status, body = await _request(port, b"{not json")   # the places are free again
+            assert status == 400 and "not valid JSON" in body["error"]["message"], (status, body)
+        finally:
+            for _, writer in slow:
+                writer.close()
 
 
 def test_an_upload_that_stalls_is_408_and_gives_its_place_up():
@@ -120,12 +125,7 @@ def test_an_upload_that_stalls_is_408_and_gives_its_place_up():
 
 
 async def _client_leaves_mid_body() -> None:
-    core = GenerationCore(None, None, ServerDefaults(max_model_len=64, vocab_size=100,
-                                                     limits=ServerLimits(max_concurrent_streams=CAP)))
-    server = openai_server(core, ServingHealth(), "m", 64, "127.0.0.1", 0)
-    port = await server.start()
-    await _listening(port)
-    try:
+    async with _door() as port:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(HEAD.format(length=1000).encode() + b"{")
         await writer.drain()
@@ -134,9 +134,6 @@ async def _client_leaves_mid_body() -> None:
         await asyncio.sleep(0.3)
         status, body = await _request(port, b"{not json")
         assert status == 400, (status, body)
-    finally:
-        await server.stop()
-        core.close()
 
 
 def test_a_client_that_leaves_mid_body_is_no_error_of_ours(caplog):
@@ -154,12 +151,7 @@ async def _closed_by_server(reader: asyncio.StreamReader, within_s: float) -> bo
 
 
 async def _heads_that_never_arrive() -> None:
-    limits = ServerLimits(max_concurrent_streams=CAP, http_receive_timeout_s=0.5)
-    core = GenerationCore(None, None, ServerDefaults(max_model_len=64, vocab_size=100, limits=limits))
-    server = openai_server(core, ServingHealth(), "m", 64, "127.0.0.1", 0)
-    port = await server.start()
-    await _listening(port)
-    try:
+    async with _door(http_receive_timeout_s=0.5) as port:
         silent = await asyncio.open_connection("127.0.0.1", port)            # opened, nothing sent
         partial = await asyncio.open_connection("127.0.0.1", port)           # a head begun, never ended
         partial[1].write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n")
@@ -173,9 +165,6 @@ async def _heads_that_never_arrive() -> None:
             writer.close()
         status, body = await _request(port, b"{not json")   # a request that comes whole is served
         assert status == 400, (status, body)
-    finally:
-        await server.stop()
-        core.close()
 
 
 def test_a_request_head_that_does_not_arrive_in_time_closes_its_connection():
