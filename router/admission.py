@@ -699,11 +699,10 @@ def _has_prompt_room(w: WorkerHandle, spec: RequestSpec) -> bool:
     beside the reservations already promised there (``WorkerHandle.free_blocks``)."""
     if w.stats is None:
         return True
-    return -(-len(spec.prompt_token_ids) // w.stats.block_size) <= w.free_blocks
+    return w.blocks_for(len(spec.prompt_token_ids)) <= w.free_blocks
 
 
 def _has_kv_room(w: WorkerHandle, spec: RequestSpec) -> bool:
     if w.stats is None:
         return True
-    need = -(-(len(spec.prompt_token_ids) + spec.sampling.max_tokens) // w.stats.block_size)
-    return need <= w.free_blocks
+    return w.blocks_for(len(spec.prompt_token_ids) + spec.sampling.max_tokens) <= w.free_blocks

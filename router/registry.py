@@ -140,7 +140,7 @@ class WorkerHandle:
     def promise(self, num_prompt_tokens: int) -> int:
         """A prefill is sent whose KV will ask this decode worker for its prompt's blocks: counted
         from now until the request decodes here (``keep_promise``). Returns the blocks promised."""
-        blocks = -(-num_prompt_tokens // self.stats.block_size) if self.stats is not None else 0
+        blocks = self.blocks_for(num_prompt_tokens)
         self.promised_blocks += blocks
         return blocks
 
@@ -149,6 +149,10 @@ class WorkerHandle:
         on) or it ended; ``generation``: the actor it was made to (a replacement holds none)."""
         if generation == self.generation:
             self.promised_blocks -= blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks ``num_tokens`` take in this worker's pool (0 before its first report)."""
+        return -(-num_tokens // self.stats.block_size) if self.stats is not None else 0
 
     @property
     def free_blocks(self) -> int | None:
