@@ -171,18 +171,25 @@ def test_delta_queue_merges_and_overflows():
 
 
 class EndlessOrchestrator:
-    """Streams 8-token deltas as fast as it can through the real DeltaQueue; records its end."""
+    """Streams a first token, then (once the client has read it: ``first_read``) 8-token deltas
+    as fast as it can through the real DeltaQueue; records its end. The flood waits for the read
+    because it outpaces the handler's own writes on a loaded machine: the cap would cut the
+    stream before the client's first read, and the test means a reader that read, then stopped."""
 
     def __init__(self) -> None:
         self.registry = SimpleNamespace(all=[])
         self.admission = SimpleNamespace(max_queued=None)
         self.ended = threading.Event()
+        self.first_read = threading.Event()
         self.max_pending_seen = 0
 
     async def generate(self, spec, trace):
         queue = DeltaQueue()   # made in the handler's task, as DecodeStreams.register does
 
         async def produce():
+            queue.put_nowait(TokenDelta(spec.req_id, (5,)))
+            while not self.first_read.is_set():
+                await asyncio.sleep(0.005)
             while True:
                 queue.put_nowait(TokenDelta(spec.req_id, (5,) * 8))
                 self.max_pending_seen = max(self.max_pending_seen, queue.num_pending_tokens)
@@ -259,6 +266,7 @@ def test_slow_reader_is_cancelled_with_bounded_memory(orchestrator_type):
         with PdserveClient(f"127.0.0.1:{router.port}", timeout_s=60) as client:
             stream = client.generate(token_ids=[5], max_tokens=10**8, request_id="slow")
             next(stream)                       # then stop reading
+            orchestrator.first_read.set()
             assert orchestrator.ended.wait(30), "the slow reader was never cancelled"
             with pytest.raises(grpc.RpcError) as info:
                 for _ in stream:
