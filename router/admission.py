@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from engine.errors import CapacityError, WorkerFailedError
 from engine.types import RequestSpec
-from router.pair_search import TPOT_SAFETY, PairSearch, Prediction, has_kv_room, queued_prefill_tokens, within
+from router.pair_search import PairSearch, Prediction, fits_tpot, has_kv_room, queued_prefill_tokens
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 from router.ttft_margin import TtftMargin
@@ -244,7 +244,7 @@ class Admission:
         share = self.ttft_margin.share
         if not best.fits_ttft(ttft_t, share):
             return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share), best)
-        if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
+        if not fits_tpot(best.tpot_s, tpot_t):
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
             return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
@@ -309,8 +309,7 @@ class Admission:
         if not self.enabled or (ttft_t is None and tpot_t is None):
             # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
             return not self.registry.alive("prefill") or _has_prompt_room(worker, spec)
-        side = PairSearch(self, spec, None, 0.0).decode_side(worker)
-        return within(side.tpot_s, tpot_t, TPOT_SAFETY) and has_kv_room(worker, spec)
+        return PairSearch(self, spec, None, 0.0).decode_fits(worker, tpot_t)
 
     def _count_queue(self, delta: int, metrics, decision: Decision | None = None) -> None:
         self.num_queued += delta

@@ -100,7 +100,7 @@ class Prediction:
         return self.running_tpot_ratio is None or self.running_tpot_ratio <= TPOT_SAFETY
 
     def fits_tpot(self, target: float | None) -> bool:
-        return self.spares_running and within(self.tpot_s, target, TPOT_SAFETY)
+        return self.spares_running and fits_tpot(self.tpot_s, target)
 
     def fits_ttft(self, target: float | None, share: float) -> bool:
         return fits_ttft(self.ttft_s, self.waited_s, target, share)
@@ -127,6 +127,11 @@ class _DecodeSide:
     tpot_s: float | None
     kv_room: bool                       # room for the prompt and every token it may generate
     local_ttft_s: float | None = math.nan   # ``PairSearch.local_ttft``'s (nan: not asked for yet)
+
+    def fits(self, tpot_target: float | None) -> bool:
+        """Its TPOT with the request joining within target, and KV room: what every candidate on
+        this worker must pass, disaggregated or prefilling itself."""
+        return fits_tpot(self.tpot_s, tpot_target) and self.kv_room
 
 
 class PairSearch:
@@ -217,6 +222,10 @@ class PairSearch:
         return Prediction(None, d.worker, self.local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
                           d.cached, d.cached, self.admission.ttft_overhead_s)
 
+    def decode_fits(self, d: WorkerHandle, tpot_target: float | None) -> bool:
+        """Whether ``d`` could take the request as far as its own part goes (``_DecodeSide.fits``)."""
+        return self.decode_side(d).fits(tpot_target)
+
     def has_timings(self) -> bool:
         """Every candidate has a TTFT prediction (each worker has reported its steps)."""
         return all(p.ttft_s is not None for p in self.prefills) and not (self.with_local and self.local_rate is None)
@@ -242,7 +251,7 @@ class PairSearch:
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
         fit_p = [p for p in self.prefills if fits_ttft(p.ttft_s, self.waited_s, ttft_t, self.ttft_share)]
-        fit_d = [d for d in self.decodes if within(d.tpot_s, tpot_t, TPOT_SAFETY) and d.kv_room]
+        fit_d = [d for d in self.decodes if d.fits(tpot_t)]
         if fit_p and fit_d:
             p = min(fit_p, key=lambda s: s.ttft_s)
             slack = _slack(p.ttft_s, ttft_t)
@@ -263,8 +272,7 @@ class PairSearch:
             if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
                 continue
             ttft = self.local_ttft(d)
-            if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and within(d.tpot_s, tpot_t, TPOT_SAFETY) \
-                    and d.kv_room:
+            if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and d.fits(tpot_t):
                 cands.append((ttft, i, d))
         return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
 
@@ -341,8 +349,10 @@ def running_tpot_ratio(decode: WorkerHandle, step_s: float, own_prompt: int, now
     return worst
 
 
-def within(predicted: float | None, target: float | None, safety: float) -> bool:
-    return not target or predicted is None or predicted <= target * safety
+def fits_tpot(tpot_s: float | None, target: float | None) -> bool:
+    """A TPOT prediction must fit the safety share of its target (an average over a lifetime:
+    a fixed share, unlike TTFT's)."""
+    return not target or tpot_s is None or tpot_s <= target * TPOT_SAFETY
 
 
 def _decode_load(d: _DecodeSide) -> tuple[int, int, int]:

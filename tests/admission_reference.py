@@ -23,7 +23,7 @@ from engine.errors import WorkerFailedError
 from engine.types import RequestSpec
 from router.admission import Action, Admission, Cause, Decision, _has_prompt_room, _idle, _ttft_miss_message
 from router.pair_search import (LOCAL_PREFILL_TOKENS, TPOT_SAFETY, Prediction, _decode_load, _slack, fits_ttft,
-                                has_kv_room, queued_prefill_tokens, running_tpot_ratio, within)
+                                fits_tpot, has_kv_room, queued_prefill_tokens, running_tpot_ratio)
 from router.registry import WorkerHandle
 
 
@@ -197,7 +197,7 @@ class _Search:
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
         fit_p = [p for p in self.prefills if fits_ttft(p.ttft_s, self.waited_s, ttft_t, self.ttft_share)]
-        fit_d = [d for d in self.decodes if within(d.tpot_s, tpot_t, TPOT_SAFETY) and has_kv_room(d.worker, self.spec)]
+        fit_d = [d for d in self.decodes if fits_tpot(d.tpot_s, tpot_t) and has_kv_room(d.worker, self.spec)]
         if fit_p and fit_d:
             p = min(fit_p, key=lambda s: s.ttft_s)
             slack = _slack(p.ttft_s, ttft_t)
@@ -218,7 +218,7 @@ class _Search:
             if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
                 continue
             ttft = self._local_ttft(d)
-            if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and within(d.tpot_s, tpot_t, TPOT_SAFETY) \
+            if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and fits_tpot(d.tpot_s, tpot_t) \
                     and has_kv_room(d.worker, self.spec):
                 cands.append((ttft, i, d))
         return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
