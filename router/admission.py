@@ -303,8 +303,8 @@ class Admission:
         checked instead of a decision over all of them, on every report while requests queue."""
         if worker.role == "prefill" or not worker.alive:
             return False
-        if not worker.num_inflight and not (worker.stats and (worker.stats.num_running or worker.stats.num_waiting)):
-            return True   # idle: a decision admits there whatever it predicts (``_idle``)
+        if _decode_idle(worker):
+            return True   # a decision admits there whatever it predicts (``_idle``)
         ttft_t, tpot_t = self._targets(spec)
         if not self.enabled or (ttft_t is None and tpot_t is None):
             # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
@@ -349,8 +349,12 @@ def _ttft_miss_message(best: Prediction, target: float, share: float) -> str:
 
 
 def _idle(p: Prediction) -> bool:
-    busy = p.decode.num_inflight or (p.decode.stats and (p.decode.stats.num_running or p.decode.stats.num_waiting))
-    return not busy and not (p.prefill and p.prefill.num_prefill_tokens)
+    return _decode_idle(p.decode) and not (p.prefill and p.prefill.num_prefill_tokens)
+
+
+def _decode_idle(w: WorkerHandle) -> bool:
+    """Nothing in flight from the router, nothing running or waiting in its last report."""
+    return not w.num_inflight and not (w.stats and (w.stats.num_running or w.stats.num_waiting))
 
 
 def _kv_tokens(w: WorkerHandle) -> int:
