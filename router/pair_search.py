@@ -87,7 +87,7 @@ class Prediction:
     def cheap_local(self) -> bool:
         """The decode worker prefills, and holds all of the prompt in its cache but a block's
         worth: as good as a hand-off. (Short uncached prompts stay disaggregated: see above.)"""
-        return self.prefill is None and self.cached_tokens > 0 and self.tokens_to_prefill <= LOCAL_PREFILL_TOKENS
+        return self.prefill is None and _holds_all_but_a_block(self.cached_tokens, self.num_prompt_tokens)
 
     def headroom(self, ttft_target: float | None, tpot_target: float | None) -> float:
         """Smallest relative slack against the targets (higher is better; < 0 misses one)."""
@@ -269,7 +269,7 @@ class PairSearch:
             return None
         cands = []
         for i, d in enumerate(self.decodes):
-            if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
+            if cheap_only and not _holds_all_but_a_block(d.cached, self.prompt):
                 continue
             ttft = self.local_ttft(d)
             if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and d.fits(tpot_t):
@@ -353,6 +353,11 @@ def fits_tpot(tpot_s: float | None, target: float | None) -> bool:
     """A TPOT prediction must fit the safety share of its target (an average over a lifetime:
     a fixed share, unlike TTFT's)."""
     return not target or tpot_s is None or tpot_s <= target * TPOT_SAFETY
+
+
+def _holds_all_but_a_block(cached: int, prompt: int) -> bool:
+    """A decode worker holding this much of a prompt prefills the rest as cheaply as a hand-off."""
+    return cached > 0 and prompt - cached <= LOCAL_PREFILL_TOKENS
 
 
 def _decode_load(d: _DecodeSide) -> tuple[int, int, int]:
