@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from engine.errors import CapacityError, WorkerFailedError
 from engine.types import RequestSpec
-from router.pair_search import PairSearch, Prediction, fits_tpot, has_kv_room, queued_prefill_tokens
+from router.pair_search import PairSearch, Prediction, fits_tpot, has_kv_room, has_room, queued_prefill_tokens
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 from router.ttft_margin import TtftMargin
@@ -365,9 +365,7 @@ def _kv_tokens(w: WorkerHandle) -> int:
 
 def _has_prompt_room(w: WorkerHandle, spec: RequestSpec) -> bool:
     """Room for what ``reserve`` takes now: the prompt's blocks (decoding may preempt later),
-    beside the reservations already promised there (``WorkerHandle.free_blocks``)."""
-    if w.stats is None:
-        return True
-    return w.blocks_for(len(spec.prompt_token_ids)) <= w.free_blocks
+    beside the reservations already promised there."""
+    return has_room(w, len(spec.prompt_token_ids))
 
 

@@ -385,6 +385,13 @@ def queued_prefill_tokens(w: WorkerHandle) -> int:
 
 
 def has_kv_room(w: WorkerHandle, spec: RequestSpec) -> bool:
+    """Room for the prompt and every token it may generate."""
+    return has_room(w, len(spec.prompt_token_ids) + spec.sampling.max_tokens)
+
+
+def has_room(w: WorkerHandle, num_tokens: int) -> bool:
+    """Room for ``num_tokens``' blocks beside the reservations already promised there
+    (``WorkerHandle.free_blocks``); a worker that has not reported yet is taken to have it."""
     if w.stats is None:
         return True
-    return w.blocks_for(len(spec.prompt_token_ids) + spec.sampling.max_tokens) <= w.free_blocks
+    return w.blocks_for(num_tokens) <= w.free_blocks
