@@ -31,7 +31,6 @@ its first token feeds ``observe_ttft`` and ``expect_tpot``, its end ``observe_tp
 
 from __future__ import annotations
 
-import logging
 import enum
 import math
 import time
@@ -44,8 +43,6 @@ from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 from router.ttft_margin import TtftMargin
 from router.wakeup import FairWakeup
-
-logger = logging.getLogger(__name__)
 
 MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as saturated
 PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
