@@ -68,6 +68,9 @@ LOCAL_PREFILL_TOKENS = 16  # a decode worker prefilling this few is cheaper than
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
+    """One candidate pair and what is predicted for the request on it: what admission decides
+    by, the orchestrator runs the request on, and the TTFT correction learns from."""
+
     prefill: WorkerHandle | None   # None: the decode worker prefills (colocated / conditional)
     decode: WorkerHandle
     ttft_s: float | None           # including the time already spent queued
@@ -106,8 +109,9 @@ class Prediction:
         return fits_ttft(self.ttft_s, self.waited_s, target, share)
 
 
-# The sides are built for every worker in every decision and never change once built; not
-# frozen: a frozen dataclass's __init__ (object.__setattr__ per field) costs four times as much.
+# The sides are built for every worker in every decision and never change once built (but for
+# the lazily computed ``local_ttft_s``); not frozen: a frozen dataclass's __init__
+# (object.__setattr__ per field) costs four times as much.
 @dataclass(slots=True)
 class _PrefillSide:
     """A prefill worker's part of every pair it is in: the TTFT depends on it alone."""
