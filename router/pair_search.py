@@ -18,7 +18,7 @@ in-flight counts and step-time models fitted online (``router.step_model``):
          within their targets, at once, while the long-run rate is still catching up. Checked
          where this prompt would be prefilled on the decode worker: a disaggregated pair stalls
          none of them (a request pushed past its safety line by the step alone is left out
-         either way), so its check is met without looking;
+         either way), so its check is met without looking.
 The per-worker rates behind these (seconds per prefill token, per decode step, per prompt token
 stalling a decode worker) are ``Admission``'s: it owns the step-time models and their online
 corrections; the search reads them and writes nothing outside itself.
