@@ -43,10 +43,11 @@ from engine.errors import CapacityError, WorkerFailedError
 from engine.types import (FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec, TokenDelta,
                           WorkerStats)
 from engine.unix_push import UnixPusher
-from router.admission import RESUME_WAIT_S, Admission, Prediction
+from router.admission import RESUME_WAIT_S, Admission
 from router.convert import RequestTimings
 from router.first_token_inbox import FirstTokenInbox, first_ahead
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
+from router.pair_search import Prediction
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.streams import DecodeStreams
 from router.worker_calls import WorkerLost, call, stream_call

@@ -6,9 +6,9 @@ field of the prediction, floats bit for bit). The serving search was made cheape
 worker's terms computed once per decision, not once per rule; sides not frozen) without
 changing what it decides; this copy is what "what it decided" means. Its helpers that were not
 changed (step-time predictions, slack and fit rules, ``Prediction`` and ``Decision``) are
-imported from ``router.admission``: the oracle pins the search, not the models. Delete it when
-the rules themselves change on purpose (or mirror a small change: session 14's best-effort
-room rule is).
+imported from ``router.admission`` and ``router.pair_search``: the oracle pins the search, not
+the models. Delete it when the rules themselves change on purpose (or mirror a small change:
+session 14's best-effort room rule is).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Callable
 
 from engine.errors import WorkerFailedError
 from engine.types import RequestSpec
-from router.admission import (LOCAL_PREFILL_TOKENS, TPOT_SAFETY, Action, Admission, Cause, Decision, Prediction,
-                              _decode_load, _fits_ttft, _has_kv_room, _has_prompt_room, _idle, _queued_prefill_tokens,
-                              _slack, _ttft_miss_message, _within)
+from router.admission import Action, Admission, Cause, Decision, _has_prompt_room, _idle, _ttft_miss_message
+from router.pair_search import (LOCAL_PREFILL_TOKENS, TPOT_SAFETY, Prediction, _decode_load, _slack, fits_ttft,
+                                fits_tpot, has_kv_room, queued_prefill_tokens, running_tpot_ratio)
 from router.registry import WorkerHandle
 
 
@@ -60,7 +60,7 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
         return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
     if not best.spares_running:
         return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
-    if not _has_kv_room(best.decode, spec):
+    if not has_kv_room(best.decode, spec):
         return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best)
     return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
 
@@ -145,14 +145,14 @@ class _Search:
         return _PrefillSide(p, cached, self._ttft(p, self.prompt - cached, per_token))
 
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
-        step = self.admission._decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
+        step = self.admission.decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
         return _DecodeSide(d, d.prefix.expected_hit(self.spec.prompt_token_ids), step)
 
     def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
         """No hand-off term: the first token leaves the prefill worker before its KV moves."""
         if per_token is None:
             return None
-        queued = _queued_prefill_tokens(worker)
+        queued = queued_prefill_tokens(worker)
         return self.waited_s + self.admission.ttft_overhead_s + (queued + tokens) * per_token * self.admission.ttft_correction
 
     def _local_ttft(self, d: _DecodeSide) -> float | None:
@@ -167,8 +167,8 @@ class _Search:
         own = self.prompt - d.cached
         running = None
         if d.tpot_s is not None:
-            stall = self.admission._stall_per_token(d.worker, self.local_rate or 0.0)
-            running = self.admission._running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
+            stall = self.admission.stall_per_token(d.worker, self.local_rate or 0.0)
+            running = running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
         return Prediction(None, d.worker, self._local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
                           d.cached, d.cached, self.admission.ttft_overhead_s)
 
@@ -196,8 +196,8 @@ class _Search:
         then the lowest TTFT (it balances prefill queues; TPOT already fits), then the most
         headroom. When none meets both: the most headroom among those meeting TTFT (the
         request may queue for decode capacity), else among all (it will be rejected)."""
-        fit_p = [p for p in self.prefills if _fits_ttft(p.ttft_s, self.waited_s, ttft_t, self.ttft_share)]
-        fit_d = [d for d in self.decodes if _within(d.tpot_s, tpot_t, TPOT_SAFETY) and _has_kv_room(d.worker, self.spec)]
+        fit_p = [p for p in self.prefills if fits_ttft(p.ttft_s, self.waited_s, ttft_t, self.ttft_share)]
+        fit_d = [d for d in self.decodes if fits_tpot(d.tpot_s, tpot_t) and has_kv_room(d.worker, self.spec)]
         if fit_p and fit_d:
             p = min(fit_p, key=lambda s: s.ttft_s)
             slack = _slack(p.ttft_s, ttft_t)
@@ -218,8 +218,8 @@ class _Search:
             if cheap_only and not (d.cached > 0 and self.prompt - d.cached <= LOCAL_PREFILL_TOKENS):
                 continue
             ttft = self._local_ttft(d)
-            if _fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and _within(d.tpot_s, tpot_t, TPOT_SAFETY) \
-                    and _has_kv_room(d.worker, self.spec):
+            if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and fits_tpot(d.tpot_s, tpot_t) \
+                    and has_kv_room(d.worker, self.spec):
                 cands.append((ttft, i, d))
         return self._most_headroom_local(cands, ttft_t, tpot_t, must_spare_running=True)
 
@@ -229,7 +229,7 @@ class _Search:
         min(best prefill slack, best decode slack), reached first by the first prefill and
         then the first decode worker reaching it."""
         local = [(0.0, i, d, self._local_ttft(d)) for i, d in enumerate(self.decodes)] if self.with_local else []
-        locals_fit = [c for c in local if _fits_ttft(c[3], self.waited_s, ttft_t, self.ttft_share)]
+        locals_fit = [c for c in local if fits_ttft(c[3], self.waited_s, ttft_t, self.ttft_share)]
         any_fit = bool(fit_p or locals_fit)
         prefills = fit_p if any_fit else self.prefills
         best = None

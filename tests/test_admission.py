@@ -351,7 +351,7 @@ def test_ttft_fixed_part_is_learned_apart_so_cached_prompts_do_not_inflate_the_c
     assert admission.ttft_correction == pytest.approx(1.0, abs=0.02)
     assert admission.ttft_overhead_s == pytest.approx(fixed_s, rel=0.05)
     uncached = admission.predict(s, None, w, now=100.0)
-    assert uncached.ttft_s == pytest.approx(fixed_s + 200 * admission._prefill_seconds_per_token(None), rel=0.05)
+    assert uncached.ttft_s == pytest.approx(fixed_s + 200 * admission.prefill_seconds_per_token(None), rel=0.05)
 
 
 def test_decode_step_model_ignores_steps_that_carry_prefill():

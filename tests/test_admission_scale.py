@@ -12,7 +12,8 @@ import random
 import pytest
 
 from engine.types import RequestSpec, SamplingParams, SLOTarget, StepTiming, WorkerStats
-from router.admission import Action, Admission, Prediction, _has_kv_room
+from router.admission import Action, Admission
+from router.pair_search import Prediction, has_kv_room
 from router.prefix_index import PrefixIndex
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import REFIT_AFTER, StepTimeModel
@@ -77,7 +78,7 @@ def scan_choice(admission: Admission, spec: RequestSpec, waited_s: float) -> Pre
     if (ttft_t is None and tpot_t is None) or any(p.ttft_s is None for p in preds):
         return min(disagg, key=load)
     fits_ttft = [p for p in preds if p.fits_ttft(ttft_t, admission.ttft_margin.share)]
-    fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and _has_kv_room(p.decode, spec)]
+    fits = [p for p in fits_ttft if p.fits_tpot(tpot_t) and has_kv_room(p.decode, spec)]
     if fits:
         pool = [p for p in fits if p.prefill is not None or p.cheap_local] or fits
         return min(pool, key=lambda p: (p.ttft_s, -p.headroom(ttft_t, tpot_t)))
@@ -120,7 +121,7 @@ class Counts:
 
     def __init__(self, monkeypatch) -> None:
         self.decode_steps = self.projections = self.fits = 0
-        self._wrap(monkeypatch, Admission, "_decode_step", "decode_steps")
+        self._wrap(monkeypatch, Admission, "decode_step", "decode_steps")
         self._wrap(monkeypatch, DecodeProgress, "projected_tpot", "projections")
         self._wrap(monkeypatch, StepTimeModel, "_fit_decode_steps", "fits")
 
