@@ -2,8 +2,8 @@
 
 1. Every linear of one SmolLM2-135M forward (30 layers x q/k/v/o/gate/up/down + the tied LM
    head: 536 MB of float32 weights, far more than the caches, so each pass reads them from
-   memory as a decode step does) at M input rows, M = 1..128: the skinny kernel (the engine's up
-   to MAX_ROWS) and, past 16 rows, the panel kernel (the engine's up to PANEL_MAX_ROWS on AVX2).
+   memory as a decode step does) at M input rows, M = 1..512: the skinny kernel and, past 16 rows,
+   the panel kernel (each the engine's up to its ``skinny_linear.ROW_LIMITS`` for the build).
    Passes alternate kernels / torch / read roofline (``sum()`` over the same weights) so every ratio compares numbers taken in the
    same seconds of a shared machine; medians are reported. GB/s = weight bytes / time.
 2. Unless --skip-model: one full decode step of the real model in a decode-role ``LLMEngine``
@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks import kernel_bench  # noqa: E402
 from engine import cpu_kernels, skinny_linear  # noqa: E402
 
-ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 PANEL_FROM = 16   # rows from which the panel kernel is timed too
 BATCHES = (1, 6, 12, 24)
 CONTEXT = 256
@@ -154,8 +154,8 @@ def main() -> None:
     lines = [
         *kernel_bench.header("bench_linear"),
         f"kernel: engine/csrc/skinny_linear.cpp {' '.join(cpu_kernels.CFLAGS)}, "
-        f"{skinny_linear.simd_width()}-float vectors; engine uses it up to {skinny_linear.MAX_ROWS} rows, "
-        f"engine/csrc/panel_linear.cpp from there up to {skinny_linear.row_limit()} rows"
+        f"{skinny_linear.simd_width()}-float vectors; engine uses it up to {skinny_linear.row_limits().skinny} rows, "
+        f"engine/csrc/panel_linear.cpp from there up to {skinny_linear.row_limits().panel} rows"
         f"; clock: {'CPU time' if args.cpu_clock else 'wall'}",
         "",
         *bench_rows(forward_weights(loaded.model), args.passes),

@@ -4,10 +4,11 @@ A decode step multiplies one row per running request by every weight matrix. At 
 sgemm repacks the weight on each call and the step, memory-bound on the weights (536 MB of
 float32 for SmolLM2-135M), costs ~2x a single row's; the skinny kernel
 (``engine/csrc/skinny_linear.cpp``, AVX-512 or AVX2+FMA) streams each weight row once for all
-rows. From MAX_ROWS + 1 to PANEL_MAX_ROWS rows (a large decode batch) the step is compute-bound
-and the panel kernel (``engine/csrc/panel_linear.cpp``: an outer-product GEMM over the weight in
-place) runs nearer the FLOP peak than MKL at these row counts. Larger inputs (prefill chunks)
-stay on torch's linear.
+rows. Past the skinny kernel's limit (a large decode batch, a short prefill chunk) the step is
+compute-bound and the panel kernel (``engine/csrc/panel_linear.cpp``: an outer-product GEMM over
+the weight in place) runs nearer the FLOP peak than MKL at these row counts, up to the panel
+limit; larger inputs (long prefill chunks) stay on torch's linear. The limits depend on the
+build's SIMD path, each measured on a machine that builds it (``ROW_LIMITS``).
 
 Life cycle: ``install(model)`` (ModelRunner, once) turns the model's ``nn.Linear`` modules into
 ``SkinnyLinear`` in place (same parameters, tied weights stay tied). They take the kernel only
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +31,23 @@ from engine import cpu_kernels
 from engine.thread_switch import ThreadSwitch
 
 ENV_VAR = "PDSERVE_LINEAR"   # "torch": every linear on torch (comparison, tests)
-# Beyond, MKL catches up (benchmarks/results/linear.txt): AVX-512 1.14x at 32 rows, 1.00x at 64;
-# AVX2 1.17x at 32 rows.
-MAX_ROWS = 32
-# The panel kernel from MAX_ROWS + 1 rows up to here (benchmarks/results/linear.txt). Measured on
-# AVX2+FMA only (no AVX-512 machine at hand when it was written): an AVX-512 build keeps MKL there.
-PANEL_MAX_ROWS = 96
+
+
+@dataclass(frozen=True, slots=True)
+class RowLimits:
+    """How many rows each kernel takes on one SIMD path: the skinny kernel up to ``skinny``,
+    the panel kernel from there up to ``panel``, torch's linear beyond."""
+
+    skinny: int
+    panel: int
+
+
+# By the build's floats per vector (benchmarks/results/linear.txt, every SmolLM2 linear, 1 and
+# 2 threads). AVX2+FMA: the skinny kernel beats MKL up to 32 rows (1.17x there), the panel one
+# 1.15-1.25x at 48-96, 0.97x at 128. AVX-512 (Zen 4): the panel kernel is past the skinny one
+# from ~24 rows (at 32: 164 vs 124 GFLOP/s at 2 threads) and past MKL up to ~256 (at 64:
+# 1.5-1.7x, at 256 1.1x; at 512 even).
+ROW_LIMITS = {16: RowLimits(skinny=24, panel=256), 8: RowLimits(skinny=32, panel=96)}
 
 active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.thread_switch)
 
@@ -54,10 +67,9 @@ def simd_width() -> int:
 
 
 @functools.cache
-def row_limit() -> int:
-    """Most rows a kernel takes on this build: PANEL_MAX_ROWS where the panel kernel was measured
-    to pay (AVX2+FMA), MAX_ROWS elsewhere."""
-    return PANEL_MAX_ROWS if simd_width() == 8 else MAX_ROWS
+def row_limits() -> RowLimits:
+    """This build's limits; none (0 rows) where no SIMD path was built."""
+    return ROW_LIMITS.get(simd_width(), RowLimits(0, 0))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,21 +87,22 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, on a kernel inside ``active()`` for at most PANEL_MAX_ROWS rows (the skinny
-    one up to MAX_ROWS). The weight must have passed ``_eligible``'s checks (float32, contiguous,
+    """``F.linear``, on a kernel inside ``active()`` for at most ``row_limits().panel`` rows (the
+    skinny one up to ``row_limits().skinny``). The weight must have passed ``_eligible``'s checks (float32, contiguous,
     CPU) for a kernel to be used."""
     # Cheap checks first: this runs ~200 times per step. The kernels record no autograd.
     in_features = weight.shape[1]
-    if x.numel() <= row_limit() * in_features and bias is None and active.on \
+    limits = row_limits()
+    if x.numel() <= limits.panel * in_features and bias is None and active.on \
             and x.dtype == torch.float32 and x.is_contiguous() and not torch.is_grad_enabled():
         rows = x.view(-1, in_features)
-        kernel = skinny_linear if rows.shape[0] <= MAX_ROWS else panel_linear
+        kernel = skinny_linear if rows.shape[0] <= limits.skinny else panel_linear
         return kernel(rows, weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
 class SkinnyLinear(torch.nn.Linear):
-    """An ``nn.Linear`` that, inside ``active()``, sends inputs of at most PANEL_MAX_ROWS rows to the kernels."""
+    """An ``nn.Linear`` that, inside ``active()``, sends inputs of few enough rows to the kernels."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

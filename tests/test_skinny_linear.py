@@ -41,12 +41,14 @@ def test_matches_float64_matmul(kernel, rows, out_features, in_features):
     _assert_matches_float64(kernel.skinny_linear, rows, out_features, in_features)
 
 
-@pytest.mark.parametrize("rows", [33, 40, 47, 48, 64, 65, 96])
+@pytest.mark.parametrize("rows", [1, 17, 25, 33, 40, 47, 48, 49, 64, 65, 96, 97, 144, 145, 256])
 @pytest.mark.parametrize("out_features,in_features",
-                         [(1, 1), (3, 0), (5, 17), (7, 576), (13, 769), (193, 64), (1536, 1537)])
+                         [(1, 1), (3, 0), (5, 17), (7, 576), (13, 769), (15, 33), (193, 64), (1536, 1537)])
 def test_panel_matches_float64_matmul(kernel, rows, out_features, in_features):
-    """The panel kernel (decode batches past MAX_ROWS): partial weight tiles (N % 6), partial input
-    panels (M % 16 on AVX2, M % 32 on AVX-512), K in one block and in several (past 768), K = 0."""
+    """The panel kernel (decode batches past the skinny limit): every tile shape of both builds
+    (AVX2 6 x 2 vectors; AVX-512 14 x 2 and 9 x 3, the one that pads the rows least), partial
+    weight tiles (N % 6, N % 14, N % 9), partial and whole input panels (of 16 rows on AVX2, 32
+    and 48 on AVX-512), K in one block and in several (past 768), K = 0."""
     _assert_matches_float64(kernel.panel_linear, rows, out_features, in_features)
 
 
@@ -112,9 +114,11 @@ def test_dispatch_only_inside_active_and_for_few_rows(kernel, monkeypatch):
     assert type(model[0]) is skinny_linear.SkinnyLinear and type(model[1]) is torch.nn.Linear
     calls = _counting(monkeypatch)
     panel_calls = _counting(monkeypatch, "panel_linear")
-    limit = skinny_linear.row_limit()
-    few, many = torch.randn(1, 3, 64), torch.randn(1, limit + 1, 64)
-    middle = torch.randn(1, skinny_linear.MAX_ROWS + 1, 64)
+    limits = skinny_linear.row_limits()
+    assert limits == skinny_linear.ROW_LIMITS[skinny_linear.simd_width()]
+    assert 0 < limits.skinny < limits.panel
+    few, many = torch.randn(1, 3, 64), torch.randn(1, limits.panel + 1, 64)
+    middle, most = torch.randn(1, limits.skinny + 1, 64), torch.randn(1, limits.panel, 64)
 
     with skinny_linear.active():
         model[0](few).sum().backward()                 # autograd on: torch's linear, gradients flow
@@ -125,19 +129,17 @@ def test_dispatch_only_inside_active_and_for_few_rows(kernel, monkeypatch):
             inside = model[0](few)
             big = model[0](many)
             mid = model[0](middle)
+            top = model[0](most)
             with skinny_linear.active(False):
                 nested_off = model[0](few)
         want = F.linear(few.double(), model[0].weight.double())
         assert calls == [(3, 96)], "only the few-row call inside active() takes the skinny kernel"
-        if limit > skinny_linear.MAX_ROWS:   # AVX2 builds: the panel kernel up to PANEL_MAX_ROWS rows
-            assert limit == skinny_linear.PANEL_MAX_ROWS
-            assert panel_calls == [(skinny_linear.MAX_ROWS + 1, 96)]
-            assert rel_err(mid, F.linear(middle.double(), model[0].weight.double())) < 1e-5
-        else:
-            assert not panel_calls and torch.equal(mid, F.linear(middle, model[0].weight))
+        assert panel_calls == [(limits.skinny + 1, 96), (limits.panel, 96)], "past the skinny limit: the panel kernel"
+        for got, x in ((mid, middle), (top, most)):
+            assert rel_err(got, F.linear(x.double(), model[0].weight.double())) < 1e-5
         assert torch.equal(outside, F.linear(few, model[0].weight))
         assert inside.shape == (1, 3, 96) and rel_err(inside, want) < 1e-5
-        assert torch.equal(big, F.linear(many, model[0].weight))
+        assert torch.equal(big, F.linear(many, model[0].weight)), "past the panel limit: torch's linear"
         assert torch.equal(nested_off, outside)
     assert not skinny_linear.active.on, "active() restores the previous state"
 
