@@ -46,7 +46,8 @@ class RowLimits:
 # 2 threads). AVX2+FMA: the skinny kernel beats MKL up to 32 rows (1.17x there), the panel one
 # 1.15-1.25x at 48-96, 0.97x at 128. AVX-512 (Zen 4): the panel kernel is past the skinny one
 # from ~24 rows (at 32: 164 vs 124 GFLOP/s at 2 threads) and past MKL up to ~256 (at 64:
-# 1.5-1.7x, at 256 1.1x; at 512 even).
+# 1.4-1.8x, at 256 1.0-1.1x; at 512 MKL leads). Zen 4 runs AVX-512 on 256-bit units; an Intel core
+# with two 512-bit FMA units is unmeasured (PDSERVE_LINEAR=torch is the comparison there).
 ROW_LIMITS = {16: RowLimits(skinny=24, panel=256), 8: RowLimits(skinny=32, panel=96)}
 
 active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.thread_switch)
