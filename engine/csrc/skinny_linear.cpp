@@ -7,7 +7,11 @@
 // memory exactly once: a tile of NR consecutive weight rows is multiplied with MR input rows
 // at a time (NR x MR accumulators + NR weight vectors + one input vector fit in the vector
 // registers); further input rows reuse the tile from L1. The next tile is prefetched while the
-// current one computes, one cache line per weight row per step.
+// current one computes, one cache line per weight row per step, into L2 (_MM_HINT_T1): the
+// hardware brings it on to L1. Prefetching into L1 itself (T0) kept the kernel at about half the
+// read roofline on a Zen 4 (1 thread, every SmolLM2 linear at 1-4 rows: 41-47 ms vs 24-27 ms
+// with T1 and a 22-23 ms sum() over the same weights; 1.2-1.9x across 1-24 rows, 1 and 2
+// threads, both SIMD builds: benchmarks/results/linear.txt).
 // Threads split the weight rows through at::parallel_for (torch.set_num_threads is respected).
 //
 // Two SIMD paths, chosen at build time by -march=native (engine/cpu_kernels.py): AVX-512 (32 ZMM
@@ -68,7 +72,7 @@ void tile(const float* x, int64_t K, const float* const* w, int rows, float* y, 
   int64_t k = 0;
   for (; k + LINE <= K; k += LINE) {
     if (prefetch != nullptr)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * K + k), _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(prefetch + r * K + k), _MM_HINT_T1);
 #pragma GCC unroll 2
     for (int v = 0; v < LINE; v += W) fma_step<MT, false>(x, K, w, k + v, W, acc);
   }
