@@ -89,8 +89,8 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear``, on a kernel inside ``active()`` for at most ``row_limits().panel`` rows (the
-    skinny one up to ``row_limits().skinny``). The weight must have passed ``_eligible``'s checks (float32, contiguous,
-    CPU) for a kernel to be used."""
+    skinny one up to ``row_limits().skinny``). The weight must have passed ``_eligible``'s checks
+    (float32, contiguous, CPU) for a kernel to be used."""
     # Cheap checks first: this runs ~200 times per step. The kernels record no autograd.
     in_features = weight.shape[1]
     limits = row_limits()

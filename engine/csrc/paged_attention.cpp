@@ -232,7 +232,7 @@ struct Prefetcher {
   inline void step(int64_t lines) {
     for (; lines > 0 && t < nt; --lines) {
       __builtin_prefetch(base + t * stride + off, 0, PDSERVE_PREFETCH_LOCALITY);
-      off += 16;
+      off += LINE;
       if (off >= row) {
         off = 0;
         ++t;
@@ -249,7 +249,7 @@ void attend_simd(const Params& p, int64_t i, int64_t h0, int64_t h1, float* scra
   const int64_t nh = h1 - h0, H = nh * G;
   const int64_t tok_stride = p.kv_heads * hd;
   const int64_t row = nh * hd;
-  const int64_t lines_per_row = (row + 15) / 16;
+  const int64_t lines_per_row = (row + LINE - 1) / LINE;
   // Accumulator registers per chunk: 2 x 8 of AVX-512's 32, 2 x 4 of AVX2's 16.
   constexpr int CHMAX = W == 16 ? 8 : 4;
   constexpr int CH = NV < CHMAX ? NV : CHMAX;

@@ -16,8 +16,8 @@
 // packed copy: NR sequential streams, and while the first panel passes over a tile the next
 // tile's rows are prefetched into L2, a cache line per row every 16 k: 6-14% faster at 25-128
 // rows on the Zen 4, 1 and 2 threads); a tile of NR weight rows stays in L1 while every input
-// panel passes over it, so each weight byte comes from memory once. Each output is one FMA chain over k in order, so results differ from torch's only by
-// float32 rounding.
+// panel passes over it, so each weight byte comes from memory once. Each output is one FMA
+// chain over k in order, so results differ from torch's only by float32 rounding.
 // Tile shapes fill the vector registers (NR x V accumulators + V loads + 1 broadcast <= REGS):
 // AVX2+FMA (16 registers) 6 x 2; AVX-512 (32 registers) 14 x 2 and 9 x 3 (panels of 32 and 48
 // rows). A call takes the shape whose panels pad M the least (48 rows: one panel of 48, not two
@@ -43,7 +43,6 @@ namespace {
 using namespace pdserve_simd;
 
 constexpr int GRAIN = 4;     // tiles per parallel chunk
-constexpr int LINE = 16;     // floats per 64-byte cache line
 // Longest K block: a tile's NR weight rows x 768 floats (18 KB at NR = 6, 43 KB at 14) stay in
 // L1 or L2 while the panels pass; 384 read the same on the AVX-512 machine (noise either way).
 constexpr int64_t KC = 768;

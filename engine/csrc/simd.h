@@ -66,6 +66,9 @@ static inline __m128 to128(vec v) {  // 8 lanes -> 4 partial sums
 }
 #endif
 
+constexpr int LINE = 16;  // floats per 64-byte cache line: the step of every kernel's software prefetch
+static_assert(LINE % W == 0, "a cache line holds whole vectors");
+
 // Sum of the lanes, halves added at every level (as _mm512_reduce_add_ps does; cheaper than
 // _mm_hadd_ps, which is 3 uops on AMD Zen).
 static inline float hsum(vec v) {

@@ -44,9 +44,7 @@ constexpr int MR = 6;   // input rows per tile: 4 x 6 accumulators + 4 weight ve
 constexpr int NR = 3;
 constexpr int MR = 4;
 #endif
-constexpr int LINE = 16;         // floats per 64-byte cache line: one prefetch per weight row per line
 constexpr int GRAIN = 16;        // tiles per parallel chunk
-static_assert(LINE % W == 0, "a cache line holds whole vectors");
 
 // One K step of a tile: acc[r][m] += w[r][k..k+W) * x[m][k..k+W). `Tail` loads n < W floats.
 template <int MT, bool Tail>
