@@ -4,8 +4,10 @@ The transformers model runs unchanged (its projections, RoPE, MLPs, norms); only
 call is ours. Per layer it (1) writes the step's new keys/values into the paged cache at each
 token's slot, then (2) attends each request's queries to that request's own KV read through its
 block table — never across requests:
-- prefill chunks: one SDPA per request, causal (a chunk after already-computed tokens: with a mask
-  offset by them);
+- prefill chunks: per request, causal over its own blocks (a chunk after already-computed tokens
+  attends to them too): float32 on an AVX-512 CPU on the C++ prefill kernel (engine/paged_kernel.py),
+  which reads the blocks in place; otherwise one SDPA on the gathered K/V (with a mask offset by the
+  computed tokens for a later chunk);
 - decode tokens: float32 on CPU go to the C++ paged kernel (engine/paged_kernel.py), on CUDA to
   the Triton one (engine/triton_attention.py); both read each request's blocks in place, once,
   with an online softmax. Otherwise (no kernel for the device or dtype, or PDSERVE_ATTENTION=torch)
@@ -35,7 +37,9 @@ class PrefillSegment:
     q_len: int
     ctx_len: int
     block_ids: torch.Tensor     # [num_blocks] covering ctx_len tokens
-    mask: torch.Tensor | None   # [q_len, ctx_len] additive float (0 / -inf); None: the chunk starts the prompt (causal)
+    # [q_len, ctx_len] additive float (0 / -inf) for SDPA; None: the chunk starts the prompt (causal),
+    # or the prefill kernel runs it (AttentionMetadata.prefill_kernel: it needs no mask)
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -55,6 +59,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each packed token
     prefills: list[PrefillSegment]
     decode_groups: list[DecodeGroup]
+    # The prefill segments run on the C++ prefill kernel (the ModelRunner's choice: float32 on CPU,
+    # paged_kernel.prefill_preferred; their masks are then never built); otherwise on SDPA.
+    prefill_kernel: bool = False
 
 
 def paged_attention(
@@ -77,7 +84,7 @@ def paged_attention(
         return _decode(q, k_cache, v_cache, meta.decode_groups[0], groups, scaling).unsqueeze(0), None
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
-        out[seg.q_start : seg.q_start + seg.q_len] = _prefill(q, k_cache, v_cache, seg, scaling)
+        _prefill(q, k_cache, v_cache, seg, scaling, out[seg.q_start : seg.q_start + seg.q_len], meta.prefill_kernel)
     for grp in meta.decode_groups:
         out[grp.q_index] = _decode(q, k_cache, v_cache, grp, groups, scaling)
     return out.unsqueeze(0), None
@@ -89,16 +96,22 @@ def _write_kv(k_cache, v_cache, k_new, v_new, slots) -> None:
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v_new)
 
 
-def _prefill(q, k_cache, v_cache, seg: PrefillSegment, scaling) -> torch.Tensor:
+def _prefill(q, k_cache, v_cache, seg: PrefillSegment, scaling, out: torch.Tensor, kernel: bool) -> None:
+    """The segment's attention into ``out`` [q_len, heads, head_dim] (its rows of the step's output)."""
+    qs = q[:, seg.q_start : seg.q_start + seg.q_len]              # [heads, q_len, d]
     kv_heads, head_dim = k_cache.shape[-2:]
+    if kernel:
+        # Reads the segment's K/V in place through its blocks: no gathered copy, no mask tensor.
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        paged_kernel.paged_prefill_attention(qs, k_cache, v_cache, seg.block_ids, seg.ctx_len, scale, out=out)
+        return
     k = _gather(k_cache, seg.block_ids).view(-1, kv_heads, head_dim)[: seg.ctx_len].transpose(0, 1)
     v = _gather(v_cache, seg.block_ids).view(-1, kv_heads, head_dim)[: seg.ctx_len].transpose(0, 1)
-    qs = q[None, :, seg.q_start : seg.q_start + seg.q_len]     # [1, heads, q_len, d]
     # enable_gqa: heads k*g..k*g+g-1 share KV head k, never repeated in memory. A chunk that starts
     # the prompt is plain causal: is_causal takes SDPA's fused CPU kernel (~3x the masked path).
-    o = F.scaled_dot_product_attention(qs, k[None], v[None], attn_mask=seg.mask, is_causal=seg.mask is None,
+    o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=seg.mask, is_causal=seg.mask is None,
                                        scale=scaling, enable_gqa=True)
-    return o[0].transpose(0, 1)
+    out.copy_(o[0].transpose(0, 1))
 
 
 def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torch.Tensor:

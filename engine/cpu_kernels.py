@@ -46,7 +46,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "panel_linear.cpp", CSRC / "module.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "panel_linear.cpp", CSRC / "module.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 

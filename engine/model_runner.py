@@ -111,6 +111,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         prefills: list[PrefillSegment] = []
         decodes: list[tuple[int, ScheduledRequest]] = []
+        prefill_kernel = self._prefill_kernel()
         for s in out.scheduled:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             q_start = len(ids)
@@ -120,7 +121,7 @@ class ModelRunner:
             if n == 1 and start > 0:
                 decodes.append((q_start, s))
             else:
-                prefills.append(self._prefill_segment(s.block_ids, q_start, start, n))
+                prefills.append(self._prefill_segment(s.block_ids, q_start, start, n, masked=not prefill_kernel))
             if s.sample:
                 logits_indices.append(q_start + n - 1)
         metadata = AttentionMetadata(
@@ -128,6 +129,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots),
             prefills=prefills,
             decode_groups=self._decode_groups(decodes, decode_only=not prefills),
+            prefill_kernel=prefill_kernel,
         )
         num_kv = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         return ModelInputs(
@@ -138,7 +140,8 @@ class ModelRunner:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    def _prefill_segment(self, table: list[int], q_start: int, start: int, n: int) -> PrefillSegment:
+    def _prefill_segment(self, table: list[int], q_start: int, start: int, n: int, masked: bool) -> PrefillSegment:
+        """``masked``: SDPA will run it, so a chunk after computed tokens needs its offset causal mask."""
         ctx_len = start + n
         num_blocks = -(-ctx_len // self.block_size)
         return PrefillSegment(
@@ -146,7 +149,7 @@ class ModelRunner:
             q_len=n,
             ctx_len=ctx_len,
             block_ids=self._tensor(table[:num_blocks]),
-            mask=self._causal_mask(start, n) if start else None,
+            mask=self._causal_mask(start, n) if start and masked else None,
         )
 
     def _causal_mask(self, start: int, n: int) -> torch.Tensor:
@@ -170,6 +173,9 @@ class ModelRunner:
 
     def _paged_kernel(self) -> bool:
         return self.kv_cache.dtype == torch.float32 and self.device.type == "cpu" and paged_kernel.enabled()
+
+    def _prefill_kernel(self) -> bool:
+        return self._paged_kernel() and paged_kernel.prefill_preferred(self.kv_cache.shape[-1])
 
     def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False) -> DecodeGroup:
         ctx_lens = [s.request.num_computed_tokens + 1 for _, s in members]

@@ -1,10 +1,14 @@
-"""Calls the C++ paged decode-attention kernel (``engine/csrc/paged_attention.cpp``).
+"""Calls the C++ paged attention kernels: decode (``engine/csrc/paged_attention.cpp``) and
+causal prefill (``engine/csrc/prefill_attention.cpp``).
 
-The kernel reads each decode request's K/V blocks in place through its block table, exactly once,
-instead of gathering them into a padded copy that SDPA then reads again (decode attention is
-memory-bound, so that halves its traffic). float32 on CPU only; ``engine.attention`` falls back to
-its torch path for anything else, when the kernels cannot be built (``engine.cpu_kernels``), or
-when ``PDSERVE_ATTENTION=torch``.
+The decode kernel reads each decode request's K/V blocks in place through its block table, exactly
+once, instead of gathering them into a padded copy that SDPA then reads again (decode attention is
+memory-bound, so that halves its traffic). The prefill kernel runs one prompt segment (a whole
+prompt or a later chunk of it) against its request's paged K/V: no gathered copy, no mask tensor,
+and register-tiled score and value products where SDPA's CPU flash kernel makes MKL calls too
+small to run at the GEMM rate. float32 on CPU only; ``engine.attention`` falls back to its torch
+path for anything else, when the kernels cannot be built (``engine.cpu_kernels``), or when
+``PDSERVE_ATTENTION=torch``.
 """
 
 from __future__ import annotations
@@ -56,4 +60,48 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     module.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, float(scale), portable)
+    return out
+
+
+# The engine's prefill runs on the kernel where it was measured faster than SDPA: AVX-512 builds
+# (1.2-1.9x at 128-2,048 tokens on a Zen 4, 2 threads: benchmarks/results/attention.txt). An AVX2 build
+# computes the same values and is tested, but has not been timed against SDPA on an AVX2-only machine
+# (on an AVX-512 one torch's SDPA still uses AVX-512), so the engine keeps SDPA there.
+PREFILL_SIMD_WIDTHS = frozenset({16})
+
+
+def prefill_supports(head_dim: int) -> bool:
+    """The prefill kernel is enabled and takes this head_dim (a multiple of the SIMD width)."""
+    module = cpu_kernels.module()
+    return enabled() and module is not None and bool(module.prefill_attention_supports(head_dim))
+
+
+def prefill_preferred(head_dim: int) -> bool:
+    """The engine should run prefill attention of this head_dim on the kernel (see PREFILL_SIMD_WIDTHS)."""
+    return prefill_supports(head_dim) and simd_width() in PREFILL_SIMD_WIDTHS
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one prompt segment over its request's paged KV.
+
+    q [heads, q_len, head_dim] float32 (any strides with unit-stride head_dim): the queries of the
+    last ``q_len`` of the request's ``ctx_len`` tokens, whose K/V are already in the cache; query t
+    attends to keys 0 .. ctx_len - q_len + t. block_ids [>= ceil(ctx_len / block_size)] int64;
+    caches as for ``paged_decode_attention``. Returns out [q_len, heads, head_dim] (written in
+    place when given, e.g. the segment's rows of the step's output).
+    """
+    module = cpu_kernels.module()
+    if module is None:
+        raise RuntimeError(f"paged attention kernel unavailable: {unavailable_reason()}")
+    if out is None:
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+    module.paged_prefill_attention(out, q, k_cache, v_cache, block_ids, int(ctx_len), float(scale))
     return out

@@ -12,6 +12,9 @@ void skinny_linear(at::Tensor out, at::Tensor x, at::Tensor weight);
 int skinny_linear_simd_width();
 void panel_linear(at::Tensor out, at::Tensor x, at::Tensor weight);
 int panel_linear_simd_width();
+void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                             at::Tensor block_ids, int64_t ctx_len, double scale);
+bool prefill_attention_supports(int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -20,6 +23,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("portable") = false,
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal prefill attention (float32, CPU): out[t, heads, d] for q[heads, q_len, d], the last q_len "
+        "of ctx_len tokens, over paged K/V",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_ids"),
+        py::arg("ctx_len"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention_supports", &prefill_attention_supports,
+        "Whether this build's prefill kernel takes this head_dim (a multiple of the SIMD width)");
   m.def("skinny_linear", &skinny_linear,
         "out[M, N] = x[M, K] . weight[N, K]^T (float32, CPU, contiguous), for small M",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
