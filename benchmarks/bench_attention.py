@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks import kernel_bench  # noqa: E402
-from engine import attention, cpu_kernels, paged_kernel  # noqa: E402
+from engine import attention, cpu_kernels, freed_memory, paged_kernel  # noqa: E402
 from engine.attention import AttentionMetadata, DecodeGroup  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -229,25 +229,9 @@ def bench_model(loaded, steps: int, shuffled: bool) -> list[str]:
     ]
 
 
-def _keep_freed_memory() -> bool:
-    """glibc returns large freed buffers to the OS, so each group's fresh gather buffer (~10 MB)
-    page-faults on first touch: in this synthetic loop that doubled the torch path's time, while
-    inside the engine (other allocations keep the heap warm) it did not. Keep freed memory
-    mapped so the torch path is timed as the engine sees it."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        # 32 MiB is glibc's largest mmap threshold (a gather buffer here is ~10 MB).
-        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-    except (OSError, AttributeError):
-        return False
-
-
 def main() -> None:
     args = kernel_bench.parse_args(__doc__, threads=2, results=RESULTS)
-    kept = _keep_freed_memory()
+    kept = freed_memory.keep()   # as the engine's process does (engine.freed_memory)
     t0 = time.perf_counter()
     built = paged_kernel.available()
     build_s = time.perf_counter() - t0
@@ -258,7 +242,7 @@ def main() -> None:
         f"kernel: {paged_kernel.SOURCE.relative_to(ROOT)} {' '.join(cpu_kernels.CFLAGS)}, SIMD width "
         f"{paged_kernel.simd_width()} floats, loaded in {build_s:.1f} s (build cache {cpu_kernels.build_directory()})",
         f"shapes: SmolLM2-135M ({LAYERS} layers, {HEADS} heads, {KV_HEADS} KV heads, head dim {HEAD_DIM}), "
-        f"block {BLOCK}, fp32; glibc keeps freed memory mapped: {kept} (see _keep_freed_memory)",
+        f"block {BLOCK}, fp32; glibc keeps freed memory mapped: {kept} (engine.freed_memory)",
         "",
     ]
     layer_lines, _ = bench_layers(args.passes)

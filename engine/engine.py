@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import cuda_graphs, kv_cache, model_support
+from engine import cuda_graphs, freed_memory, kv_cache, model_support
 from engine.config import EngineConfig, EngineRole
 from engine.dtypes import torch_dtype
 from engine.errors import CapacityError, InvalidRequestError
@@ -82,6 +82,8 @@ class LLMEngine:
             raise ValueError("the engine needs a decided device ('cpu', 'cuda'); the launcher resolves 'auto'")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            freed_memory.keep()   # every step's activations would page-fault in anew otherwise
         self.loaded = loaded
         self.vocab_size = loaded.model.config.vocab_size
         model_support.check_config(loaded.model.config)
