@@ -76,7 +76,8 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     meta: AttentionMetadata = kwargs["pdserve_attn"]
     k_cache, v_cache = meta.kv_cache[module.layer_idx]
-    _write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
+    if not kwargs.get("pdserve_kv_written"):   # the lean forward's fused rotary wrote them (paged_kernel.rope_write_kv)
+        _write_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), meta.slot_mapping)
     q = query[0]                                   # [heads, tokens, head_dim]
     num_heads, num_tokens, head_dim = q.shape
     groups = num_heads // k_cache.shape[-2]

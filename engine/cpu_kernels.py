@@ -1,6 +1,7 @@
 """Builds and loads pdserve's C++ CPU kernels: one extension from ``engine/csrc/`` holding the
-paged decode attention (``engine/paged_kernel.py``) and the decode-step linear layers, skinny
-(few rows) and panel (a few dozen rows) (``engine/skinny_linear.py``).
+paged decode and prefill attention and the fused rotary embedding + KV write
+(``engine/paged_kernel.py``) and the decode-step linear layers, skinny (few rows) and panel (a
+few dozen rows) (``engine/skinny_linear.py``).
 
 Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja`` binary: the
 system's, or the ``ninja`` pip package's even when the venv is not activated) with
@@ -46,7 +47,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "skinny_linear.cpp", CSRC / "panel_linear.cpp", CSRC / "module.cpp"]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "rope_kv.cpp", "skinny_linear.cpp",
+                                    "panel_linear.cpp", "module.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 

@@ -12,6 +12,11 @@ This module runs the same model directly:
     apply_rotary_pos_emb, the registered paged attention, o_proj, residual, post-attention norm,
     MLP (gate/up fused likewise), residual -> final norm -> lm_head on the kept positions.
 
+On float32 CPU, where the C++ kernels take the head dim, the rotary embedding and the attention's
+KV-cache write run as one call (paged_kernel.rope_write_kv: the same float32 operations in the
+same order, so the same bits; ~12 dispatches per layer fewer: a decode step at batch 64 of
+SmolLM2 190 vs 197 ms, a 512-token prefill 798 vs 821 ms, interleaved).
+
 It calls the model's own modules and parameters (no copies), the same ops in the same order on
 the same shapes as the Hugging Face bodies, so its logits are bit-identical to the model's call
 (tests/test_lean_forward.py checks torch.equal). Plain torch ops and no branching on tensor
@@ -39,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from engine import attention, fused_linear
+from engine import attention, fused_linear, paged_kernel
 from engine.sliding_window import binding_window
 
 logger = logging.getLogger(__name__)
@@ -155,8 +160,9 @@ class LeanForward:
         position_ids: [1, num_tokens])."""
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
+        attend = self._attention_fused_rope if self._fused_rope(hidden, cos_sin) else self._attention
         for layer in self.layers:
-            hidden = hidden + self._attention(layer, layer.input_norm(hidden), cos_sin, metadata)
+            hidden = hidden + attend(layer, layer.input_norm(hidden), cos_sin, metadata)
             hidden = hidden + self._mlp(layer, layer.post_norm(hidden))
         hidden = self.norm(hidden)
         return self.lm_head(hidden[:, logits_indices, :])[0]
@@ -171,6 +177,25 @@ class LeanForward:
         q, k = self.apply_rotary(q, k, *cos_sin)
         out, _ = self.attention(layer.attn, q, k, v, None, dropout=0.0, scaling=layer.scaling, pdserve_attn=metadata)
         return layer.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+    def _fused_rope(self, hidden: torch.Tensor, cos_sin) -> bool:
+        """float32 on CPU with the C++ rotary + KV write available for this head_dim (and cos/sin
+        covering all of it): bit-identical to the model's rotary and cache write, in one call."""
+        head_dim = self.layers[0].head_dim if self.layers else 0
+        return (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and cos_sin[0].dtype == torch.float32
+                and cos_sin[0].shape[-1] == head_dim and paged_kernel.rope_supports(head_dim))
+
+    def _attention_fused_rope(self, layer: _Layer, x: torch.Tensor, cos_sin, metadata) -> torch.Tensor:
+        """``_attention`` with the rotary embedding and the KV-cache write as one kernel call."""
+        tokens = x.shape[1]
+        q, k, v = fused_linear.outputs((layer.q_proj, layer.k_proj, layer.v_proj), x)
+        k_cache, v_cache = metadata.kv_cache[layer.attn.layer_idx]
+        q = paged_kernel.rope_write_kv(q[0].view(tokens, -1, layer.head_dim), k[0].view(tokens, -1, layer.head_dim),
+                                       v[0].view(tokens, -1, layer.head_dim), cos_sin[0][0], cos_sin[1][0],
+                                       k_cache, v_cache, metadata.slot_mapping)
+        out, _ = self.attention(layer.attn, q.transpose(0, 1)[None], None, None, None, dropout=0.0,
+                                scaling=layer.scaling, pdserve_attn=metadata, pdserve_kv_written=True)
+        return layer.o_proj(out.reshape(1, tokens, -1).contiguous())
 
     @staticmethod
     def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Calls the C++ paged attention kernels: decode (``engine/csrc/paged_attention.cpp``) and
-causal prefill (``engine/csrc/prefill_attention.cpp``).
+"""Calls the C++ paged attention kernels: decode (``engine/csrc/paged_attention.cpp``), causal
+prefill (``engine/csrc/prefill_attention.cpp``), and the rotary embedding fused with the KV-cache
+write that precedes them in the lean forward (``engine/csrc/rope_kv.cpp``).
 
 The decode kernel reads each decode request's K/V blocks in place through its block table, exactly
 once, instead of gathering them into a padded copy that SDPA then reads again (decode attention is
@@ -105,3 +106,26 @@ def paged_prefill_attention(
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     module.paged_prefill_attention(out, q, k_cache, v_cache, block_ids, int(ctx_len), float(scale))
     return out
+
+
+def rope_supports(head_dim: int) -> bool:
+    """The fused rotary + KV write is enabled and takes this head_dim (a multiple of twice the SIMD width)."""
+    module = cpu_kernels.module()
+    return enabled() and module is not None and bool(module.rope_kv_supports(head_dim))
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``apply_rotary_pos_emb`` of q and k, bit for bit, with the rotated keys and the
+    values written into the paged caches at ``slots`` (what ``engine.attention`` writes otherwise).
+
+    q [T, heads, d], k and v [T, kv_heads, d] float32 (unit-stride d; views of the fused projection
+    output); cos, sin [T, d]; caches [num_blocks, block_size, kv_heads, d]; slots [T] int64 flat
+    slots. Returns the rotated queries [T, heads, d] (contiguous).
+    """
+    module = cpu_kernels.module()
+    if module is None:
+        raise RuntimeError(f"paged attention kernel unavailable: {unavailable_reason()}")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    module.rope_write_kv(q_out, q, k, v, cos.contiguous(), sin.contiguous(), k_cache, v_cache, slots)
+    return q_out

@@ -1,7 +1,8 @@
 """engine.lean_forward: logits and KV writes bit-identical (torch.equal) to the model's own call on
 every forward of real engine runs (mixed prefill + decode packed batches, chunked prefill, the
 decode graphs' fixed-shape body), for Llama (GQA, MHA, tied and untied embeddings), Qwen2 (biased
-q/k/v) and Mistral, with the CPU installs and kernels on and off; the refusals fall back to the model's call."""
+q/k/v) and Mistral, with the CPU installs and kernels on and off (head dims the fused rotary + KV
+write takes, and one it does not); the refusals fall back to the model's call."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine import lean_forward
 from engine.config import EngineConfig, GraphMode
 from engine.engine import LLMEngine
 from engine.model_loader import random_model
+from engine.types import RequestSpec, SamplingParams
 from tests.conftest import assert_no_leaks, hf_greedy
 from tests.test_engine_exact import run_staggered
 
@@ -33,6 +35,11 @@ MODELS = {
         **SMALL, num_attention_heads=8, num_key_value_heads=2, attention_bias=True, mlp_bias=True), seed=3),
     "qwen2": lambda: random_model(transformers.Qwen2Config(**SMALL, **GQA), seed=2),
     "mistral": lambda: random_model(transformers.MistralConfig(**SMALL, **GQA), seed=2),
+    # head dims 32 and 64: the fused rotary + KV write (paged_kernel.rope_write_kv) takes them
+    "llama_hd32": lambda: random_model(transformers.LlamaConfig(
+        **SMALL, num_attention_heads=2, num_key_value_heads=1), seed=5),
+    "qwen2_hd64": lambda: random_model(transformers.Qwen2Config(
+        **{**SMALL, "hidden_size": 128}, num_attention_heads=2, num_key_value_heads=1), seed=6),
 }
 
 CONFIGS = {
@@ -86,6 +93,33 @@ def test_bit_identical_to_model_call(name, config, installs, monkeypatch):
         assert both.kinds["prefilldecode"] > 0 and both.kinds["decode"] > 0, both.kinds
     else:   # decode steps went through the graphs' fixed-shape body, which calls the same forward
         assert engine.runner.graphs.num_replays > 0 and both.kinds["decode"] > 0
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("name,fused", [("llama_hd32", True), ("qwen2_hd64", True), ("llama_gqa_bias", False)])
+def test_fused_rope_runs_where_it_applies(name, fused, monkeypatch):
+    """float32 CPU with a head_dim the kernel takes (a multiple of twice the SIMD width: 32 and 64 on
+    AVX2 and AVX-512 alike): every layer's rotary and KV write go through paged_kernel.rope_write_kv;
+    head_dim 8 keeps the model's ops; PDSERVE_ATTENTION=torch switches it off."""
+    from engine import paged_kernel
+
+    if not paged_kernel.available():
+        pytest.skip(f"CPU kernels unavailable here: {paged_kernel.unavailable_reason()}")
+    calls = []
+    real = paged_kernel.rope_write_kv
+    monkeypatch.setattr(paged_kernel, "rope_write_kv", lambda *a: calls.append(1) or real(*a))
+    loaded = MODELS[name]()
+    engine = LLMEngine(loaded, CONFIGS["mixed"])
+    layers = loaded.model.config.num_hidden_layers
+    head_dim = loaded.model.config.hidden_size // loaded.model.config.num_attention_heads
+    expected = paged_kernel.simd_width() > 0 and fused
+    assert paged_kernel.rope_supports(head_dim) == expected
+    engine.generate([RequestSpec("r", tuple(PROMPTS[1]), SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert (len(calls) > 0) == expected and len(calls) % layers == 0
+    monkeypatch.setenv(paged_kernel.ENV_VAR, "torch")
+    calls.clear()
+    engine.generate([RequestSpec("s", tuple(PROMPTS[1]), SamplingParams(max_tokens=3, ignore_eos=True))])
+    assert not calls
     assert_no_leaks(engine)
 
 

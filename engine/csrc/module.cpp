@@ -15,6 +15,9 @@ int panel_linear_simd_width();
 void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                              at::Tensor block_ids, int64_t ctx_len, double scale);
 bool prefill_attention_supports(int64_t head_dim);
+void rope_write_kv(at::Tensor q_out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
+                   at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
+bool rope_kv_supports(int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -30,6 +33,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ctx_len"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_supports", &prefill_attention_supports,
         "Whether this build's prefill kernel takes this head_dim (a multiple of the SIMD width)");
+  m.def("rope_write_kv", &rope_write_kv,
+        "Rotary embedding of q [T, heads, d] into q_out and of k, k and v written to the paged caches at "
+        "slots (float32, CPU; bit-identical to Hugging Face's apply_rotary_pos_emb)",
+        py::arg("q_out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_kv_supports", &rope_kv_supports,
+        "Whether this build's rope_write_kv takes this head_dim (a multiple of twice the SIMD width)");
   m.def("skinny_linear", &skinny_linear,
         "out[M, N] = x[M, K] . weight[N, K]^T (float32, CPU, contiguous), for small M",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
