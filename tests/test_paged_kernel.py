@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 
-import os
-
 import pytest
 import torch
 
 from engine import attention, cpu_kernels, paged_kernel
 from engine.attention import DecodeGroup
+from tests.conftest import require_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not paged_kernel.available():
-        reason = f"paged attention kernel cannot be built here: {paged_kernel.unavailable_reason()}"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_kernel(paged_kernel.available(),
+                   f"paged attention kernel cannot be built here: {paged_kernel.unavailable_reason()}")
     return paged_kernel
 
 

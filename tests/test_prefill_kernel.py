@@ -5,27 +5,19 @@ built (never under CI); a head_dim it does not take must leave SDPA in use."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine import attention, paged_kernel
 from engine.attention import AttentionMetadata, PrefillSegment
+from tests.conftest import require_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not paged_kernel.available():
-        reason = f"paged attention kernel cannot be built here: {paged_kernel.unavailable_reason()}"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    if not paged_kernel.prefill_supports(64):
-        reason = "this build has no SIMD path: the prefill kernel is off, SDPA runs"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_kernel(paged_kernel.available(),
+                   f"paged attention kernel cannot be built here: {paged_kernel.unavailable_reason()}")
+    require_kernel(paged_kernel.prefill_supports(64), "this build has no SIMD path: the prefill kernel is off, SDPA runs")
     return paged_kernel
 
 

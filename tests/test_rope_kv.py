@@ -6,22 +6,18 @@ bad inputs raise, slots outside the cache included. Skipped only where the kerne
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine import paged_kernel
+from tests.conftest import require_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not (paged_kernel.available() and paged_kernel.rope_supports(64)):
-        reason = f"fused rotary kernel unavailable here: {paged_kernel.unavailable_reason() or 'no SIMD build'}"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    require_kernel(paged_kernel.available() and paged_kernel.rope_supports(64),
+                   f"fused rotary kernel unavailable here: {paged_kernel.unavailable_reason() or 'no SIMD build'}")
     return paged_kernel
 
 
