@@ -65,9 +65,9 @@ def paged_decode_attention(
 
 
 # The engine's prefill runs on the kernel where it was measured faster than SDPA: AVX-512 builds
-# (1.2-1.9x at 128-2,048 tokens on a Zen 4, 2 threads: benchmarks/results/attention.txt). An AVX2 build
-# computes the same values and is tested, but has not been timed against SDPA on an AVX2-only machine
-# (on an AVX-512 one torch's SDPA still uses AVX-512), so the engine keeps SDPA there.
+# (1.16-1.85x at 64-2,048 tokens on a Zen 4, 2 threads: benchmarks/results/prefill_attention.txt). An
+# AVX2 build computes the same values and is tested, but against SDPA with torch held to AVX2 it was
+# 0.59-0.91x past 128 tokens (same file), so the engine keeps SDPA there.
 PREFILL_SIMD_WIDTHS = frozenset({16})
 
 
