@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,8 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine import attention, paged_kernel  # noqa: E402
-from engine.attention import PrefillSegment  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.attention import PrefillSegment, offset_causal_mask  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30
@@ -56,8 +54,7 @@ def _case(q_len: int, ctx_len: int, seed: int = 0):
     block_ids = torch.randperm(pool, generator=g)[:needed]
     q = torch.randn(q_len, HEADS, HEAD_DIM, generator=g).transpose(0, 1)   # [heads, q_len, d] as the model's
     start = ctx_len - q_len
-    as_runner = SimpleNamespace(device=torch.device("cpu"), kv_cache=k_cache)   # the runner's own mask rule
-    mask = ModelRunner._causal_mask(as_runner, start, q_len) if start else None
+    mask = offset_causal_mask(start, q_len, k_cache.dtype, k_cache.device) if start else None   # as the runner builds it
     seg = PrefillSegment(q_start=0, q_len=q_len, ctx_len=ctx_len, block_ids=block_ids, mask=mask)
     return q, k_cache, v_cache, seg
 

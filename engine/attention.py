@@ -2,7 +2,7 @@
 
 The transformers model runs unchanged (its projections, RoPE, MLPs, norms); only the attention
 call is ours. Per layer it (1) writes the step's new keys/values into the paged cache at each
-token's slot, then (2) attends each request's queries to that request's own KV read through its
+token's slot (unless the lean forward's fused rotary wrote them: ``pdserve_kv_written``), then (2) attends each request's queries to that request's own KV read through its
 block table — never across requests:
 - prefill chunks: per request, causal over its own blocks (a chunk after already-computed tokens
   attends to them too): float32 on an AVX-512 CPU on the C++ prefill kernel (engine/paged_kernel.py),
@@ -89,6 +89,14 @@ def paged_attention(
     for grp in meta.decode_groups:
         out[grp.q_index] = _decode(q, k_cache, v_cache, grp, groups, scaling)
     return out.unsqueeze(0), None
+
+
+def offset_causal_mask(start: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """SDPA's additive [n, start + n] mask for a chunk after ``start`` computed tokens: query i sees
+    keys <= start + i. Additive float, not bool: SDPA's CPU path with a bool mask runs ~1.2x slower."""
+    q_pos = torch.arange(start, start + n, device=device)
+    visible = torch.arange(start + n, device=device)[None, :] <= q_pos[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
 def _write_kv(k_cache, v_cache, k_new, v_new, slots) -> None:

@@ -13,11 +13,10 @@ a deep copy) they run the model's own code. Off with ``PDSERVE_FAST_NORM=off``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from engine.switches import switched_off
 from engine.thread_switch import ThreadSwitch
 
 ENV_VAR = "PDSERVE_FAST_NORM"   # "off": the model's own RMSNorm (comparison, tests)
@@ -26,7 +25,7 @@ active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.t
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").lower() not in ("off", "0", "false")
+    return not switched_off(ENV_VAR)
 
 
 def _eligible(module: torch.nn.Module) -> bool:

@@ -4,8 +4,8 @@ Why: glibc serves an allocation over its mmap threshold (128 KB, raised only as 
 largest buffer freed so far) with fresh pages and gives freed heap tops back to the OS past its
 trim threshold. A forward allocates every activation anew (a 512-token prefill's MLP output alone
 is 6 MB), so each step page-faults its working set in again: 60-100 thousand minor faults per
-512-token prefill of SmolLM2 on CPU, measured; with freed memory kept, none, and the prefill
-5-10% faster (benchmarks/results/prefill_attention.txt). vLLM's CPU backend gets the same effect
+512-token prefill of SmolLM2 on CPU, measured; with freed memory kept, ~none, and the prefill
+840-951 -> 798-849 ms (separate processes; tests/test_freed_memory.py counts the faults). vLLM's CPU backend gets the same effect
 by preloading tcmalloc; this needs no preload.
 
 What it costs: the process's heap keeps its high-water mark of activations (tens of MB for a
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
+
+from engine.switches import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ _outcome: bool | None = None   # None: not tried in this process yet
 def keep() -> bool:
     """Tell glibc to keep freed memory (tried once per process); True if it is in effect."""
     global _outcome
-    if os.environ.get(ENV_VAR, "").lower() in ("off", "0", "false"):
+    if switched_off(ENV_VAR):
         return bool(_outcome)
     with _lock:
         if _outcome is None:

@@ -18,11 +18,10 @@ each member is a plain linear layer. Off with ``PDSERVE_FUSED_LINEAR=off``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine import skinny_linear
+from engine.switches import switched_off
 from engine.thread_switch import ThreadSwitch
 
 ENV_VAR = "PDSERVE_FUSED_LINEAR"   # "off": every projection on its own (comparison, tests)
@@ -32,7 +31,7 @@ active = ThreadSwitch()   # held by the ModelRunner around its forward (engine.t
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").lower() not in ("off", "0", "false")
+    return not switched_off(ENV_VAR)
 
 
 class _Group:

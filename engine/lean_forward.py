@@ -38,7 +38,6 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,6 +45,7 @@ import torch
 
 from engine import attention, fused_linear, paged_kernel
 from engine.sliding_window import binding_window
+from engine.switches import switched_off
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Refusal(enum.Enum):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").lower() not in ("off", "0", "false")
+    return not switched_off(ENV_VAR)
 
 
 def refusal(model: torch.nn.Module) -> Refusal | None:

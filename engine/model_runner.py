@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, offset_causal_mask
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -149,16 +149,8 @@ class ModelRunner:
             q_len=n,
             ctx_len=ctx_len,
             block_ids=self._tensor(table[:num_blocks]),
-            mask=self._causal_mask(start, n) if start and masked else None,
+            mask=offset_causal_mask(start, n, self.kv_cache.dtype, self.device) if start and masked else None,
         )
-
-    def _causal_mask(self, start: int, n: int) -> torch.Tensor:
-        """Additive [n, start + n] mask of a chunk after ``start`` computed tokens: query i sees keys
-        <= start + i. Additive float, not bool: SDPA's CPU path with a bool mask runs ~1.2x slower."""
-        q_pos = torch.arange(start, start + n, device=self.device)
-        visible = torch.arange(start + n, device=self.device)[None, :] <= q_pos[:, None]
-        zeros = torch.zeros(visible.shape, dtype=self.kv_cache.dtype, device=self.device)
-        return zeros.masked_fill_(~visible, float("-inf"))
 
     def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]], decode_only: bool) -> list[DecodeGroup]:
         # A GPU is bound on launching kernels, not on padding: one group in step order (a

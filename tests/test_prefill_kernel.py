@@ -10,7 +10,7 @@ import torch
 
 from engine import attention, paged_kernel
 from engine.attention import AttentionMetadata, PrefillSegment
-from tests.conftest import require_kernel
+from tests.conftest import assert_no_leaks, require_kernel
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_bad_inputs_raise(kernel):
 
 def _layer_call(q_len, ctx_len, seed=6):
     """One layer's attention call as the engine makes it: a prefill segment (a later chunk when
-    q_len < ctx_len) packed after one decode-free other token, its own K/V (re)written into the
-    cache by the call. Returns the call's arguments and the reference output of the segment."""
+    q_len < ctx_len) packed after one other token, its own K/V (re)written into the cache by the
+    call. Returns the call's arguments and the reference output of the segment."""
     q, kc, vc, ids = make_case(q_len, ctx_len, seed=seed)
     kv_heads, d = kc.shape[-2:]
     bs = kc.shape[1]
@@ -154,10 +154,7 @@ def _layer_call(q_len, ctx_len, seed=6):
     key = torch.cat([zero, kc[ids].reshape(-1, kv_heads, d)[pos].transpose(0, 1)[None]], dim=2)
     value = torch.cat([zero, vc[ids].reshape(-1, kv_heads, d)[pos].transpose(0, 1)[None]], dim=2)
     start = ctx_len - q_len
-    mask = None
-    if start:   # as ModelRunner._causal_mask builds it for SDPA
-        visible = torch.arange(ctx_len)[None, :] <= pos[:, None]
-        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    mask = attention.offset_causal_mask(start, q_len, kc.dtype, kc.device) if start else None   # as the runner's
     seg = PrefillSegment(q_start=1, q_len=q_len, ctx_len=ctx_len, block_ids=ids, mask=mask)
     cache = torch.stack([torch.stack([kc, vc])])                          # [layers=1, 2, blocks, bs, kv_heads, d]
     layer = torch.nn.Module()
@@ -197,7 +194,9 @@ def test_runner_uses_the_kernel_and_builds_no_mask(kernel, tiny_model, monkeypat
         seen, prepare = [], engine.runner.prepare
         engine.runner.prepare = lambda out: seen.append(prepare(out)) or seen[-1]
         spec = RequestSpec("r", tuple(range(5, 65)), SamplingParams(max_tokens=3, ignore_eos=True))
-        return engine.generate([spec])["r"], [inputs.metadata for inputs in seen]
+        tokens = engine.generate([spec])["r"]
+        assert_no_leaks(engine)
+        return tokens, [inputs.metadata for inputs in seen]
 
     def later_chunks(metas):
         return [seg for meta in metas for seg in meta.prefills if seg.ctx_len > seg.q_len]
