@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_file import write_run  # noqa: E402
+
 import torch  # noqa: E402
 
 from engine import attention, triton_attention  # noqa: E402
@@ -124,8 +126,7 @@ def main() -> None:
         lines += run(dtype, args.passes) + [""]
     text = "\n".join(lines)
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    write_run(args.out, text)
 
 
 if __name__ == "__main__":

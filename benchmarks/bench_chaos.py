@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.results_file import write_run  # noqa: E402
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import grpc  # noqa: E402
@@ -263,8 +266,7 @@ def main() -> None:
     finally:
         cluster.stop()
     text = report(args, outcomes, kills, leaks, stale, wall)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    write_run(args.out, text)
     print(text)
 
 

@@ -85,6 +85,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_file import write_run  # noqa: E402
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray workers must import the project's packages too.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -514,19 +517,7 @@ def main() -> None:
         ray.shutdown()
     sys.stdout.write(text)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + kept_notes(out))
-        logger.info("wrote %s", out)
-
-
-def kept_notes(out: Path) -> str:
-    """The hand-written notes of the file being replaced (from its first line that starts with
-    "notes"): a rerun refreshes the figures and keeps the record of what each change saved."""
-    if not out.exists():
-        return ""
-    lines = out.read_text().splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith("notes")), None)
-    return "" if start is None else "\n" + "".join(lines[start:])
+        write_run(out, text)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.baselines import hf_generate_batch, hf_static_batches
 from benchmarks.ceiling import ModelShape, decode_step_bound, measure_machine, prefill_flops, w64_ceiling
+from benchmarks.results_file import write_run
 from benchmarks.workload import make_w64, summarize
 from engine.config import EngineConfig, GraphMode
 from engine.engine import LLMEngine
@@ -195,8 +196,7 @@ def main() -> None:
     if len(engines) > 1 or ours.graphs != "eager":
         text += "\n" + graphs_report(engines)
     print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    write_run(args.out, text)
 
 
 def graphs_report(engines: list[tuple[str, EngineRun]]) -> str:

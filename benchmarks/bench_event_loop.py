@@ -30,6 +30,8 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_file import write_run
+
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router import convert
@@ -131,8 +133,7 @@ def main() -> int:
     lines.append(f"target p99 <= 50 ms with the executor: {'PASS' if p99 <= 50 else 'FAIL'} ({p99:.1f} ms)")
     text = "\n".join(lines)
     print(text)  # a benchmark's report, not logging
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
+    write_run(args.out, text)
     return 0
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_file import write_run  # noqa: E402
+
 SERVICE = "pdserve.v1.Pdserve"
 CHANNELS = 16
 
@@ -210,7 +212,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.quick:
-        args.out.write_text(text + "\n")
+        write_run(args.out, text)
 
 
 if __name__ == "__main__":

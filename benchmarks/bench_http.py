@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_file import write_run  # noqa: E402
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
@@ -162,7 +165,7 @@ def main() -> int:
             lines += tracing_ab.run(model, args.quick)
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    Path(args.out).write_text(text)
+    write_run(args.out, text)
     return 0
 
 

@@ -28,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_file import write_run  # noqa: E402
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
@@ -117,8 +120,7 @@ def main() -> None:
         ray.get([prefill.close.remote(), decode.close.remote()])
         ray.shutdown()
     text = report(rows, args.repeats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    write_run(args.out, text)
     sys.stdout.write(text)
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_file import write_run  # noqa: E402
+
 import torch  # noqa: E402
 
 from engine import attention, paged_kernel  # noqa: E402
@@ -151,7 +153,7 @@ def main() -> None:
             lines += [""] + bench_model(args.passes, args.threads)
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.out).write_text(text)
+    write_run(args.out, text)
 
 
 if __name__ == "__main__":

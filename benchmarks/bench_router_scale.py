@@ -55,6 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_file import write_run  # noqa: E402
+
 logger = logging.getLogger("bench_router_scale")
 
 BIN_S = 0.1
@@ -785,8 +787,7 @@ def main() -> None:
     text = report(args, speed, run, queued)
     sys.stdout.write(text)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        write_run(out, text)
 
 
 if __name__ == "__main__":

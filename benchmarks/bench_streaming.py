@@ -51,6 +51,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_file import write_run  # noqa: E402
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray workers and the spawned client must import the project's packages too.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
@@ -322,8 +325,7 @@ def main() -> None:
     text = report(args, runs, header)
     sys.stdout.write(text)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        write_run(out, text)
         logger.info("wrote %s", out)
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import results_file
+
 
 def parse_args(doc: str, threads: int, results: Path,
                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
@@ -52,6 +54,4 @@ def cpu_model() -> str:
 
 
 def write(out: Path, lines: list[str]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    results_file.write_run(out, "\n".join(lines))

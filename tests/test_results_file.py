@@ -1,0 +1,28 @@
+"""benchmarks/results_file.py: a rerun goes on top and keeps every earlier run byte for byte."""
+
+from benchmarks.results_file import EARLIER, write_run
+
+
+def test_first_run_is_the_whole_file(tmp_path):
+    path = tmp_path / "sub" / "bench.txt"
+    write_run(path, "run 1\nfigure 3.0")
+    assert path.read_text() == "run 1\nfigure 3.0\n"
+
+
+def test_a_rerun_keeps_the_earlier_runs_below_a_marker(tmp_path):
+    path = tmp_path / "bench.txt"
+    earlier = "run 1\n\n(a reading written by hand, with  trailing spaces  \n\n"
+    path.write_text(earlier)
+    write_run(path, "run 2\n\n\n")
+    assert path.read_text() == f"run 2\n\n{EARLIER}\n{earlier}"
+    write_run(path, "run 3")
+    text = path.read_text()
+    assert text.startswith("run 3\n\n" + EARLIER + "\nrun 2\n")
+    assert text.endswith(earlier) and text.count(EARLIER) == 2
+
+
+def test_an_empty_file_is_replaced(tmp_path):
+    path = tmp_path / "bench.txt"
+    path.write_text("\n\n")
+    write_run(path, "run 1")
+    assert path.read_text() == "run 1\n"
