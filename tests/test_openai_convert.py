@@ -324,3 +324,45 @@ def test_stop_strings_are_trimmed_from_streamed_text():
     assert t.push("a P") == "a " and t.push("ie", finished=True) == "Pie"     # not a stop: flushed
     t = StopTextTrimmer(["ab"])
     assert t.push("xa") == "x" and t.push("ab") == "a"                         # "a" + "ab": stop at the second
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {"prompt": "x", "min_tokens": 5}, "min_tokens"),
+    (CompletionRequest, {"prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),
+    (CompletionRequest, {"prompt": "x", "min_p": 0.05}, "min_p"),
+    (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    (CompletionRequest, {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
+    (CompletionRequest, {"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    (CompletionRequest, {"prompt": "x", "min_tokens": True}, "min_tokens"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}, "guided_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
+     "add_generation_prompt"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+])
+def test_vllm_extensions_that_would_change_the_output_are_refused_by_name(model, body, param):
+    """A vLLM client's extras (``extra_body``) that pdserve does not implement: a 400 naming the
+    parameter, never an answer generated as if it had not been sent."""
+    convert = chat_request if model is ChatCompletionRequest else completion_request
+    with pytest.raises(InvalidRequestError) as err:
+        convert(parse(model, body), None)
+    assert err.value.field == param and "not supported" in str(err.value)
+
+
+def test_vllm_extensions_at_their_no_op_values_and_unknown_fields_pass():
+    """Clients that send every default (min_tokens 0, repetition_penalty 1, tool_choice "auto", ...),
+    null, or fields that change nothing here (user, metadata) get the same request as without them."""
+    plain = completion_request(parse(CompletionRequest, {"prompt": "x"}), None)
+    defaults = {"min_tokens": 0, "repetition_penalty": 1, "min_p": 0.0, "include_stop_str_in_output": False,
+                "use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "guided_json": None,
+                "user": "u", "metadata": {"k": "v"}}
+    assert completion_request(parse(CompletionRequest, {"prompt": "x", **defaults}), None) == plain
+    messages = [{"role": "user", "content": "x"}]
+    chat = chat_request(parse(ChatCompletionRequest, {"messages": messages}), None)
+    chat_defaults = {**defaults, "echo": False, "add_generation_prompt": True, "continue_final_message": False,
+                     "chat_template_kwargs": {}, "tool_choice": "none"}
+    assert chat_request(parse(ChatCompletionRequest, {"messages": messages, **chat_defaults}), None) == chat
+    assert chat_request(parse(ChatCompletionRequest, {"messages": messages, "tool_choice": "auto"}), None) == chat

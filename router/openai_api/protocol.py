@@ -4,7 +4,9 @@ Unknown fields are ignored (clients send ``user``, ``metadata`` and the like, wh
 nothing here), as vLLM does; a field sent as ``null`` is a field left out (OpenAI's schema makes
 every optional parameter nullable, and many clients write unset fields as null); known fields
 this server cannot honour are refused by ``requests.py`` with a 400 that names them, never
-silently dropped. Beside OpenAI's fields,
+silently dropped: OpenAI's, and vLLM's extensions that would change the output (``min_tokens``,
+``repetition_penalty``, guided decoding, chat-template options, ...), which the request models
+keep among their extra fields for ``requests.py`` to look at. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
@@ -65,6 +67,8 @@ class ChatMessage(_Body):
 
 
 class _Sampling(_Body):
+    model_config = ConfigDict(extra="allow")   # kept in ``model_extra``: requests.py refuses vLLM's unimplemented ones
+
     model: str | None = None
     max_tokens: Int32 | None = None
     temperature: float | None = None

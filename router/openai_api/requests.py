@@ -4,7 +4,9 @@ messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the cl
 
 What is refused here (a 400 naming the parameter): ``n`` / ``best_of`` > 1, ``echo``,
 ``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
-text, a batch of prompts, content parts that are not text. The ``developer`` role (OpenAI's
+text, a batch of prompts, content parts that are not text, and vLLM's extensions this server
+does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
+``min_tokens`` or ``guided_json`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
 OpenAI defines them: chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
 logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
@@ -28,6 +30,33 @@ _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
 _ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the instructions' role
 _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's "not a <type>" errors
+
+
+# vLLM's request extensions that would change what is generated, with the values that change
+# nothing (sent by clients that fill in every default). Any other value is refused by name.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "min_tokens": (0,), "repetition_penalty": (1.0,), "min_p": (0.0,), "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
+    "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+}
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's: the prompt the template builds, the reply's shape
+    "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (), "tool_choice": ("none", "auto"),
+}
+
+
+def _refuse_extensions(req, table: dict[str, tuple]) -> None:
+    extra = req.model_extra or {}
+    for name, no_ops in table.items():
+        if name in extra:
+            _refuse(_is_one_of(extra[name], no_ops), name, f"{name} is not supported by this server (a vLLM "
+                    "extension; leave it out)")
+
+
+def _is_one_of(value: object, no_ops: tuple) -> bool:
+    """Equal to one of ``no_ops``, a JSON true / false never standing in for 1 / 0."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops)
 
 
 def _refuse(ok: object, param: str, message: str) -> None:
@@ -68,6 +97,7 @@ def _loc(loc: tuple) -> str:
 
 def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRequest:
     _refuse(not req.tools, "tools", "tool calling is not supported")
+    _refuse_extensions(req, CHAT_NOT_IMPLEMENTED)
     fmt = (req.response_format or {}).get("type", "text")
     _refuse(fmt == "text", "response_format", f"only type 'text' is supported, got {fmt!r}")
     msg = _common(req, label)
@@ -117,6 +147,7 @@ def completion_request(req: CompletionRequest, label: str | None) -> pb.Generate
 
 def _common(req, label: str | None) -> pb.GenerateRequest:
     _refuse(req.n == 1, "n", f"only n=1 is supported, got {req.n}: send n requests")
+    _refuse_extensions(req, NOT_IMPLEMENTED)
     for name in ("presence_penalty", "frequency_penalty"):
         _refuse(not getattr(req, name), name, "penalties are not supported (only 0)")
     _refuse(not req.logit_bias, "logit_bias", "logit_bias is not supported")
