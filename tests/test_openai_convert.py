@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import CapacityError, InvalidRequestError, WorkerFailedError
 from engine.types import FinishReason, TokenDelta
-from router.convert import Usage
+from router.convert import ServerDefaults, Usage, sampling_from_proto
 from router.errors import status_for
 from router.generation import GenerationEvent
 from router.identity import DuplicateRequestError
@@ -366,3 +366,15 @@ def test_vllm_extensions_at_their_no_op_values_and_unknown_fields_pass():
                      "chat_template_kwargs": {}, "tool_choice": "none"}
     assert chat_request(parse(ChatCompletionRequest, {"messages": messages, **chat_defaults}), None) == chat
     assert chat_request(parse(ChatCompletionRequest, {"messages": messages, "tool_choice": "auto"}), None) == chat
+
+
+def test_vllms_top_k_minus_one_means_top_k_off_as_zero_does():
+    """vLLM clients send top_k -1 as their "consider every token" (vLLM takes -1 or 0); over HTTP
+    it is pdserve's 0. Other negatives stay a 400 from the shared validation, as over gRPC."""
+    defaults = ServerDefaults(max_model_len=32, vocab_size=100)
+    off = completion_request(parse(CompletionRequest, {"prompt": "x", "top_k": -1}), None)
+    assert off.sampling.HasField("top_k") and sampling_from_proto(off.sampling, defaults).top_k == 0
+    below = completion_request(parse(CompletionRequest, {"prompt": "x", "top_k": -2}), None)
+    with pytest.raises(InvalidRequestError) as err:
+        sampling_from_proto(below.sampling, defaults)
+    assert err.value.field == "sampling.top_k" and param_for(err.value.field, chat=False) == "top_k"

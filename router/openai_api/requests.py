@@ -26,6 +26,7 @@ from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
+VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
 _ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the instructions' role
@@ -157,6 +158,8 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     for name in _SAMPLING:
         if getattr(req, name) is not None:
             setattr(msg.sampling, name, getattr(req, name))
+    if req.top_k == VLLM_ALL_TOKENS:
+        msg.sampling.top_k = 0   # pdserve's "top-k off" (gRPC refuses -1: its contract names 0 alone)
     for name in _TOP:
         if getattr(req, name) is not None:
             setattr(msg, name, getattr(req, name))
