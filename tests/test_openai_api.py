@@ -12,6 +12,7 @@ strings need the engine's tokenizer: ``test_openai_smollm2.py`` covers them with
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import time
 import urllib.error
@@ -375,6 +376,30 @@ def test_bearer_token_required_except_health(cluster, authed_port):
     assert done.usage.completion_tokens == 2
     health = urllib.request.urlopen(f"http://127.0.0.1:{authed_port}/health", timeout=10)
     assert health.status == 200
+    for path in ("/metrics", "/version"):   # behind the token too: only /health is open
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://127.0.0.1:{authed_port}{path}", timeout=10)
+        assert missing.value.code == 401
+        authed = urllib.request.Request(f"http://127.0.0.1:{authed_port}{path}", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert urllib.request.urlopen(authed, timeout=10).status == 200
+
+
+def test_metrics_and_version_on_the_api_port_as_vllm_serves_them(cluster, model_name):
+    """``GET /metrics`` on the API port is the router's exposition (a scrape config written for
+    vLLM's port finds it), counting this very request's completion; ``GET /version`` names the
+    installed package's version."""
+    root = base_url(cluster).removesuffix("/v1")
+    client_for(cluster).completions.create(model=model_name, prompt=[5, 6], max_tokens=2, extra_body={"ignore_eos": True})
+    scrape = urllib.request.urlopen(root + "/metrics", timeout=10)
+    assert scrape.headers["Content-Type"].startswith("text/plain")
+    text = scrape.read().decode()
+    port_text = cluster.cluster.metrics.exposition().decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert names == {line.split("{")[0].split(" ")[0] for line in port_text.splitlines() if line and not line.startswith("#")}
+    finished = [line for line in text.splitlines() if line.startswith("pdserve_requests_total{")]
+    assert finished and sum(float(line.rsplit(" ", 1)[1]) for line in finished) >= 1
+    version = json.load(urllib.request.urlopen(root + "/version", timeout=10))
+    assert version == {"version": importlib.metadata.version("pdserve")}
 
 
 class _NoSpans:

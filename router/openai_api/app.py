@@ -1,7 +1,9 @@
 """The FastAPI app: routes, bearer-token auth, the request body's size cap, OpenAI error bodies.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and one model by name
-(``/v1/models/{model}``; a name may hold slashes), ``/health``. Every route but ``GET /health``
+(``/v1/models/{model}``; a name may hold slashes), ``/health``; and, as vLLM's API server has them,
+``/metrics`` (the router's Prometheus exposition, the same as the metrics port's, so a scrape
+config written for vLLM's port works) and ``/version``. Every route but ``GET /health``
 needs ``Authorization: Bearer <token>`` when the router has a token (the same token and the same
 constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays open, like
 grpc.health.v1, and follows it: 200 while a serving path exists, 503 otherwise. A body is read up
@@ -16,6 +18,7 @@ a body in OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -41,6 +45,16 @@ from router.openai_api.run import GenerationResponse
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:   # a source tree run without installing it
+        return "unknown"
+
+
+_VERSION = _installed_version()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +76,8 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    app.add_api_route("/version", api.version, methods=["GET"])
     return app
 
 
@@ -91,6 +107,16 @@ class _Api:
     async def health(self) -> JSONResponse:
         serving = bool(self.serving_health.serving)
         return JSONResponse({"status": "serving" if serving else "not_serving"}, status_code=200 if serving else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        self._authorize(request)
+        if self.core.metrics is None:
+            raise errors.not_found("this router keeps no metrics")
+        return Response(self.core.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"version": _VERSION})
 
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
