@@ -41,7 +41,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
-CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's: the prompt the template builds, the reply's shape
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's, and OpenAI's tool_choice): the prompt, the reply's shape
     "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
     "chat_template_kwargs": ({},), "documents": (), "tool_choice": ("none", "auto"),
 }
@@ -51,8 +51,7 @@ def _refuse_extensions(req, table: dict[str, tuple]) -> None:
     extra = req.model_extra or {}
     for name, no_ops in table.items():
         if name in extra:
-            _refuse(_is_one_of(extra[name], no_ops), name, f"{name} is not supported by this server (a vLLM "
-                    "extension; leave it out)")
+            _refuse(_is_one_of(extra[name], no_ops), name, f"{name} is not supported by this server; leave it out")
 
 
 def _is_one_of(value: object, no_ops: tuple) -> bool:
