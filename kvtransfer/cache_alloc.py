@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from engine import kv_cache
 from engine.dtypes import dtype_name, torch_dtype
 from engine.errors import KVTransferError
 from engine.types import KVLayout
@@ -42,9 +43,10 @@ def _numel(layout: KVLayout, num_blocks: int) -> int:
 def allocate_kv_cache(
     layout: KVLayout, num_blocks: int, *, shm_path: str | None = None, device: str = "cpu"
 ) -> torch.Tensor:
-    """A zeroed cache of ``layout.cache_shape(num_blocks)``; file-backed when ``shm_path`` is set."""
+    """A zeroed cache of ``layout.cache_shape(num_blocks)``; file-backed when ``shm_path`` is set
+    (else the engine's own pool: ``engine.kv_cache.allocate``)."""
     if shm_path is None:
-        return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout.dtype), device=device)
+        return kv_cache.allocate(layout, num_blocks, device)
     if torch.device(device).type != "cpu":
         raise KVTransferError(f"a /dev/shm cache lives in host memory, not on {device}")
     _create_file(shm_path, _numel(layout, num_blocks) * layout.dtype_bytes)
