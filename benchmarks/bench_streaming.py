@@ -326,7 +326,6 @@ def main() -> None:
     sys.stdout.write(text)
     if out is not None:
         write_run(out, text)
-        logger.info("wrote %s", out)
 
 
 def measure(args, mode: str, prompts: list[list[int]]) -> tuple[dict, dict]:

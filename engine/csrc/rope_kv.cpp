@@ -91,15 +91,16 @@ void rope_write_kv(at::Tensor q_out, at::Tensor q, at::Tensor k, at::Tensor v, a
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *op = q_out.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t q_t = q.stride(0), q_h = q.stride(1), k_t = k.stride(0), k_h = k.stride(1);
+  const int64_t v_t = v.stride(0), v_h = v.stride(1);
   at::parallel_for(0, T, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *c = cp + t * d, *s = sp + t * d;
-      for (int64_t h = 0; h < heads; ++h)
-        rotate(qp + t * q.stride(0) + h * q.stride(1), c, s, d, op + (t * heads + h) * d);
+      for (int64_t h = 0; h < heads; ++h) rotate(qp + t * q_t + h * q_h, c, s, d, op + (t * heads + h) * d);
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t row = (slot[t] * kv_heads + h) * d;
-        rotate(kp + t * k.stride(0) + h * k.stride(1), c, s, d, kc + row);
-        std::memcpy(vc + row, vp + t * v.stride(0) + h * v.stride(1), d * sizeof(float));
+        rotate(kp + t * k_t + h * k_h, c, s, d, kc + row);
+        std::memcpy(vc + row, vp + t * v_t + h * v_h, d * sizeof(float));
       }
     }
   });
