@@ -4,11 +4,13 @@
 # handing KV over by CUDA IPC, the IPC round trip, the Triton paged decode-attention kernel vs
 # attention over each request's own context) and the decode-graph CPU-side tests, then
 # bench_attention_cuda (the Triton kernel vs the torch path, 30 layers replayed as a graph),
-# profile_decode_cuda (the kernels of a graph-replayed decode step at batch 64, bf16), then
+# profile_decode_cuda (the kernels of a graph-replayed decode step at batch 64, bf16, with and
+# without engine.triton_fused's kernels), then
 # bench_engine (W64 throughput vs HF, fp32 and bf16, CUDA graphs vs eager interleaved in the same
 # run, with the issue's targets: >= 5,000 out tok/s, decode step at batch 64 <= 5 ms) and
 # bench_disagg_overhead (in-process vs disaggregated vs colocated, one request at a time) on the
-# GPU. Results land in OUT_DIR.
+# GPU, and bench_engine bf16 once more with PDSERVE_TRITON_FUSED=off (the fused kernels' A/B).
+# Results land in OUT_DIR.
 #
 #   bash benchmarks/cuda_checks.sh [OUT_DIR] [MODEL]
 #
@@ -28,14 +30,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=0   # a failed test still lets the benchmarks run; the script's exit status reports it
 t="timeout ${STAGE_TIMEOUT_S:-1800}"
 $t python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_cuda_graphs.py tests/test_gpu_placement.py \
-  tests/test_triton_attention.py \
+  tests/test_triton_attention.py tests/test_triton_fused.py \
   "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes" 2>&1 | tee "$out/tests.txt" || status=1
 $t python3 -m benchmarks.bench_attention_cuda --out "$out/attention.txt"
 $t python3 -m benchmarks.profile_decode_cuda ${model:+--model "$model"} --dtype bfloat16 | tee "$out/profile_decode_bfloat16.txt"
+# The same step without engine.triton_fused's kernels (the model's own norms, rotary, KV write, SiLU).
+PDSERVE_TRITON_FUSED=off $t python3 -m benchmarks.profile_decode_cuda ${model:+--model "$model"} --dtype bfloat16 \
+  | tee "$out/profile_decode_bfloat16_unfused.txt"
 for dtype in float32 bfloat16; do
   $t python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
     --decode-graphs both --rounds 2 \
     --out "$out/engine_w64_$dtype.txt"
 done
+# bf16 decode graphs without the fused kernels, right after the run with them (same warm machine).
+PDSERVE_TRITON_FUSED=off $t python3 -m benchmarks.bench_engine --device cuda --dtype bfloat16 --threads 4 \
+  ${model:+--model "$model"} --decode-graphs auto --skip-static --skip-generate-batch --out "$out/engine_w64_bfloat16_unfused.txt"
 $t python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"
 exit $status

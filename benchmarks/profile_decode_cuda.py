@@ -5,7 +5,7 @@ profile_decode.py; random KV; blocks scattered), contexts uniform in [--ctx-min,
 decode steps replayed as CUDA graphs. After warm-up steps, --steps steps run under
 ``torch.profiler`` with CUDA activities (CUPTI reports the kernels inside a replayed graph); the
 table lists kernels by GPU time with their count per step, then a split: attention (the paged
-kernel and the KV write), GEMMs, the rest by kernel; the step's wall time against the GPU's busy
+kernel and the KV write, fused with the rotary embedding on engine.triton_fused), GEMMs, the rest; the step's wall time against the GPU's busy
 time says how much is launch and host work between kernels.
 
     python -m benchmarks.profile_decode_cuda --model DIR [--dtype bfloat16] [--steps 5] [--top 25]
@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from benchmarks.profile_decode import build_engine  # noqa: E402
 
 GEMM_MARKS = ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet")
-ATTENTION_MARKS = ("paged_decode", "index_copy")
+ATTENTION_MARKS = ("paged_decode", "index_copy", "rope_write_kv")
 
 
 def kind(name: str) -> str:

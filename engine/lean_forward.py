@@ -15,7 +15,9 @@ This module runs the same model directly:
 On float32 CPU, where the C++ kernels take the head dim, the rotary embedding and the attention's
 KV-cache write run as one call (paged_kernel.rope_write_kv: the same float32 operations in the
 same order, so the same bits; ~12 dispatches per layer fewer: a decode step at batch 64 of
-SmolLM2 190 vs 197 ms, a 512-token prefill 798 vs 821 ms, interleaved).
+SmolLM2 190 vs 197 ms, a 512-token prefill 798 vs 821 ms, interleaved). On CUDA with Triton the
+elementwise work runs on engine.triton_fused's kernels: each residual add fused into the norm after
+it, the rotary embedding with the KV write, SiLU with its multiply (ten kernels a layer, not ~45).
 
 It calls the model's own modules and parameters (no copies), the same ops in the same order on
 the same shapes as the Hugging Face bodies, so its logits are bit-identical to the model's call
@@ -36,6 +38,7 @@ called here are the installed ones). It holds references to the model's modules 
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from engine import attention, fused_linear, paged_kernel
+from engine import attention, fused_linear, paged_kernel, triton_fused
 from engine.sliding_window import binding_window
 from engine.switches import switched_off
 
@@ -105,6 +108,11 @@ def _hooked(module: torch.nn.Module) -> bool:
 
 
 
+def _is_silu(act_fn) -> bool:
+    from transformers import activations   # SiLUActivation where this transformers has it, else nn.SiLU
+    return isinstance(act_fn, (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)))
+
+
 def build(model: torch.nn.Module) -> LeanForward | None:
     """The lean forward of ``model``; None when switched off or refused (logged)."""
     if not enabled():
@@ -133,6 +141,7 @@ class _Layer:
     act_fn: Callable[[torch.Tensor], torch.Tensor]
     head_dim: int
     scaling: float
+    silu: bool                 # act_fn is SiLU: triton_fused.silu_mul may replace act_fn(gate) * up
 
 
 class LeanForward:
@@ -150,7 +159,7 @@ class LeanForward:
             _Layer(layer.input_layernorm, layer.self_attn, layer.self_attn.q_proj, layer.self_attn.k_proj,
                    layer.self_attn.v_proj, layer.self_attn.o_proj, layer.post_attention_layernorm,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, layer.mlp.act_fn,
-                   layer.self_attn.head_dim, layer.self_attn.scaling)
+                   layer.self_attn.head_dim, layer.self_attn.scaling, _is_silu(layer.mlp.act_fn))
             for layer in base.layers[: model.config.num_hidden_layers]
         ]
 
@@ -160,12 +169,30 @@ class LeanForward:
         position_ids: [1, num_tokens])."""
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb(hidden, position_ids=position_ids)
-        attend = self._attention_fused_rope if self._fused_rope(hidden, cos_sin) else self._attention
-        for layer in self.layers:
-            hidden = hidden + attend(layer, layer.input_norm(hidden), cos_sin, metadata)
-            hidden = hidden + self._mlp(layer, layer.post_norm(hidden))
-        hidden = self.norm(hidden)
+        fused = triton_fused.applies(hidden, self.norm.weight)
+        rope = self._rope_kernel(hidden, cos_sin, fused)
+        attend = functools.partial(self._attention_fused_rope, rope) if rope is not None else self._attention
+        if fused:
+            hidden = self._layers_fused(hidden, cos_sin, attend, metadata)
+        else:
+            for layer in self.layers:
+                hidden = hidden + attend(layer, layer.input_norm(hidden), cos_sin, metadata)
+                hidden = hidden + self._mlp(layer, layer.post_norm(hidden))
+            hidden = self.norm(hidden)
         return self.lm_head(hidden[:, logits_indices, :])[0]
+
+    def _layers_fused(self, hidden: torch.Tensor, cos_sin, attend, metadata) -> torch.Tensor:
+        """The decoder layers and the final norm with each residual add fused into the norm after
+        it and SiLU into its multiply (engine.triton_fused: GPU kernels)."""
+        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)] + [self.norm]
+        x, residual = triton_fused.add_rms_norm(hidden, None, norms[0].weight, norms[0].variance_epsilon)
+        for i, layer in enumerate(self.layers):
+            post, following = norms[2 * i + 1], norms[2 * i + 2]
+            delta = attend(layer, x, cos_sin, metadata)
+            x, residual = triton_fused.add_rms_norm(delta, residual, post.weight, post.variance_epsilon)
+            delta = self._mlp(layer, x, fused=True)
+            x, residual = triton_fused.add_rms_norm(delta, residual, following.weight, following.variance_epsilon)
+        return x
 
     def _attention(self, layer: _Layer, x: torch.Tensor, cos_sin, metadata) -> torch.Tensor:
         input_shape = x.shape[:-1]
@@ -178,26 +205,33 @@ class LeanForward:
         out, _ = self.attention(layer.attn, q, k, v, None, dropout=0.0, scaling=layer.scaling, pdserve_attn=metadata)
         return layer.o_proj(out.reshape(*input_shape, -1).contiguous())
 
-    def _fused_rope(self, hidden: torch.Tensor, cos_sin) -> bool:
-        """float32 on CPU with the C++ rotary + KV write available for this head_dim (and cos/sin
-        covering all of it): bit-identical to the model's rotary and cache write, in one call."""
+    def _rope_kernel(self, hidden: torch.Tensor, cos_sin, fused: bool):
+        """The rotary embedding + KV-cache write as one call, or None (the model's own ops): the
+        Triton kernel with the other fused kernels (GPU), the C++ one for float32 on CPU (the
+        same bits as the model's rotary and cache write). Both need cos/sin covering the head."""
         head_dim = self.layers[0].head_dim if self.layers else 0
-        return (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and cos_sin[0].dtype == torch.float32
-                and cos_sin[0].shape[-1] == head_dim and paged_kernel.rope_supports(head_dim))
+        if fused and triton_fused.rope_supports(head_dim, cos_sin[0]):
+            return triton_fused.rope_write_kv
+        if (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and cos_sin[0].dtype == torch.float32
+                and cos_sin[0].shape[-1] == head_dim and paged_kernel.rope_supports(head_dim)):
+            return paged_kernel.rope_write_kv
+        return None
 
-    def _attention_fused_rope(self, layer: _Layer, x: torch.Tensor, cos_sin, metadata) -> torch.Tensor:
-        """``_attention`` with the rotary embedding and the KV-cache write as one kernel call."""
+    def _attention_fused_rope(self, rope, layer: _Layer, x: torch.Tensor, cos_sin, metadata) -> torch.Tensor:
+        """``_attention`` with the rotary embedding and the KV-cache write as one ``rope`` call."""
         tokens = x.shape[1]
         q, k, v = fused_linear.outputs((layer.q_proj, layer.k_proj, layer.v_proj), x)
         k_cache, v_cache = metadata.kv_cache[layer.attn.layer_idx]
-        q = paged_kernel.rope_write_kv(q[0].view(tokens, -1, layer.head_dim), k[0].view(tokens, -1, layer.head_dim),
-                                       v[0].view(tokens, -1, layer.head_dim), cos_sin[0][0], cos_sin[1][0],
-                                       k_cache, v_cache, metadata.slot_mapping)
+        q = rope(q[0].view(tokens, -1, layer.head_dim), k[0].view(tokens, -1, layer.head_dim),
+                 v[0].view(tokens, -1, layer.head_dim), cos_sin[0][0], cos_sin[1][0], k_cache, v_cache,
+                 metadata.slot_mapping)
         out, _ = self.attention(layer.attn, q.transpose(0, 1)[None], None, None, None, dropout=0.0,
                                 scaling=layer.scaling, pdserve_attn=metadata, pdserve_kv_written=True)
         return layer.o_proj(out.reshape(1, tokens, -1).contiguous())
 
     @staticmethod
-    def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(layer: _Layer, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate, up = fused_linear.outputs((layer.gate_proj, layer.up_proj), x)
+        if fused and layer.silu:
+            return layer.down_proj(triton_fused.silu_mul(gate, up))
         return layer.down_proj(layer.act_fn(gate) * up)

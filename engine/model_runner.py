@@ -4,7 +4,8 @@ Life cycle per step: ``prepare`` turns a SchedulerOutput into packed input ids, 
 slot mapping and attention metadata; ``execute`` runs the transformers model through the
 paged attention registered in ``engine.attention`` (q/k/v and gate/up projections fused by
 ``engine.fused_linear``, decode-step linears on ``engine.skinny_linear``, RMSNorm on
-``engine.fast_norm``; for the Llama family without Hugging Face's plumbing, ``engine.lean_forward``)
+``engine.fast_norm``; for the Llama family without Hugging Face's plumbing, ``engine.lean_forward``,
+on CUDA with ``engine.triton_fused``'s kernels)
 and returns logits only at the positions that sample (each request's last
 scheduled token when it reaches its last known token).
 With decode graphs on (``engine.cuda_graphs``), a decode-only step is loaded into the graph pool's
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear
+from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear, triton_fused
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, offset_causal_mask
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -57,12 +58,15 @@ class ModelRunner:
         self.skinny = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and skinny_linear.enabled()
         if self.skinny:
             skinny_linear.install(model)
-        # RMSNorm as one fused op (float32 CPU: the same bits as the model's own; CUDA: one kernel, not six).
-        self.fast_norm = (self.device.type == "cuda" or kv_cache.dtype == torch.float32) and fast_norm.enabled()
+        # RMSNorm as one fused op on float32 CPU (the same bits as the model's own). On CUDA the lean
+        # forward's Triton kernels fuse it with the residual add (engine.triton_fused).
+        self.fast_norm = self.device.type == "cpu" and kv_cache.dtype == torch.float32 and fast_norm.enabled()
         if self.fast_norm:
             fast_norm.install(model)
         # The same modules without Hugging Face's per-call plumbing (Llama family; None: the model's call).
         self.lean = lean_forward.build(model)
+        if self.lean is not None and self.device.type == "cuda" and triton_fused.enabled():
+            triton_fused.usable(self.device, kv_cache.dtype)   # its start-up check now, never under a capture
         self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
