@@ -148,6 +148,7 @@ class DecodeGraphPool:
         # Host rows are written with numpy (fast for small assignments), then copied in one go.
         self._host = torch.zeros(max_batch, TABLE + max_width, dtype=torch.long, pin_memory=on_cuda)
         self._host_np = self._host.numpy()
+        self._tables = _RowTables(self._host_np[:, TABLE:], plan.null_block)
         self._rows = self._host.to(self.device) if on_cuda else self._host
         self._copied = torch.cuda.Event() if on_cuda else None
         self._row_index = torch.arange(max_batch, device=self.device)
@@ -186,18 +187,23 @@ class DecodeGraphPool:
         return None
 
     def _load(self, out: SchedulerOutput, batch: int, width: int) -> None:
-        """Real rows first, in scheduling order; padded rows read and write the null block only."""
+        """Real rows first, in scheduling order; padded rows read and write the null block only.
+        The four scalar columns are written whole; a row's block table only where it changed
+        (``_RowTables``): most decode steps add no block to any table."""
         if self._copied is not None:
             self._copied.synchronize()   # the last step's copy has read the host rows (async, pinned)
         rows, bs, n = self._host_np, self.block_size, len(out.scheduled)
-        rows[:batch, TABLE : TABLE + width] = self.plan.null_block
-        rows[n:batch, :TABLE] = (0, 0, self.null_slot, 1)
+        ids, positions, slots = [], [], []
         for i, s in enumerate(out.scheduled):
-            req, pos = s.request, s.request.num_computed_tokens
-            table = s.block_ids
-            rows[i, :TABLE] = (req.all_token_ids[pos], pos, table[pos // bs] * bs + pos % bs, pos + 1)
-            num_blocks = pos // bs + 1
-            rows[i, TABLE : TABLE + num_blocks] = table[:num_blocks]
+            req, pos, table = s.request, s.request.num_computed_tokens, s.block_ids
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            self._tables.load(i, table, pos // bs + 1)
+        rows[:n, ID], rows[:n, POS], rows[:n, SLOT] = ids, positions, slots
+        rows[:n, CTX] = rows[:n, POS] + 1
+        rows[n:batch, :TABLE] = (0, 0, self.null_slot, 1)
+        self._tables.pad(n, batch)
         if self._copied is not None:
             self._rows[:batch].copy_(self._host[:batch], non_blocking=True)
             self._copied.record()
@@ -259,9 +265,42 @@ class DecodeGraphPool:
 
     def _load_padding(self, batch: int) -> None:
         self._host_np[:batch, :TABLE] = (0, 0, self.null_slot, 1)
-        self._host_np[:batch, TABLE:] = self.plan.null_block
+        self._tables.pad(0, batch)
         self._rows[:batch].copy_(self._host[:batch])
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+
+class _RowTables:
+    """The block-table columns of the static buffer's host rows, rewritten only where a row's
+    table changed. A row holds the first ``num_blocks`` blocks of the table list it was last
+    loaded from, then the null block. A request's table list only ever grows (the KV manager
+    extends it; a re-admitted request gets a new list), so the list itself (held here: its
+    identity cannot be reused) and its block count say whether a row is current."""
+
+    def __init__(self, columns, null_block: int) -> None:
+        self.columns = columns                  # numpy view [max_batch, max_width] of the host rows
+        self.null_block = null_block
+        self.columns[:] = null_block
+        self._source: list[tuple[list[int] | None, int]] = [(None, 0)] * columns.shape[0]
+
+    def load(self, row: int, table: list[int], num_blocks: int) -> None:
+        held, written = self._source[row]
+        if held is table and written == num_blocks:
+            return   # most decode steps
+        if held is table and written < num_blocks:
+            self.columns[row, written:num_blocks] = table[written:num_blocks]   # the table grew
+        else:
+            self.columns[row, :num_blocks] = table[:num_blocks]
+            if written > num_blocks:
+                self.columns[row, num_blocks:written] = self.null_block
+        self._source[row] = (table, num_blocks)
+
+    def pad(self, start: int, stop: int) -> None:
+        """Rows ``start .. stop - 1`` hold the null block alone (padded rows)."""
+        for row in range(start, stop):
+            if self._source[row][1]:
+                self.columns[row, : self._source[row][1]] = self.null_block
+                self._source[row] = (None, 0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -150,6 +151,47 @@ def test_a_smaller_step_after_a_larger_one_leaves_no_stale_row():
     assert (inputs.batch, inputs.width) == (1, 4)
     table = small.block_tables["q0"]
     assert pool._rows[0, : TABLE + 4].tolist() == [101, 1, table[0] * BLOCK + 1, 2, table[0], 39, 39, 39]
+
+
+def test_rows_stay_current_over_random_steps():
+    """The block tables are rewritten only where a row changed: over random decode steps (requests
+    growing by a token or crossing into a new block, joining, leaving, re-admitted with new
+    blocks after a preemption, batches shrinking and growing) every row always equals a full
+    rewrite: its request's blocks, then the null block across the widest table; padded rows the
+    null block alone."""
+    rng = random.Random(7)
+    kv = KVCacheManager(200, BLOCK)
+    plan = GraphPlan(capture=False, batch_sizes=(1, 2, 4, 8), widths=(4, 8, 16), null_block=200)
+    pool = pool_for(plan, num_blocks=201)
+    live: dict[str, Request] = {}
+    for step in range(300):
+        if len(live) < 8 and rng.random() < 0.3:
+            req = Request(RequestSpec(f"s{step}", tuple(range(3, 3 + rng.randint(1, 40))), SamplingParams(max_tokens=90)))
+            req.num_computed_tokens = req.num_tokens - 1
+            kv.allocate_slots(req.req_id, req.num_tokens)
+            live[req.req_id] = req
+        for req_id in [r for r in live if rng.random() < 0.05 or live[r].num_tokens >= 16 * BLOCK]:
+            kv.free(req_id)   # finished (or as long as the widest table holds), or preempted and re-admitted
+            if rng.random() < 0.5 or live[req_id].num_tokens >= 16 * BLOCK:
+                del live[req_id]
+            else:
+                kv.allocate_slots(req_id, live[req_id].num_tokens)
+        if not live:
+            continue
+        order = rng.sample(list(live.values()), k=len(live))
+        out = SchedulerOutput([ScheduledRequest(r, 1, True, kv.block_tables[r.req_id]) for r in order], len(order))
+        inputs = pool.prepare(out)
+        assert isinstance(inputs, GraphInputs)
+        rows = pool._rows
+        for i, r in enumerate(order):
+            table, n = kv.block_tables[r.req_id], r.num_computed_tokens // BLOCK + 1
+            assert rows[i, TABLE : TABLE + n].tolist() == table[:n], f"step {step}, row {i}"
+            assert (rows[i, TABLE + n :] == 200).all(), f"step {step}, row {i}: stale blocks past the table"
+        assert (rows[len(order) : inputs.batch, TABLE:] == 200).all(), f"step {step}: a padded row reads a block"
+        for r in order:   # the step's token lands: the next decode is one further
+            r.append_output(5, None)
+            r.num_computed_tokens += 1
+            kv.allocate_slots(r.req_id, r.num_tokens)
 
 
 class RecordingGraphs:
