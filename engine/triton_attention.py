@@ -20,24 +20,19 @@ sends them down the torch path instead (comparisons, tests).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
+from engine import triton_support
 from engine.paged_kernel import ENV_VAR   # one switch for both paged kernels: "torch" turns them off
 TILE_BLOCKS = 4                 # KV blocks per tile of the context walk
 PART_TOKENS = 128               # context tokens per program: long contexts are split over programs (flash decoding)
 
 
-@functools.cache
-def _kernels():
+@triton_support.kernels
+def _kernels(triton, tl):
     """The Triton kernels (compiled on first call), or None where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def paged_decode_partial(Q, K, V, TABLES, CTX, M_OUT, L_OUT, ACC_OUT, scale,
@@ -112,8 +107,8 @@ def enabled() -> bool:
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Shapes the kernel's tiles take: power-of-two head size and tile, contiguous head rows."""
     head_dim, block_size = q.shape[-1], k_cache.shape[1]
-    return (q.is_cuda and k_cache.stride(-1) == 1 and head_dim >= 16 and _is_pow2(head_dim)
-            and _is_pow2(block_size * TILE_BLOCKS) and block_size * TILE_BLOCKS >= 16
+    return (q.is_cuda and k_cache.stride(-1) == 1 and head_dim >= 16 and triton_support.is_pow2(head_dim)
+            and triton_support.is_pow2(block_size * TILE_BLOCKS) and block_size * TILE_BLOCKS >= 16
             and PART_TOKENS % (block_size * TILE_BLOCKS) == 0)
 
 
@@ -137,21 +132,14 @@ def paged_decode_attention(
     denom = torch.empty_like(m)
     acc = q.new_empty(n, num_heads, num_parts, head_dim, dtype=torch.float32)
     partial, combine = _kernels()
-    with torch.cuda.device(q.device):   # Triton launches on the current device, not on the tensors'
+    with triton_support.launch_device(q):
         partial[(n, kv_heads, num_parts)](
             q, k_cache, v_cache, block_tables, context_lens, m, denom, acc, float(scale),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUPS=groups, GROUPS_PAD=max(16, _next_pow2(groups)), HEAD_DIM=head_dim, BLOCK=block_size,
+            GROUPS=groups, GROUPS_PAD=max(16, triton_support.next_pow2(groups)), HEAD_DIM=head_dim,
+            BLOCK=block_size,
             TILE=block_size * TILE_BLOCKS, PART=PART_TOKENS, NUM_PARTS=num_parts, IEEE=q.dtype == torch.float32,
         )
         combine[(n, num_heads)](m, denom, acc, out, out.stride(0), out.stride(1), HEADS=num_heads,
-                                HEAD_DIM=head_dim, NUM_PARTS=num_parts, PARTS_PAD=_next_pow2(num_parts))
+                                HEAD_DIM=head_dim, NUM_PARTS=num_parts, PARTS_PAD=triton_support.next_pow2(num_parts))
     return out
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0

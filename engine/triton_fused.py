@@ -36,6 +36,7 @@ import os
 
 import torch
 
+from engine import triton_support
 from engine.switches import switched_off
 
 logger = logging.getLogger(__name__)
@@ -46,14 +47,9 @@ ENV_VAR = "PDSERVE_TRITON_FUSED"   # "off": the model's own norms, rotary, KV wr
 CHECK_TOLERANCE = 2e-2
 
 
-@functools.cache
-def _kernels():
+@triton_support.kernels
+def _kernels(triton, tl):
     """The Triton kernels (compiled on first launch), or None where Triton does not import."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def add_rms_norm(X, RES, RES_OUT, W, OUT, stride_x, stride_res, stride_out, n, eps,
@@ -206,20 +202,7 @@ def _check(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def rope_supports(head_dim: int, cos: torch.Tensor) -> bool:
     """A power-of-two head size (the kernel's halves are tiles) rotated in full."""
-    return head_dim >= 4 and head_dim & (head_dim - 1) == 0 and cos.shape[-1] == head_dim
-
-
-def _device(x: torch.Tensor):
-    # Triton launches on the current device, not on the tensors'
-    return torch.cuda.device(x.device) if x.is_cuda else _NoDevice()
-
-
-class _NoDevice:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return head_dim >= 4 and triton_support.is_pow2(head_dim) and cos.shape[-1] == head_dim
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -234,7 +217,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     res = residual.reshape(-1, n) if residual is not None else rows
     kernel = _kernels()[0]
     block = 1 << (n - 1).bit_length()
-    with _device(x):
+    with triton_support.launch_device(x):
         kernel[(rows.shape[0],)](rows, res, res_out, weight, out, rows.stride(0), res.stride(0), out.stride(0),
                                  n, float(eps), HAS_RES=residual is not None, BLOCK_N=block,
                                  num_warps=4 if block >= 1024 else 2)
@@ -254,10 +237,11 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     kernel = _kernels()[1]
-    with _device(q):
+    with triton_support.launch_device(q):
         kernel[(tokens,)](q, k, v, cos, sin, k_cache, v_cache, slots, q_out,
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-                          heads, kv_heads, ROWS_PAD=_next_pow2(heads + kv_heads), KV_PAD=_next_pow2(kv_heads),
+                          heads, kv_heads, ROWS_PAD=triton_support.next_pow2(heads + kv_heads),
+                          KV_PAD=triton_support.next_pow2(kv_heads),
                           HALF=head_dim // 2, num_warps=2, enable_fp_fusion=False)
     return q_out
 
@@ -270,11 +254,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, 1 << (n - 1).bit_length())
     kernel = _kernels()[2]
-    with _device(gate):
+    with triton_support.launch_device(gate):
         kernel[(g.shape[0], -(-n // block))](g, u, out, g.stride(0), u.stride(0), out.stride(0), n, BLOCK=block,
                                             num_warps=4, enable_fp_fusion=False)
     return out.view(gate.shape)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
