@@ -208,8 +208,7 @@ def spec_from_proto(
     if request.sampling.HasField("max_tokens"):
         # An explicit value is a promise we could not keep: refuse rather than silently cut it.
         require(sampling.max_tokens <= room, "sampling.max_tokens",
-                 f"max_tokens beyond model length: {len(prompt)} prompt + {sampling.max_tokens}"
-                 f" > max_model_len {limit}")
+                f"{len(prompt)} prompt tokens + {sampling.max_tokens} to generate exceed max_model_len {limit}")
     elif sampling.max_tokens > room:
         # The server's default was never the client's promise: it shrinks to fit a long prompt.
         sampling = dataclasses.replace(sampling, max_tokens=room)

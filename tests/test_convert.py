@@ -107,7 +107,7 @@ def test_bad_request_names_its_field(kwargs, field):
 
 
 def test_max_tokens_beyond_model_length_message():
-    with pytest.raises(InvalidRequestError, match="max_tokens beyond model length"):
+    with pytest.raises(InvalidRequestError, match="prompt tokens \\+ .* to generate exceed max_model_len"):
         spec(token_ids=[1] * 30, max_tokens=3)
 
 
