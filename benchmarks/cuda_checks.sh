@@ -17,7 +17,9 @@
 # OUT_DIR defaults to benchmarks/results/cuda; MODEL (an HF directory) to the embedded SmolLM2.
 # On the lent machine (no Ray, no model hub): `bash benchmarks/device_bundle.sh` here, carry .dev,
 # there `source benchmarks/device_setup.sh && bash benchmarks/cuda_checks.sh "$OUT" /tmp/twin`.
-# STAGE_TIMEOUT_S bounds each stage (default 1800 s).
+# STAGE_TIMEOUT_S bounds each stage (default 1800 s). QUICK=1 fits a short loan (~5 min on an H100
+# after set-up): the engine's GPU tests, the bf16 profile with and without the fused kernels, and
+# bench_engine bf16 (graphs vs eager, one round, HF static batches as the peer) with and without them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/cuda}
@@ -29,21 +31,22 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 status=0   # a failed test still lets the benchmarks run; the script's exit status reports it
 t="timeout ${STAGE_TIMEOUT_S:-1800}"
-$t python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_cuda.py tests/test_cuda_graphs.py tests/test_gpu_placement.py \
-  tests/test_triton_attention.py tests/test_triton_fused.py \
-  "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes" 2>&1 | tee "$out/tests.txt" || status=1
-$t python3 -m benchmarks.bench_attention_cuda --out "$out/attention.txt"
+quick=${QUICK:-0}
+tests=(tests/test_cuda.py tests/test_cuda_graphs.py tests/test_triton_attention.py tests/test_triton_fused.py)
+[ "$quick" = 1 ] || tests+=(tests/test_gpu_placement.py "tests/test_kvtransfer.py::test_cuda_ipc_round_trip_between_processes")
+$t python3 -m pytest -q -p no:cacheprovider --timeout 300 "${tests[@]}" 2>&1 | tee "$out/tests.txt" || status=1
+[ "$quick" = 1 ] || $t python3 -m benchmarks.bench_attention_cuda --out "$out/attention.txt"
 $t python3 -m benchmarks.profile_decode_cuda ${model:+--model "$model"} --dtype bfloat16 | tee "$out/profile_decode_bfloat16.txt"
 # The same step without engine.triton_fused's kernels (the model's own norms, rotary, KV write, SiLU).
 PDSERVE_TRITON_FUSED=off $t python3 -m benchmarks.profile_decode_cuda ${model:+--model "$model"} --dtype bfloat16 \
   | tee "$out/profile_decode_bfloat16_unfused.txt"
-for dtype in float32 bfloat16; do
+if [ "$quick" = 1 ]; then dtypes=(bfloat16); extra=(--rounds 1 --skip-generate-batch); else dtypes=(float32 bfloat16); extra=(--rounds 2); fi
+for dtype in "${dtypes[@]}"; do
   $t python3 -m benchmarks.bench_engine --device cuda --dtype "$dtype" --threads 4 ${model:+--model "$model"} \
-    --decode-graphs both --rounds 2 \
-    --out "$out/engine_w64_$dtype.txt"
+    --decode-graphs both "${extra[@]}" --out "$out/engine_w64_$dtype.txt"
 done
 # bf16 decode graphs without the fused kernels, right after the run with them (same warm machine).
 PDSERVE_TRITON_FUSED=off $t python3 -m benchmarks.bench_engine --device cuda --dtype bfloat16 --threads 4 \
   ${model:+--model "$model"} --decode-graphs auto --skip-static --skip-generate-batch --out "$out/engine_w64_bfloat16_unfused.txt"
-$t python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"
+[ "$quick" = 1 ] || $t python3 benchmarks/bench_disagg_overhead.py --device cuda ${model:+--model "$model"} --out "$out/disagg_overhead.txt"
 exit $status
