@@ -240,8 +240,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     with triton_support.launch_device(q):
         kernel[(tokens,)](q, k, v, cos, sin, k_cache, v_cache, slots, q_out,
                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-                          heads, kv_heads, ROWS_PAD=triton_support.next_pow2(heads + kv_heads),
-                          KV_PAD=triton_support.next_pow2(kv_heads),
+                          heads, kv_heads, ROWS_PAD=max(2, triton_support.next_pow2(heads + kv_heads)),
+                          KV_PAD=max(2, triton_support.next_pow2(kv_heads)),   # tiles of one row avoided
                           HALF=head_dim // 2, num_warps=2, enable_fp_fusion=False)
     return q_out
 

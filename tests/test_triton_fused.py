@@ -42,8 +42,8 @@ needs_triton = pytest.mark.skipif(
     triton_fused._kernels() is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
 DTYPES = [torch.float32, torch.bfloat16]
-# (heads, kv_heads, head_dim): SmolLM2's, the tiny Llama's, multi-head 128
-ATTN_SHAPES = [(9, 3, 64), (4, 2, 16), (8, 8, 128)]
+# (heads, kv_heads, head_dim): SmolLM2's, the tiny Llama's, multi-head 128, multi-query 32
+ATTN_SHAPES = [(9, 3, 64), (4, 2, 16), (8, 8, 128), (4, 1, 32)]
 
 
 # Triton's CPU interpreter truncates float32 to bfloat16 where a GPU rounds to nearest even: one
