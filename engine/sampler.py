@@ -44,15 +44,17 @@ Sampled = tuple[int, float | None, TopLogprobs | None] | RowFailure
 
 
 def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[Sampled]:
-    logits = logits.float()
-    # One pass: any NaN or ±inf makes the sum non-finite (finite logits overflowing it only
-    # sends the batch down the careful path). isfinite().all() made four passes over the batch.
-    all_finite = bool(torch.isfinite(logits.sum()))
-    tokens = (logits if all_finite else _finite(logits)).argmax(dim=-1)
+    raw = logits.float()
+    tokens, all_finite = _argmax_if_finite(raw)
+    logits = raw if all_finite else _finite(raw)
+    if not all_finite:
+        tokens = logits.argmax(dim=-1).tolist()
     failed: dict[int, str] = {}
     for row, request in enumerate(requests):
+        if all_finite and request.sampling.greedy:
+            continue   # most rows: the argmax stands
         try:
-            if not all_finite and not bool(torch.isfinite(logits[row]).any()):
+            if not all_finite and not bool(torch.isfinite(raw[row]).any()):
                 raise SamplingError("the forward produced no finite logit for this request")
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
@@ -62,13 +64,22 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
             failed[row] = f"sampling failed: {type(exc).__name__}"
     logprobs, tops = None, [None] * len(requests)
     if any(r.sampling.logprobs for r in requests):
-        logprobs, tops = _logprobs(logits if all_finite else _finite(logits), tokens, requests)
-    token_list = tokens.tolist()
+        logprobs, tops = _logprobs(logits, torch.tensor(tokens, device=logits.device), requests)
     return [
         RowFailure(failed[i]) if i in failed else
-        (token_list[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None, tops[i])
+        (tokens[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None, tops[i])
         for i, r in enumerate(requests)
     ]
+
+
+def _argmax_if_finite(logits: torch.Tensor) -> tuple[list[int], bool]:
+    """Each row's argmax and whether every logit is finite, in one transfer to the host (on a GPU
+    each transfer waits for the device: one per step, not two). One pass decides finiteness: any
+    NaN or ±inf makes the sum non-finite (finite logits overflowing it only send the batch down
+    the careful path); isfinite().all() made four passes over the batch."""
+    finite = torch.isfinite(logits.sum()).to(torch.long)
+    *tokens, flag = torch.cat((logits.argmax(dim=-1), finite[None])).tolist()
+    return tokens, bool(flag)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
