@@ -49,6 +49,8 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ServerDefaults:

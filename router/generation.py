@@ -29,6 +29,7 @@ import grpc
 from engine import tracing
 from engine.errors import CapacityError, InvalidRequestError
 from engine.types import FinishReason, RequestSpec, TokenDelta
+from engine.validation import check_token_ids
 from protos import pdserve_pb2 as pb
 from router import convert, limits as request_limits
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
@@ -168,16 +169,41 @@ class GenerationCore:
 
     # ---- pieces -----------------------------------------------------------------------------
     async def spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
-        kind = request.WhichOneof("prompt")
-        if kind == "chat":
-            convert.chat_from_proto(request.chat)  # malformed messages are named before anything else
-        if kind in ("text", "chat") and self.tokenizer is None:
-            raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
-        if kind in ("text", "chat"):   # tokenizing a long prompt takes a while: off the event loop
+        if self._needs_tokenizer(request):   # tokenizing a long prompt takes a while: off the event loop
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._tokenize_pool, self._tokenized_spec, request, req_id)
         prompt = convert.prompt_from_proto(request, self.tokenizer)
         return convert.spec_from_proto(request, prompt, self.defaults, req_id)
+
+    async def prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The token ids ``stream`` would feed the model for this request's prompt (the HTTP API's
+        ``/tokenize``): the same size limits and conversion, on the tokenizer pool."""
+        request_limits.check_request(request, self.limits)
+        if not self._needs_tokenizer(request):
+            return convert.prompt_from_proto(request, self.tokenizer)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, convert.prompt_from_proto, request, self.tokenizer)
+
+    async def text_of(self, token_ids: list[int], field: str) -> str:
+        """The tokenizer's text for ``token_ids``, special tokens included (``/detokenize``)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(field, "this model has no tokenizer")
+        check_token_ids(token_ids, self.defaults.vocab_size, field)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self._decode_all, token_ids)
+
+    def _decode_all(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _needs_tokenizer(self, request: pb.GenerateRequest) -> bool:
+        """A text or chat prompt (checked for one here: malformed messages are named before
+        anything else); token ids need none."""
+        kind = request.WhichOneof("prompt")
+        if kind == "chat":
+            convert.chat_from_proto(request.chat)
+        if kind in ("text", "chat") and self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
+        return kind in ("text", "chat")
 
     def _tokenized_spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
         """On the tokenizer pool: tokenize, then validate the ids there too (per-token work)."""

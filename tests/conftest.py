@@ -151,6 +151,9 @@ class ByteTokenizer:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
         return self.encode(text)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"<{t}>" for t in ids]
+
 
 @contextlib.contextmanager
 def router_on_a_thread(orchestrator, limits, max_model_len: int) -> Iterator[RouterOnAThread]:

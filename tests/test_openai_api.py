@@ -402,6 +402,68 @@ def test_metrics_and_version_on_the_api_port_as_vllm_serves_them(cluster, model_
     assert version == {"version": importlib.metadata.version("pdserve")}
 
 
+def _post(url: str, body: dict, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_tokenize_gives_the_ids_generation_feeds_the_model(cluster, model_name):
+    """vLLM's ``/tokenize``: a prompt's ids, and a chat's through the chat template, are the ids a
+    generation request counts as its prompt (usage.prompt_tokens, the same tokens); token strings
+    on request; ``/detokenize`` gives the text back."""
+    root = base_url(cluster).removesuffix("/v1")
+    client = client_for(cluster)
+    status, body = _post(root + "/tokenize", {"model": model_name, "prompt": "héllo"})
+    assert status == 200 and body["tokens"] == ExactTokenizer().encode("héllo")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > 0 and body["token_strs"] is None
+    done = client.completions.create(model=model_name, prompt="héllo", max_tokens=1)
+    assert done.usage.prompt_tokens == body["count"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    status, chat = _post(root + "/tokenize", {"messages": messages, "return_token_strs": True})
+    assert status == 200 and chat["tokens"] == ExactTokenizer().apply_chat_template(messages)
+    assert chat["token_strs"] == [f"<{t}>" for t in chat["tokens"]]
+    done = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+    assert done.usage.prompt_tokens == chat["count"]
+    status, text = _post(root + "/detokenize", {"model": model_name, "tokens": [5, 6, 7]})
+    assert status == 200 and text == {"prompt": "".join(text_of(t) for t in (5, 6, 7))}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),                                                    # neither
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),   # both
+    ("/tokenize", {"prompt": ""}, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
+     "add_generation_prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": [5, 10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_input_naming_the_parameter(cluster, path, body, param):
+    root = base_url(cluster).removesuffix("/v1")
+    status, err = _post(root + path, body)
+    assert status == 400 and err["error"]["param"] == param, err
+    assert err["error"]["type"] == "invalid_request_error"
+    status, err = _post(root + path, {**body, "model": "gpt-4", "tokens": [5], "prompt": "x"})
+    assert status == 404 and err["error"]["param"] == "model"
+
+
+def test_tokenize_needs_the_token_where_the_server_has_one(cluster, authed_port):
+    url = f"http://127.0.0.1:{authed_port}"
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        assert _post(url + path, body)[0] == 401
+        assert _post(url + path, body, token=TOKEN)[0] == 200
+
+
 class _NoSpans:
     """A tracer no request may touch while tracing is off."""
 

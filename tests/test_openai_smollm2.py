@@ -73,3 +73,24 @@ def test_emoji_stop_string_stops_and_logprob_bytes_rebuild_the_emoji(smol_cluste
     assert stopped.choices[0].message.content == "👌" and stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == 6   # 👌 and 🏼: 3 tokens each
     assert cluster_leaks(smol_cluster) == {}
+
+
+def test_tokenize_with_the_real_chat_template_and_detokenize(smol_cluster):
+    """``/tokenize`` of the question through SmolLM2's chat template counts what the chat
+    completion counts as its prompt and starts with the template's own special token; the text
+    of those ids, special tokens kept, holds the question; ``/detokenize`` of a prompt's ids gives
+    the prompt back."""
+    from tests.test_openai_api import _post
+
+    root = f"http://127.0.0.1:{smol_cluster.cluster.http_port}"
+    client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=120)
+    status, chat = _post(root + "/tokenize", {"messages": QUESTION, "return_token_strs": True})
+    assert status == 200
+    done = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=1)
+    assert chat["count"] == done.usage.prompt_tokens and chat["token_strs"][0] == "<|im_start|>"
+    status, text = _post(root + "/detokenize", {"tokens": chat["tokens"]})
+    assert status == 200 and QUESTION[0]["content"] in text["prompt"] and text["prompt"].startswith("<|im_start|>")
+    status, prompt = _post(root + "/tokenize", {"prompt": "The capital of France is"})
+    assert status == 200 and _post(root + "/detokenize", {"tokens": prompt["tokens"]})[1] == {
+        "prompt": "The capital of France is"}
+    assert cluster_leaks(smol_cluster) == {}

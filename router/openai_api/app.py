@@ -3,7 +3,8 @@
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and one model by name
 (``/v1/models/{model}``; a name may hold slashes), ``/health``; and, as vLLM's API server has them,
 ``/metrics`` (the router's Prometheus exposition, the same as the metrics port's, so a scrape
-config written for vLLM's port works) and ``/version``. Every route but ``GET /health``
+config written for vLLM's port works), ``/version``, ``/tokenize`` (a prompt's or a chat's token
+ids, as generation would feed them to the model) and ``/detokenize``. Every route but ``GET /health``
 needs ``Authorization: Bearer <token>`` when the router has a token (the same token and the same
 constant-time check as gRPC: ``router.auth.check_bearer``); ``/health`` stays open, like
 grpc.health.v1, and follows it: 200 while a serving path exists, 503 otherwise. A body is read up
@@ -37,8 +38,8 @@ from router.generation import GenerationCore
 from router.health import ServingHealth
 from router.openai_api import errors
 from router.openai_api.errors import ApiError
-from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai_api.requests import chat_request, completion_request, parse
+from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.openai_api.requests import chat_request, completion_request, param_for, parse, tokenize_request
 from router.openai_api.responses import ResponseFormat
 from router.openai_api.run import GenerationResponse
 
@@ -78,6 +79,8 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     return app
 
 
@@ -138,6 +141,22 @@ class _Api:
         req, label = await self._parse(request, CompletionRequest)
         msg = self._checked(completion_request, req, label)
         return self._response(msg, req, label, chat=False, logprobs=req.logprobs is not None)
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/tokenize``: the ids a generation request with this prompt (or these messages,
+        through the chat template) would feed the model."""
+        req, _ = await self._parse(request, TokenizeRequest)
+        msg = self._checked(tokenize_request, req)
+        ids = await self._as_client_error(self.core.prompt_ids(msg), chat=req.messages is not None)
+        strs = await asyncio.to_thread(self.core.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's ``/detokenize``: the text of token ids, special tokens included."""
+        req, _ = await self._parse(request, DetokenizeRequest)
+        text = await self._as_client_error(self.core.text_of(list(req.tokens), "tokens"), chat=False)
+        return JSONResponse({"prompt": text})
 
     async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
         """Our bug outside a running request (``run.py`` answers those): OpenAI's error body with
@@ -218,6 +237,13 @@ class _Api:
             return fn(*args)
         except InvalidRequestError as exc:
             raise self._bad(exc.field, exc.message) from None
+
+    async def _as_client_error(self, call, *, chat: bool):
+        """Await ``call``; bad input is a 400 naming the OpenAI parameter (``param_for``)."""
+        try:
+            return await call
+        except InvalidRequestError as exc:
+            raise self._bad(param_for(exc.field, chat=chat), exc.message) from None
 
     def _bad(self, param: str, message: str) -> ApiError:
         code, _ = self.core.failure(InvalidRequestError(param, message), None)   # counted as invalid

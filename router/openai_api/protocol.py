@@ -107,3 +107,22 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages`` (then through the
+    chat template), tokenized as a generation request would be."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None    # vLLM's default: True for a prompt, False for messages
+    add_generation_prompt: bool = True         # messages only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[Int64]

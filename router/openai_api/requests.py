@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from engine.errors import InvalidRequestError
 from protos import pdserve_pb2 as pb
-from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
 VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
@@ -111,6 +111,27 @@ def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRe
         msg.sampling.logprobs = True
     if req.top_logprobs:   # without logprobs: refused by the shared validation ("needs logprobs")
         msg.sampling.top_logprobs = req.top_logprobs
+    return msg
+
+
+def tokenize_request(req: TokenizeRequest) -> pb.GenerateRequest:
+    """A ``/tokenize`` body as the prompt of a ``GenerateRequest``: tokenized by the code that
+    tokenizes a generation's, so the ids are the ones the model would be fed. That code adds the
+    tokenizer's default special tokens to a text prompt and the generation prompt to a chat: the
+    other choices are refused by name."""
+    _refuse((req.prompt is None) != (req.messages is None), "prompt", "send either prompt or messages")
+    msg = pb.GenerateRequest()
+    if req.prompt is not None:
+        _refuse(req.add_special_tokens in (None, True), "add_special_tokens",
+                "only true is supported for a prompt (the tokenizer's own special tokens, as generation adds them)")
+        msg.text = req.prompt
+        return msg
+    _refuse(req.add_special_tokens in (None, False), "add_special_tokens",
+            "only false is supported for messages (the chat template places the special tokens)")
+    _refuse(req.add_generation_prompt, "add_generation_prompt", "only true is supported (as generation uses it)")
+    msg.chat.messages.extend(_message(m, i) for i, m in enumerate(req.messages))
+    if not req.messages:
+        msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
     return msg
 
 
