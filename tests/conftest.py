@@ -151,8 +151,9 @@ class ByteTokenizer:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
         return self.encode(text)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [f"<{t}>" for t in ids]
+    def convert_ids_to_tokens(self, ids):
+        """Like Hugging Face's: one id gives one piece, a list a list."""
+        return f"<{ids}>" if isinstance(ids, int) else [f"<{t}>" for t in ids]
 
 
 @contextlib.contextmanager
