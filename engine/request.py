@@ -39,17 +39,15 @@ class Request:
     first_scheduled_s: float | None = None
     num_cached_tokens: int = 0      # prompt tokens found in the prefix cache when first scheduled
     all_token_ids: list[int] = field(init=False)
+    # The spec's, copied once: read several times per request every step, so plain attributes
+    # rather than properties (the spec is frozen and never replaced).
+    req_id: str = field(init=False)
+    sampling: SamplingParams = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.spec.prompt_token_ids)
-
-    @property
-    def req_id(self) -> str:
-        return self.spec.req_id
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.spec.sampling
+        self.req_id = self.spec.req_id
+        self.sampling = self.spec.sampling
 
     @property
     def num_prompt_tokens(self) -> int:
