@@ -12,7 +12,8 @@ the forward hands them over (column views of a fused projection's output):
 Then the whole lean forward on the kernels: greedy output of the engine (eager, and through the
 decode graphs) equal to Hugging Face ``generate`` with the leak check. The start-up check: a kernel
 that fails to launch, or returns a wrong result, turns them off with a warning and the model's own
-ops serve (these two run everywhere, CI included, with stand-ins for the broken kernels).
+ops serve (these two run everywhere, CI included, with stand-ins for the broken kernels). Where
+Triton is installed, GPU or not: each kernel compiles to a cubin for sm_90 and sm_80.
 
 They run on a GPU (the lent machine: benchmarks/cuda_checks.sh), or on CPU under Triton's
 interpreter (``TRITON_INTERPRET=1`` with Triton installed: how they were written without one);
@@ -172,6 +173,46 @@ def test_lean_forward_on_the_kernels_equals_hf_greedy(graphs, monkeypatch):
     assert calls["rope"] > 0 and calls["rope"] % layers == 0
     assert calls["silu"] == calls["rope"] and calls["norm"] == calls["rope"] * 2 + calls["rope"] // layers
     assert_no_leaks(engine)
+
+
+def _signatures(dtype: str) -> dict[str, tuple[dict, dict, dict]]:
+    """Each kernel's argument types, constexprs and launch options as the wrappers launch them
+    (SmolLM2's shapes: hidden 576, 9 + 3 heads of 64, MLP 1536)."""
+    p = "*" + dtype
+    return {
+        "add_rms_norm": ({"X": p, "RES": p, "RES_OUT": p, "W": p, "OUT": p, "stride_x": "i32", "stride_res": "i32",
+                          "stride_out": "i32", "n": "i32", "eps": "fp32", "HAS_RES": "constexpr", "BLOCK_N": "constexpr"},
+                         {"HAS_RES": True, "BLOCK_N": 1024}, {"num_warps": 4}),
+        "rope_write_kv": ({"Q": p, "K": p, "V": p, "COS": p, "SIN": p, "K_CACHE": p, "V_CACHE": p, "SLOTS": "*i64",
+                           "Q_OUT": p, "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32",
+                           "stride_vt": "i32", "stride_vh": "i32", "stride_ct": "i32", "heads": "i32", "kv_heads": "i32",
+                           "ROWS_PAD": "constexpr", "KV_PAD": "constexpr", "HALF": "constexpr"},
+                          {"ROWS_PAD": 16, "KV_PAD": 4, "HALF": 32}, {"num_warps": 2, "enable_fp_fusion": False}),
+        "silu_mul": ({"G": p, "U": p, "OUT": p, "stride_g": "i32", "stride_u": "i32", "stride_out": "i32", "n": "i32",
+                      "BLOCK": "constexpr"}, {"BLOCK": 1024}, {"num_warps": 4, "enable_fp_fusion": False}),
+    }
+
+
+@pytest.mark.skipif(triton_fused._kernels() is None, reason="needs Triton (no GPU needed)")
+@pytest.mark.parametrize("arch", [90, 80])
+def test_kernels_compile_for_the_gpu_without_one(arch):
+    """Triton compiles each kernel down to a cubin for an H100 (sm_90) and an A100 (sm_80) on any
+    machine (its bundled ptxas): what the interpreter cannot check (types, layouts, lowering).
+    And the float32 rotary has no fused multiply-add: each product is rounded on its own, as
+    torch's separate multiplies and add round them (the bit-for-bit claim)."""
+    compiler = pytest.importorskip("triton.compiler")
+    backend = pytest.importorskip("triton.backends.compiler")
+    import triton
+
+    kernels = dict(zip(("add_rms_norm", "rope_write_kv", "silu_mul"), triton_fused._kernels()))
+    for dtype in ("bf16", "fp32"):
+        for name, (signature, constexprs, options) in _signatures(dtype).items():
+            source = compiler.ASTSource(fn=kernels[name], signature=signature, constexprs=constexprs)
+            built = triton.compile(source, target=backend.GPUTarget("cuda", arch, 32), options=options)
+            assert built.asm["cubin"], f"{name} {dtype}: no cubin"
+            if name == "rope_write_kv" and dtype == "fp32":
+                ptx = built.asm["ptx"]
+                assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx   # products rounded one by one
 
 
 class _BrokenKernel:
