@@ -112,3 +112,30 @@ def test_never_picked_on_cpu():
     k_cache = torch.zeros(4, BLOCK, 3, 64, dtype=torch.bfloat16)
     assert not triton_attention.supports(q, k_cache)
     assert attention._paged_kernel_for(q, k_cache) is None
+
+
+@pytest.mark.skipif(triton_attention._kernels() is None, reason="needs Triton (no GPU needed)")
+@pytest.mark.parametrize("dtype,ieee", [("bf16", False), ("fp32", True)])
+def test_kernels_compile_for_an_h100_without_one(dtype, ieee):
+    """Both kernels compile to a cubin for sm_90 on any machine with Triton (its bundled ptxas), as
+    the engine launches them for SmolLM2's shape (9 heads on 3 KV heads of 64, block 16, a 2,048-token
+    table): the lowering the interpreter does not exercise."""
+    compiler = pytest.importorskip("triton.compiler")
+    backend = pytest.importorskip("triton.backends.compiler")
+    import triton
+
+    partial, combine = triton_attention._kernels()
+    p = "*" + dtype
+    ints = ("stride_qr", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tr")
+    consts = {"GROUPS": 3, "GROUPS_PAD": 16, "HEAD_DIM": 64, "BLOCK": BLOCK, "TILE": BLOCK * triton_attention.TILE_BLOCKS,
+              "PART": triton_attention.PART_TOKENS, "NUM_PARTS": 16, "IEEE": ieee}
+    signature = {"Q": p, "K": p, "V": p, "TABLES": "*i64", "CTX": "*i64", "M_OUT": "*fp32", "L_OUT": "*fp32",
+                 "ACC_OUT": "*fp32", "scale": "fp32", **{name: "i32" for name in ints}, **{c: "constexpr" for c in consts}}
+    target = backend.GPUTarget("cuda", 90, 32)
+    built = triton.compile(compiler.ASTSource(fn=partial, signature=signature, constexprs=consts), target=target)
+    assert built.asm["cubin"]
+    consts = {"HEADS": 9, "HEAD_DIM": 64, "NUM_PARTS": 16, "PARTS_PAD": 16}
+    signature = {"M_IN": "*fp32", "L_IN": "*fp32", "ACC_IN": "*fp32", "OUT": p, "stride_or": "i32", "stride_oh": "i32",
+                 **{c: "constexpr" for c in consts}}
+    built = triton.compile(compiler.ASTSource(fn=combine, signature=signature, constexprs=consts), target=target)
+    assert built.asm["cubin"]
