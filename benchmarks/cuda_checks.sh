@@ -16,7 +16,9 @@
 #
 # OUT_DIR defaults to benchmarks/results/cuda; MODEL (an HF directory) to the embedded SmolLM2.
 # On the lent machine (no Ray, no model hub): `bash benchmarks/device_bundle.sh` here, carry .dev,
-# there `source benchmarks/device_setup.sh && bash benchmarks/cuda_checks.sh "$OUT" /tmp/twin`.
+# there `source benchmarks/device_setup.sh && bash benchmarks/cuda_checks.sh "$OUT/cuda" /tmp/twin`; back
+# here `python -m benchmarks.results_file <fetched>/cuda benchmarks/results/cuda` puts each file on top
+# of its namesake, the earlier runs kept below.
 # STAGE_TIMEOUT_S bounds each stage (default 1800 s). QUICK=1 fits a short loan (~5 min on an H100
 # after set-up): the engine's GPU tests, the bf16 profile with and without the fused kernels, and
 # bench_engine bf16 (graphs vs eager, one round, HF static batches as the peer) with and without them.

@@ -26,3 +26,19 @@ def test_an_empty_file_is_replaced(tmp_path):
     path.write_text("\n\n")
     write_run(path, "run 1")
     assert path.read_text() == "run 1\n"
+
+
+def test_a_run_made_elsewhere_joins_the_files_on_top(tmp_path):
+    """The lent GPU machine writes one run into an empty folder; merging it puts each file on top
+    of its namesake (new files are created), earlier runs kept below."""
+    from benchmarks.results_file import EARLIER, merge_dir
+
+    source, dest = tmp_path / "device", tmp_path / "results"
+    source.mkdir()
+    dest.mkdir()
+    (dest / "engine.txt").write_text("old run\n")
+    (source / "engine.txt").write_text("new run\n")
+    (source / "tests.txt").write_text("74 passed\n")
+    merge_dir(source, dest)
+    assert (dest / "engine.txt").read_text() == f"new run\n\n{EARLIER}\nold run\n"
+    assert (dest / "tests.txt").read_text() == "74 passed\n"
