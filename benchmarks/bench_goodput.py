@@ -101,6 +101,7 @@ sys.path.insert(0, str(ROOT))
 os.environ["RAY_AUTH_MODE"] = "disabled"   # a local benchmark cluster: no token auth (before ray is imported)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # Ray workers
 
+from benchmarks.results_file import write_run  # noqa: E402
 from deploy.bench import report  # noqa: E402
 from deploy.bench.cli import main as bench_main  # noqa: E402
 from deploy.bench.dataset import arrival_offsets  # noqa: E402
@@ -889,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
     text, data = summarize(args, results)
     text += f"\nsession wall time {(time.monotonic() - started) / 60:.1f} min\n"
     print("\n" + text)
-    (args.out_dir / "summary.txt").write_text(text)
+    write_run(args.out_dir / "summary.txt", text)   # earlier runs' summaries kept below this one
     (args.out_dir / "summary.json").write_text(json.dumps(jsonable(data), indent=1))
     for path in written:
         print(f"wrote {path}")

@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ["RAY_AUTH_MODE"] = "disabled"   # a local benchmark cluster: no token auth (before ray is imported)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # Ray workers
 
+from benchmarks.results_file import write_run  # noqa: E402
 from deploy.bench.dataset import arrival_offsets  # noqa: E402
 from deploy.bench.report import percentile  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -665,8 +666,8 @@ def main(argv=None) -> int:
     rows = [r for r in kept["rows"] if "failed" not in r and "system" in r]
     text = render(args, rows, kept["unique"], time.perf_counter() - begin, load)
     text += "".join(f"FAILED {r['system']}: {r['failed']}\n" for r in failed)
-    (args.out_dir / "summary.txt").write_text(text)
     print(text)
+    write_run(args.out_dir / "summary.txt", text)   # earlier runs' summaries kept below this one
     return 0
 
 
