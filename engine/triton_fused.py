@@ -22,10 +22,10 @@ case against the model's ops, and one that fails to compile, launch or compute t
 off for the process with a warning (the model's ops then serve: a GPU or Triton version the
 kernels were never run on costs speed, never a request). engine.lean_forward then takes them per
 forward where ``applies``; ``PDSERVE_TRITON_FUSED=off`` sends the forward down the model's own
-ops instead (comparisons, tests). Outputs are new tensors
-(never written in place), so a CUDA graph captures the calls as they are. Under
-``TRITON_INTERPRET=1`` (Triton's CPU interpreter) the kernels also run on CPU tensors: how
-tests/test_triton_fused.py checks them on a machine without a GPU where Triton is installed.
+ops instead (comparisons, tests). Outputs are new tensors (never written in place), so a CUDA
+graph captures the calls as they are. Under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) the
+kernels also run on CPU tensors: how tests/test_triton_fused.py checks them on a machine without
+a GPU where Triton is installed (it also compiles them for sm_90 and sm_80 there).
 """
 
 from __future__ import annotations
