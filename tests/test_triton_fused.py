@@ -10,7 +10,8 @@ the forward hands them over (column views of a fused projection's output):
   multiplies and add, rounded where torch rounds them); only the step's slots are written;
 - SiLU-and-multiply: within float32 rounding of exp; within one rounding in bfloat16.
 Then the whole lean forward on the kernels: greedy output of the engine (eager, and through the
-decode graphs) equal to Hugging Face ``generate`` with the leak check. The start-up check: a kernel
+decode graphs) equal to Hugging Face ``generate`` with the leak check, on the tiny Llama and (slow,
+interpreter only) on the embedded SmolLM2 with its real weights. The start-up check: a kernel
 that fails to launch, or returns a wrong result, turns them off with a warning and the model's own
 ops serve (these two run everywhere, CI included, with stand-ins for the broken kernels). Where
 Triton is installed, GPU or not: each kernel compiles to a cubin for sm_90 and sm_80.
@@ -35,6 +36,7 @@ from engine import triton_fused
 from engine.config import EngineConfig, GraphMode
 from engine.engine import LLMEngine
 from engine.model_loader import random_model
+from engine.types import RequestSpec, SamplingParams
 from tests.conftest import assert_no_leaks, hf_greedy
 from tests.test_engine_exact import run_staggered
 
@@ -278,6 +280,32 @@ def _model_rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots):
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k_rot[0].transpose(0, 1))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
     return q_rot[0].transpose(0, 1).contiguous()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(triton_fused._kernels() is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the real model on the kernels under Triton's CPU interpreter (the GPU runs test_cuda)")
+def test_smollm2_on_the_kernels_equals_hf_greedy(monkeypatch):
+    """The embedded SmolLM2-135M (real weights, float32, 30 layers, 9 heads on 3 KV heads of 64) on
+    the fused kernels, under the interpreter: greedy output equal to HF generate on two prompts,
+    every layer's rotary on the kernel (~11 s here)."""
+    from engine.model_loader import load_model
+
+    loaded = load_model(None)
+    reference = copy.deepcopy(loaded.model)
+    reference.config._attn_implementation = "sdpa"
+    prompts = [loaded.tokenizer.encode("The capital of France is"), loaded.tokenizer.encode("def fibonacci(n):\n    ")]
+    refs = [hf_greedy(reference, p, 12) for p in prompts]
+    assert triton_fused.usable(torch.device("cpu"), torch.float32)
+    calls = []
+    real = triton_fused.rope_write_kv
+    monkeypatch.setattr(triton_fused, "rope_write_kv", lambda *a: calls.append(1) or real(*a))
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, enable_prefix_caching=False))
+    got = engine.generate([RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=12, ignore_eos=True))
+                           for i, p in enumerate(prompts)])
+    assert [got[f"r{i}"] for i in range(len(prompts))] == refs
+    assert len(calls) > 0 and len(calls) % loaded.model.config.num_hidden_layers == 0
+    assert_no_leaks(engine)
 
 
 def test_off_switch_keeps_the_model_ops(monkeypatch):
