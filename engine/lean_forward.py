@@ -162,6 +162,9 @@ class LeanForward:
                    layer.self_attn.head_dim, layer.self_attn.scaling, _is_silu(layer.mlp.act_fn))
             for layer in base.layers[: model.config.num_hidden_layers]
         ]
+        # Every norm in the order the forward meets them (each layer's two, then the final one): the
+        # fused path adds each residual into the norm that follows it.
+        self.norm_chain = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)] + [self.norm]
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
                  metadata: attention.AttentionMetadata) -> torch.Tensor:
@@ -184,7 +187,7 @@ class LeanForward:
     def _layers_fused(self, hidden: torch.Tensor, cos_sin, attend, metadata) -> torch.Tensor:
         """The decoder layers and the final norm with each residual add fused into the norm after
         it and SiLU into its multiply (engine.triton_fused: GPU kernels)."""
-        norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)] + [self.norm]
+        norms = self.norm_chain
         x, residual = triton_fused.add_rms_norm(hidden, None, norms[0].weight, norms[0].variance_epsilon)
         for i, layer in enumerate(self.layers):
             post, following = norms[2 * i + 1], norms[2 * i + 2]

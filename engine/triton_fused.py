@@ -216,7 +216,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     res_out = torch.empty_like(out) if residual is not None else rows
     res = residual.reshape(-1, n) if residual is not None else rows
     kernel = _kernels()[0]
-    block = 1 << (n - 1).bit_length()
+    block = triton_support.next_pow2(n)
     with triton_support.launch_device(x):
         kernel[(rows.shape[0],)](rows, res, res_out, weight, out, rows.stride(0), res.stride(0), out.stride(0),
                                  n, float(eps), HAS_RES=residual is not None, BLOCK_N=block,
@@ -252,7 +252,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.shape[-1]
     g, u = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
-    block = min(1024, 1 << (n - 1).bit_length())
+    block = min(1024, triton_support.next_pow2(n))
     kernel = _kernels()[2]
     with triton_support.launch_device(gate):
         kernel[(g.shape[0], -(-n // block))](g, u, out, g.stride(0), u.stride(0), out.stride(0), n, BLOCK=block,

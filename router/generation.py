@@ -170,8 +170,7 @@ class GenerationCore:
     # ---- pieces -----------------------------------------------------------------------------
     async def spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
         if self._needs_tokenizer(request):   # tokenizing a long prompt takes a while: off the event loop
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._tokenize_pool, self._tokenized_spec, request, req_id)
+            return await self.on_tokenizer_pool(self._tokenized_spec, request, req_id)
         prompt = convert.prompt_from_proto(request, self.tokenizer)
         return convert.spec_from_proto(request, prompt, self.defaults, req_id)
 
@@ -181,18 +180,21 @@ class GenerationCore:
         request_limits.check_request(request, self.limits)
         if not self._needs_tokenizer(request):
             return convert.prompt_from_proto(request, self.tokenizer)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, convert.prompt_from_proto, request, self.tokenizer)
+        return await self.on_tokenizer_pool(convert.prompt_from_proto, request, self.tokenizer)
 
     async def text_of(self, token_ids: list[int], field: str) -> str:
-        """The tokenizer's text for ``token_ids``, special tokens included (``/detokenize``)."""
+        """The tokenizer's text for ``token_ids``, special tokens included (``/detokenize``); the ids
+        are checked against the vocabulary on the pool too (per-token work)."""
         if self.tokenizer is None:
             raise InvalidRequestError(field, "this model has no tokenizer")
-        check_token_ids(token_ids, self.defaults.vocab_size, field)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self._decode_all, token_ids)
+        return await self.on_tokenizer_pool(self._checked_text, token_ids, field)
 
-    def _decode_all(self, token_ids: list[int]) -> str:
+    async def on_tokenizer_pool(self, fn, *args):
+        """``fn(*args)`` on the tokenizer threads: tokenizer work never runs on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def _checked_text(self, token_ids: list[int], field: str) -> str:
+        check_token_ids(token_ids, self.defaults.vocab_size, field)
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _needs_tokenizer(self, request: pb.GenerateRequest) -> bool:

@@ -148,7 +148,8 @@ class _Api:
         req, _ = await self._parse(request, TokenizeRequest)
         msg = self._checked(tokenize_request, req)
         ids = await self._as_client_error(self.core.prompt_ids(msg), chat=req.messages is not None)
-        strs = await asyncio.to_thread(self.core.tokenizer.convert_ids_to_tokens, ids) if req.return_token_strs else None
+        strs = await self.core.on_tokenizer_pool(self.core.tokenizer.convert_ids_to_tokens, ids) \
+            if req.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                              "token_strs": strs})
 

@@ -101,9 +101,7 @@ def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRe
     fmt = (req.response_format or {}).get("type", "text")
     _refuse(fmt == "text", "response_format", f"only type 'text' is supported, got {fmt!r}")
     msg = _common(req, label)
-    msg.chat.messages.extend(_message(m, i) for i, m in enumerate(req.messages))
-    if not req.messages:
-        msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
+    _set_chat(msg, req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:
         msg.sampling.max_tokens = max_tokens
@@ -129,10 +127,14 @@ def tokenize_request(req: TokenizeRequest) -> pb.GenerateRequest:
     _refuse(req.add_special_tokens in (None, False), "add_special_tokens",
             "only false is supported for messages (the chat template places the special tokens)")
     _refuse(req.add_generation_prompt, "add_generation_prompt", "only true is supported (as generation uses it)")
-    msg.chat.messages.extend(_message(m, i) for i, m in enumerate(req.messages))
-    if not req.messages:
-        msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
+    _set_chat(msg, req.messages)
     return msg
+
+
+def _set_chat(msg: pb.GenerateRequest, messages: list[ChatMessage]) -> None:
+    msg.chat.messages.extend(_message(m, i) for i, m in enumerate(messages))
+    if not messages:
+        msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
 
 
 def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
