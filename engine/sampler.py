@@ -1,6 +1,7 @@
 """Turns each sampled request's logits row into its next token, or a per-row failure.
 
-Greedy rows (temperature below ``GREEDY_TEMPERATURE``) take one batched argmax. Random rows use
+Greedy rows (temperature below ``GREEDY_TEMPERATURE``) take one batched argmax
+(``engine.greedy_argmax``: a C++ kernel on CPU). Random rows use
 temperature, top-k and top-p with a generator seeded from (request seed, output position): the
 same seed gives the same output whatever shares the batch, and a request recomputed after
 preemption redraws the same tokens.
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.greedy_argmax import argmax_if_finite
 from engine.request import Request
 from engine.types import TopLogprobs
 
@@ -45,7 +47,7 @@ Sampled = tuple[int, float | None, TopLogprobs | None] | RowFailure
 
 def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[Sampled]:
     raw = logits.float()
-    tokens, all_finite = _argmax_if_finite(raw)
+    tokens, all_finite = argmax_if_finite(raw)
     logits = raw if all_finite else _finite(raw)
     if not all_finite:
         tokens = logits.argmax(dim=-1).tolist()
@@ -70,16 +72,6 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
         (tokens[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None, tops[i])
         for i, r in enumerate(requests)
     ]
-
-
-def _argmax_if_finite(logits: torch.Tensor) -> tuple[list[int], bool]:
-    """Each row's argmax and whether every logit is finite, in one transfer to the host (on a GPU
-    each transfer waits for the device: one per step, not two). One pass decides finiteness: any
-    NaN or ±inf makes the sum non-finite (finite logits overflowing it only send the batch down
-    the careful path); isfinite().all() made four passes over the batch."""
-    finite = torch.isfinite(logits.sum()).to(torch.long)
-    *tokens, flag = torch.cat((logits.argmax(dim=-1), finite[None])).tolist()
-    return tokens, bool(flag)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ bool prefill_attention_supports(int64_t head_dim);
 void rope_write_kv(at::Tensor q_out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
                    at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 bool rope_kv_supports(int64_t head_dim);
+void greedy_argmax(at::Tensor out, at::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -46,6 +47,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear,
         "out[M, N] = x[M, K] . weight[N, K]^T (float32, CPU, contiguous), for a decode batch of a few dozen rows",
         py::arg("out"), py::arg("x"), py::arg("weight"), py::call_guard<py::gil_scoped_release>());
+  m.def("greedy_argmax", &greedy_argmax,
+        "out[:B] = the first index of each row's max, out[B] = whether every logit is finite (float32 "
+        "logits [B, V], unit-stride V, CPU; out int64 [B + 1])",
+        py::arg("out"), py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.attr("simd_width") = paged_attention_simd_width();
   m.attr("skinny_linear_simd_width") = skinny_linear_simd_width();
   m.attr("panel_linear_simd_width") = panel_linear_simd_width();

@@ -39,6 +39,10 @@ static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vset1(float x) { return _mm512_set1_ps(x); }
 static inline vec vzero() { return _mm512_setzero_ps(); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline uint32_t eq_mask(vec a, vec b) {  // bit i set where lane i of a equals lane i of b
+  return static_cast<uint32_t>(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ));
+}
 static inline __m128 to128(vec v) {  // 16 lanes -> 4 partial sums, halves added
   const __m256 lo = _mm512_castps512_ps256(v);
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -61,6 +65,10 @@ static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vset1(float x) { return _mm256_set1_ps(x); }
 static inline vec vzero() { return _mm256_setzero_ps(); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline uint32_t eq_mask(vec a, vec b) {  // bit i set where lane i of a equals lane i of b
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+}
 static inline __m128 to128(vec v) {  // 8 lanes -> 4 partial sums
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
@@ -76,6 +84,15 @@ static inline float hsum(vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Largest lane (of finite lanes: max_ps does not order NaN).
+static inline float hmax(vec v) {
+  float lanes[W];
+  vstore(lanes, v);
+  float m = lanes[0];
+  for (int i = 1; i < W; ++i) m = lanes[i] > m ? lanes[i] : m;
+  return m;
 }
 
 }  // namespace pdserve_simd
