@@ -46,7 +46,9 @@ class PrefillSegment:
 class DecodeGroup:
     q_index: torch.Tensor       # [G] packed positions of the group's decode tokens
     block_tables: torch.Tensor  # [G, max_blocks] (padded with block 0; masked out)
-    key_mask: torch.Tensor      # [G, 1, 1, max_blocks * block_size] bool
+    # [G, 1, 1, max_blocks * block_size] bool, for the torch path; None: built there from context_lens
+    # when needed (the CPU paged kernel reads context_lens and never needs it)
+    key_mask: torch.Tensor | None
     context_lens: torch.Tensor | None = None  # [G] int64 keys per request (the paged kernel's bound)
     # The group's queries are the step's tokens 0..G-1 in order (a decode-only step in one group):
     # attention reads q and returns its rows as they are, no gather of q and no scatter of the output.
@@ -136,8 +138,16 @@ def _decode(q, k_cache, v_cache, grp: DecodeGroup, groups: int, scaling) -> torc
     k = _gather(k_cache, grp.block_tables.view(-1)).view(n, -1, kv_heads, head_dim).transpose(1, 2)
     v = _gather(v_cache, grp.block_tables.view(-1)).view(n, -1, kv_heads, head_dim).transpose(1, 2)
     qd = (q if grp.every_token else q[:, grp.q_index]).reshape(kv_heads, groups, n, head_dim).permute(2, 0, 1, 3)
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=grp.key_mask, scale=scaling)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=_key_mask(grp, k_cache.shape[1]), scale=scaling)
     return o.reshape(n, kv_heads * groups, head_dim)
+
+
+def _key_mask(grp: DecodeGroup, block_size: int) -> torch.Tensor:
+    """[G, 1, 1, keys]: True where a key is within its request's context (the rest is padding)."""
+    if grp.key_mask is not None:
+        return grp.key_mask
+    key_pos = torch.arange(grp.block_tables.shape[1] * block_size, device=grp.block_tables.device)
+    return (key_pos[None, :] < grp.context_lens[:, None])[:, None, None, :]
 
 
 def _paged_kernel_for(q: torch.Tensor, k_cache: torch.Tensor):

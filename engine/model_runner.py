@@ -157,14 +157,16 @@ class ModelRunner:
         )
 
     def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]], decode_only: bool) -> list[DecodeGroup]:
-        # A GPU is bound on launching kernels, not on padding: one group in step order (a
-        # decode-only step's then attends without gathering q or scattering its output).
-        # On CPU similar context lengths share a group so the padded gather wastes little; the
-        # paged kernel gathers nothing: one call for all decodes, longest first, balances its threads.
-        if self.device.type == "cuda":
-            return [self._decode_group(decodes, every_token=decode_only)] if decodes else []
+        # One group in step order (a decode-only step's then attends without gathering q or
+        # scattering its output) on a GPU, bound on launching kernels, not on padding, and on
+        # CPU's paged kernel, which gathers nothing and orders its own work (longest context
+        # first, pulled by its threads) and needs no mask. The torch path on CPU groups
+        # similar context lengths, so the padded gather wastes little.
+        kernel = self._paged_kernel()
+        if self.device.type == "cuda" or kernel:
+            return [self._decode_group(decodes, every_token=decode_only, masked=not kernel)] if decodes else []
         decodes.sort(key=lambda d: d[1].request.num_computed_tokens)
-        size = max(1, len(decodes)) if self._paged_kernel() else self.decode_group
+        size = self.decode_group
         return [self._decode_group(decodes[i : i + size]) for i in range(0, len(decodes), size)]
 
     def _paged_kernel(self) -> bool:
@@ -173,18 +175,22 @@ class ModelRunner:
     def _prefill_kernel(self) -> bool:
         return self._paged_kernel() and paged_kernel.prefill_preferred(self.kv_cache.shape[-1])
 
-    def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False) -> DecodeGroup:
+    def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False,
+                      masked: bool = True) -> DecodeGroup:
+        """``masked``: build the key mask the torch path needs (not the CPU paged kernel)."""
         ctx_lens = [s.request.num_computed_tokens + 1 for _, s in members]
         max_blocks = -(-max(ctx_lens) // self.block_size)
         tables = [s.block_ids[:max_blocks] for _, s in members]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
         context_lens = self._tensor(ctx_lens)
-        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-        key_mask = key_pos[None, :] < context_lens[:, None]
+        key_mask = None
+        if masked:
+            key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
+            key_mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
         return DecodeGroup(
             q_index=self._tensor([q for q, _ in members]),
             block_tables=self._tensor(tables),
-            key_mask=key_mask[:, None, None, :],
+            key_mask=key_mask,
             context_lens=context_lens,
             every_token=every_token,
         )

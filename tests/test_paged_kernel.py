@@ -185,6 +185,37 @@ def test_dispatch_falls_back_without_context_lens(kernel, monkeypatch):
     assert half.dtype == torch.float64
 
 
+def test_torch_path_builds_the_mask_a_group_left_out(monkeypatch):
+    """The ModelRunner leaves the key mask out where the CPU paged kernel runs; should the torch
+    path take such a group after all (another q dtype), it builds the same mask from context_lens."""
+    monkeypatch.setenv(paged_kernel.ENV_VAR, "torch")
+    packed, kc, vc, grp, groups = _decode_inputs([1, 16, 17, 250, 333])
+    masked = attention._decode(packed, kc, vc, grp, groups, 0.125)
+    unmasked = attention._decode(packed, kc, vc, dataclasses.replace(grp, key_mask=None), groups, 0.125)
+    assert torch.equal(masked, unmasked)
+
+
+def test_runner_groups_decodes_for_the_cpu_kernel(tiny_model, monkeypatch):
+    """With the CPU paged kernel: one group in step order, no mask, and a decode-only step's group
+    reads q as it is (every_token); on the torch path the mask is built."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.types import RequestSpec, SamplingParams
+
+    monkeypatch.delenv(paged_kernel.ENV_VAR, raising=False)
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=64))
+    for i, n in enumerate([40, 3, 21]):
+        engine.add_request(RequestSpec(f"r{i}", tuple(range(5, 5 + n)), SamplingParams(max_tokens=4)))
+    engine.step()   # the prompts
+    out, _ = engine.scheduler.schedule()
+    groups = engine.runner.prepare(out).metadata.decode_groups
+    if paged_kernel.enabled():
+        assert len(groups) == 1 and groups[0].every_token and groups[0].key_mask is None
+        assert groups[0].q_index.tolist() == [0, 1, 2]
+    monkeypatch.setenv(paged_kernel.ENV_VAR, "torch")
+    assert all(g.key_mask is not None for g in engine.runner.prepare(out).metadata.decode_groups)
+
+
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_every_token_group_equals_the_gathered_one(kernel, monkeypatch, path):
     """A decode-only step's one group (``every_token``: its queries are the step's tokens in order)
