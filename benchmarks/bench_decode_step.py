@@ -1,107 +1,121 @@
-"""A CPU decode step at batch 64 (SmolLM2-135M, float32), this checkout against a baseline revision,
-in alternating subprocesses, beside its GEMM bound measured in the same run.
+"""A CPU decode step at batch 64 (SmolLM2-135M, float32) as this checkout runs it, against the same
+step with earlier code paths swapped back in, in one process, beside its GEMM bound.
 
-Why: issue 14's target 1 puts the decode step at batch 64 within 1.5x of its GEMM-bound time;
-bench_engine.py measures it inside a 3-minute W64 run, where one step's change of a few per cent is
-lost in the VM's swings. Here only that step runs: profile_decode.py's engine (decode role, random
-KV, blocks scattered, contexts uniform in [64, 640]), whole ``LLMEngine.step`` calls (scheduling,
-inputs, forward, sampling, bookkeeping) timed by the wall clock, --steps steps after 3 warm-up
-steps per subprocess, --rounds rounds alternating baseline / this checkout. The GEMM bound is
-ceiling.py's (the step's weight FLOPs at the GEMM peak measured here, as bench_engine.py takes it).
+Why: issue 14's target 1 puts the decode step at batch 64 within 1.5x of its GEMM-bound time, and
+the changes left are a few per cent each: separate processes (or bench_engine.py's 3-minute W64
+run) drift by more than that on this VM (two subprocess runs of the same pair of revisions read
+1.033x and 0.998x). So the variants alternate step by step on one engine and each step's time is
+paired with its neighbour's; the median paired difference is the figure.
 
-    python -m benchmarks.bench_decode_step [--baseline REV] [--threads 2] [--rounds 4] [--steps 20] [--out FILE]
+Engine: profile_decode.py's (decode role, random KV, blocks scattered, contexts uniform in
+[64, 640]); whole ``LLMEngine.step`` calls (scheduling, inputs, forward, sampling, bookkeeping),
+wall clock, --threads torch threads. Variants:
+  this checkout;
+  argmax on torch's ops (``PDSERVE_ARGMAX_KERNEL=off``: greedy sampling before 8de8028);
+  decode groups as at --groups-rev (``ModelRunner._decode_groups`` / ``_decode_group`` of that
+  revision, loaded from git: decodes sorted by context, the key mask built, q gathered and the
+  output scattered per layer).
+The GEMM bound is ceiling.py's (the step's weight FLOPs at the GEMM peak measured in this run).
 
-The baseline runs from a temporary git worktree. Prints a table and writes it
-(results_file.write_run) to benchmarks/results/decode_step.txt.
+    python -m benchmarks.bench_decode_step [--threads 2] [--steps 40] [--groups-rev 8de8028] [--out FILE]
+
+Prints a table and writes it (results_file.write_run) to benchmarks/results/decode_step.txt.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
+from benchmarks.ceiling import decode_step_bound, measure_machine  # noqa: E402
+from benchmarks.profile_decode import BATCH, build_engine  # noqa: E402
 from benchmarks.results_file import write_run  # noqa: E402
+from engine import greedy_argmax  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
 
-# Runs in the subprocess, against whichever checkout PYTHONPATH names first.
-MEASURE = r'''
-import json, statistics, sys, time
-import torch
-threads, steps = int(sys.argv[1]), int(sys.argv[2])
-torch.set_num_threads(threads)
-from benchmarks.profile_decode import BATCH, build_engine
-engine = build_engine(64, 640, steps + 3)
-for _ in range(3):
-    engine.step()
-times = []
-for _ in range(steps):
-    t = time.perf_counter()
-    result = engine.step()
-    times.append(time.perf_counter() - t)
-    assert len(result.deltas) == BATCH
-kv = sum(r.num_computed_tokens + 1 for r in engine.scheduler.running)
-print(json.dumps({"median_ms": statistics.median(times) * 1e3, "kv_tokens": kv}))
-'''
+THIS = "this checkout"
 
 
-def measure(checkout: Path, threads: int, steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(threads), str(steps)], cwd=checkout, env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def runner_of(rev: str) -> type:
+    """``engine/model_runner.py`` as of ``rev``, executed as a module of its own: its ModelRunner."""
+    source = subprocess.run(["git", "show", f"{rev}:engine/model_runner.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    module = sys.modules["model_runner_then"] = types.ModuleType("model_runner_then")   # dataclasses look it up
+    exec(compile(source, f"{rev}:engine/model_runner.py", "exec"), module.__dict__)
+    return module.ModelRunner
 
 
-def gemm_bound_ms(threads: int) -> float:
-    from benchmarks.ceiling import decode_step_bound, measure_machine
-    from engine.model_loader import load_model
+@contextlib.contextmanager
+def argmax_on_torch():
+    os.environ[greedy_argmax.ENV_VAR] = "off"
+    try:
+        yield
+    finally:
+        del os.environ[greedy_argmax.ENV_VAR]
 
-    config = load_model(None).model.config
-    return decode_step_bound(config, 64, measure_machine(config, num_threads=threads)).gemm_s * 1e3
+
+@contextlib.contextmanager
+def groups_of(then: type):
+    now = ModelRunner._decode_groups, ModelRunner._decode_group
+    ModelRunner._decode_groups, ModelRunner._decode_group = then._decode_groups, then._decode_group
+    try:
+        yield
+    finally:
+        ModelRunner._decode_groups, ModelRunner._decode_group = now
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", default="HEAD", help="git revision to compare against")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40, help="steps per variant")
+    ap.add_argument("--groups-rev", default="8de8028", help="revision whose decode grouping is the peer")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_step.txt"))
     args = ap.parse_args()
-    rev = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout.strip()
-    this, base = "this checkout", f"baseline {rev}"
-    runs: dict[str, list[dict]] = {base: [], this: []}
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), rev], cwd=ROOT, check=True, capture_output=True)
-        try:
-            for i in range(args.rounds):
-                order = [(base, tree), (this, ROOT)] if i % 2 == 0 else [(this, ROOT), (base, tree)]
-                for name, checkout in order:
-                    runs[name].append(measure(checkout, args.threads, args.steps))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
-    bound = gemm_bound_ms(args.threads)
-    base_ms = statistics.median(r["median_ms"] for r in runs[base])
+    torch.set_num_threads(args.threads)
+    os.environ.pop(greedy_argmax.ENV_VAR, None)
+    then = runner_of(args.groups_rev)
+    variants = {THIS: contextlib.nullcontext, "argmax on torch's ops": argmax_on_torch,
+                f"decode groups as at {args.groups_rev}": lambda: groups_of(then)}
+    engine = build_engine(64, 640, args.steps * len(variants) + 8)
+    for _ in range(3):
+        engine.step()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for i in range(args.steps * len(names)):
+        name = names[i % len(names)] if (i // len(names)) % 2 == 0 else names[-1 - i % len(names)]
+        with variants[name]():
+            start = time.perf_counter()
+            result = engine.step()
+            times[name].append(time.perf_counter() - start)
+        assert len(result.deltas) == BATCH
+    kv = sum(r.num_computed_tokens + 1 for r in engine.scheduler.running)
+    config = engine.runner.model.config
+    bound_ms = decode_step_bound(config, BATCH, measure_machine(config, num_threads=args.threads)).gemm_s * 1e3
+    this_ms = statistics.median(times[THIS]) * 1e3
     lines = [f"bench_decode_step  {time.strftime('%Y-%m-%dT%H:%M:%S')}",
-             f"LLMEngine.step at batch 64, SmolLM2-135M float32, decode role, random KV (~{runs[this][0]['kv_tokens']:,} "
-             f"tokens), {args.threads} torch threads; {args.rounds} rounds of {args.steps} steps, a subprocess each, "
-             f"the two checkouts alternating; load avg at end {os.getloadavg()[0]:.2f}",
-             f"GEMM bound of the step (measured peak, this run): {bound:.1f} ms", "",
-             f"{'checkout':<26}{'median ms':>10}{'vs GEMM bound':>15}{'rounds (median ms)':>34}{'vs baseline':>13}"]
-    for name, rs in runs.items():
-        med = statistics.median(r["median_ms"] for r in rs)
-        rounds = ", ".join(f"{r['median_ms']:.1f}" for r in rs)
-        lines.append(f"{name:<26}{med:>10.1f}{med / bound:>14.2f}x{rounds:>34}{base_ms / med:>12.3f}x")
+             f"LLMEngine.step at batch {BATCH}, SmolLM2-135M float32, decode role, random KV (~{kv:,} tokens at the end), "
+             f"{args.threads} torch threads; {args.steps} steps per variant, the variants taking turns step by step "
+             f"(order reversed every other turn); load avg at end {os.getloadavg()[0]:.2f}",
+             f"GEMM bound of the step (peak measured in this run): {bound_ms:.1f} ms", "",
+             f"{'variant':<38}{'median ms':>10}{'vs GEMM bound':>15}{'paired: ms more than this checkout':>37}"]
+    for name, ts in times.items():
+        med = statistics.median(ts) * 1e3
+        paired = statistics.median(t - o for t, o in zip(ts, times[THIS])) * 1e3
+        extra = "" if name == THIS else f"{paired:>+36.2f}"
+        lines.append(f"{name:<38}{med:>10.1f}{med / bound_ms:>14.2f}x{extra}")
+    lines.append(f"(this checkout: {this_ms / bound_ms:.2f}x its GEMM bound; target 1 of issue 14: <= 1.5x)")
     text = "\n".join(lines)
     print(text)
     write_run(args.out, text)
