@@ -34,16 +34,16 @@ BATCH, BLOCK = 64, 16
 
 
 def build_engine(ctx_min: int, ctx_max: int, steps: int, model: str | None = None, device: str = "cpu",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", batch: int = BATCH):
     from engine.config import EngineConfig, EngineRole
     from engine.engine import LLMEngine
     from engine.model_loader import load_model
     from engine.types import RequestSpec, SamplingParams
 
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 10000) for _ in range(rng.randint(ctx_min, ctx_max) - 1)] for _ in range(BATCH)]
+    prompts = [[rng.randrange(3, 10000) for _ in range(rng.randint(ctx_min, ctx_max) - 1)] for _ in range(batch)]
     blocks = sum(-(-(len(p) + steps + 8) // BLOCK) for p in prompts) + 8
-    config = EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=BATCH, device=device, dtype=dtype)
+    config = EngineConfig(role=EngineRole.DECODE, num_kv_blocks=blocks, max_num_seqs=batch, device=device, dtype=dtype)
     engine = LLMEngine(load_model(model, dtype=dtype, device=device), config)
     free = list(engine.kv.pool._free)   # a long-running server's pool: blocks scattered
     rng.shuffle(free)

@@ -47,6 +47,11 @@ def install(model: torch.nn.Module) -> int:
     return count
 
 
+def installed(module: torch.nn.Module) -> bool:
+    """``install`` turned this module into a FastRMSNorm."""
+    return type(module).forward is _forward
+
+
 _classes: dict[type, type] = {}
 
 

@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from engine import attention, fused_linear, paged_kernel, triton_fused
+from engine.lean_cpu import CpuLayers
 from engine.sliding_window import binding_window
 from engine.switches import switched_off
 
@@ -165,6 +166,8 @@ class LeanForward:
         # Every norm in the order the forward meets them (each layer's two, then the final one): the
         # fused path adds each residual into the norm that follows it.
         self.norm_chain = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)] + [self.norm]
+        # float32 CPU forwards: the same layers as straight-line calls (engine.lean_cpu), where they apply.
+        self.cpu_layers = CpuLayers.build(self.layers, self.attention, paged_kernel.rope_write_kv)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_indices: torch.Tensor,
                  metadata: attention.AttentionMetadata) -> torch.Tensor:
@@ -177,6 +180,8 @@ class LeanForward:
         attend = functools.partial(self._attention_fused_rope, rope) if rope is not None else self._attention
         if fused:
             hidden = self._layers_fused(hidden, cos_sin, attend, metadata)
+        elif self.cpu_layers is not None and self.cpu_layers.applies(hidden, rope):
+            hidden = self.norm(self.cpu_layers(hidden, cos_sin, metadata))
         else:
             for layer in self.layers:
                 hidden = hidden + attend(layer, layer.input_norm(hidden), cos_sin, metadata)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,18 +88,25 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, on a kernel inside ``active()`` for at most ``row_limits().panel`` rows (the
-    skinny one up to ``row_limits().skinny``). The weight must have passed ``_eligible``'s checks
-    (float32, contiguous, CPU) for a kernel to be used."""
-    # Cheap checks first: this runs ~200 times per step. The kernels record no autograd.
-    in_features = weight.shape[1]
+def kernel_for(rows: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The kernel ``linear`` takes for a contiguous float32 input of ``rows`` rows and no bias, or
+    None (torch's linear): inside ``active()``, without autograd (the kernels record none), at most
+    ``row_limits().panel`` rows, the skinny one up to ``row_limits().skinny``."""
     limits = row_limits()
-    if x.numel() <= limits.panel * in_features and bias is None and active.on \
-            and x.dtype == torch.float32 and x.is_contiguous() and not torch.is_grad_enabled():
-        rows = x.view(-1, in_features)
-        kernel = skinny_linear if rows.shape[0] <= limits.skinny else panel_linear
-        return kernel(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    if rows > limits.panel or not active.on or torch.is_grad_enabled():
+        return None
+    return skinny_linear if rows <= limits.skinny else panel_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, on ``kernel_for``'s kernel where it takes the input. The weight must have passed
+    ``_eligible``'s checks (float32, contiguous, CPU) for a kernel to be used."""
+    # Cheap checks first: this runs ~200 times per step.
+    if bias is None and x.dtype == torch.float32 and x.is_contiguous():
+        in_features = weight.shape[1]
+        kernel = kernel_for(x.numel() // in_features)
+        if kernel is not None:
+            return kernel(x.view(-1, in_features), weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,128 @@
+"""The lean forward's decoder layers on CPU in float32 as straight-line calls of the engine's
+kernels, for steps of any shape (decode, prefill, mixed).
+
+Why: at low batch a CPU decode step of a small model is largely the Python around its ops. Each
+layer of the lean forward's general loop goes through module calls and the fast paths' per-call
+checks: the norms (``fast_norm``), the fused projections (``fused_linear.outputs``: group lookup
+and intactness per call), the linear kernels' row checks (``skinny_linear.linear``), the MLP's
+activation module. A 30-layer forward of a 2-head, 128-wide Llama (ops that cost next to nothing)
+took 6.5 ms at batch 1, of which 3.9 ms is what the ops need (benchmarks/bench_lean_cpu.py).
+Here each layer is the same ops on the same tensors, in the same order, with what does not
+change between forwards read once (weights, fused weights and their split sizes, norms' eps)
+and what depends on the step resolved once per forward (the linear kernel for its row count),
+so the logits are bit-identical to the general loop's and to the model's own call.
+
+When (``CpuLayers.build`` once, ``applies`` per forward): every layer's q/k/v and gate/up are
+fused groups (``engine.fused_linear``), its o_proj and down_proj ``skinny_linear``'s layers or plain ones,
+its norms ``fast_norm``'s, its activation SiLU; and per forward: float32 hidden states on CPU,
+the C++ rotary + KV-write kernel in use, no autograd, and the switches the general loop consults
+on (``skinny_linear``, ``fused_linear`` with every group intact, ``fast_norm``). Anything else:
+``None`` / False, and the general loop runs. No state between forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine import fast_norm, fused_linear, skinny_linear
+from engine.attention import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class _CpuLayer:
+    """One decoder layer's parameters as its calls take them."""
+
+    input_norm: tuple[torch.Tensor, float]        # weight, eps
+    qkv: fused_linear._Group
+    attn: torch.nn.Module                         # the attention module (the registered function's first argument)
+    head_dim: int
+    scaling: float
+    o_proj: tuple[torch.Tensor, torch.Tensor | None]
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: fused_linear._Group
+    down_proj: tuple[torch.Tensor, torch.Tensor | None]
+    # o_proj, down_proj are skinny_linear's layers (the kernels may take them); else plain nn.Linear
+    o_skinny: bool
+    down_skinny: bool
+
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+
+class CpuLayers:
+    def __init__(self, layers: list[_CpuLayer], attention: Callable, rope: Callable) -> None:
+        self.layers = layers
+        self.attention = attention
+        self.rope = rope
+        self._groups = [g for layer in layers for g in (layer.qkv, layer.gate_up)]
+
+    @classmethod
+    def build(cls, lean_layers: Sequence, attention: Callable, rope: Callable) -> CpuLayers | None:
+        """From the lean forward's ``_Layer`` list; None when a layer is not in the form above."""
+        layers = []
+        for layer in lean_layers:
+            qkv, gate_up = _group(layer.q_proj, layer.k_proj, layer.v_proj), _group(layer.gate_proj, layer.up_proj)
+            if qkv is None or gate_up is None or not layer.silu or not all(
+                    _fast_norm(n) for n in (layer.input_norm, layer.post_norm)) or not all(
+                    type(m) in (skinny_linear.SkinnyLinear, torch.nn.Linear) for m in (layer.o_proj, layer.down_proj)):
+                return None
+            layers.append(_CpuLayer(
+                (layer.input_norm.weight, layer.input_norm.variance_epsilon), qkv, layer.attn, layer.head_dim,
+                layer.scaling, (layer.o_proj.weight, layer.o_proj.bias),
+                (layer.post_norm.weight, layer.post_norm.variance_epsilon), gate_up,
+                (layer.down_proj.weight, layer.down_proj.bias), _skinny(layer.o_proj), _skinny(layer.down_proj)))
+        return cls(layers, attention, rope)
+
+    def applies(self, hidden: torch.Tensor, rope: Callable | None) -> bool:
+        """Whether this forward may run here: what the general loop would consult, checked once."""
+        return (rope is self.rope and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+                and fast_norm.active.on and all(g.in_use() for g in self._groups))
+
+    def __call__(self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers on ``hidden`` [1, tokens, hidden]; returns the last residual stream."""
+        tokens = hidden.shape[1]
+        kernel = skinny_linear.kernel_for(tokens)   # every layer's projections have one row per token
+        cos, sin = cos_sin[0][0], cos_sin[1][0]
+        for layer in self.layers:
+            x = F.rms_norm(hidden, layer.input_norm[0].shape, *layer.input_norm)
+            hidden = hidden + self._attention(layer, x, kernel, cos, sin, metadata)
+            x = F.rms_norm(hidden, layer.post_norm[0].shape, *layer.post_norm)
+            gate, up = _linear(kernel, x, layer.gate_up.weight, layer.gate_up.bias).split(layer.gate_up.sizes, dim=-1)
+            hidden = hidden + _linear(kernel if layer.down_skinny else None, F.silu(gate) * up, *layer.down_proj)
+        return hidden
+
+    def _attention(self, layer: _CpuLayer, x: torch.Tensor, kernel: Linear, cos, sin,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        tokens, hd = x.shape[1], layer.head_dim
+        q, k, v = _linear(kernel, x, layer.qkv.weight, layer.qkv.bias).split(layer.qkv.sizes, dim=-1)
+        k_cache, v_cache = metadata.kv_cache[layer.attn.layer_idx]
+        q = self.rope(q[0].view(tokens, -1, hd), k[0].view(tokens, -1, hd), v[0].view(tokens, -1, hd), cos, sin,
+                      k_cache, v_cache, metadata.slot_mapping)
+        out, _ = self.attention(layer.attn, q.transpose(0, 1)[None], None, None, None, dropout=0.0,
+                                scaling=layer.scaling, pdserve_attn=metadata, pdserve_kv_written=True)
+        return _linear(kernel if layer.o_skinny else None, out.reshape(1, tokens, -1).contiguous(), *layer.o_proj)
+
+
+def _linear(kernel: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``skinny_linear.linear`` with its kernel chosen for the forward: x [1, rows, in]."""
+    if kernel is None or bias is not None or not x.is_contiguous():
+        return F.linear(x, weight, bias)
+    return kernel(x[0], weight)[None]
+
+
+def _group(*members: torch.nn.Module) -> fused_linear._Group | None:
+    group = getattr(members[0], "_fused_group", None)
+    return group if group is not None and group.members == members else None
+
+
+def _skinny(module: torch.nn.Module) -> bool:
+    return type(module) is skinny_linear.SkinnyLinear
+
+
+def _fast_norm(module: torch.nn.Module) -> bool:
+    return fast_norm.installed(module) and module.weight.dtype == torch.float32
