@@ -12,6 +12,7 @@ Engine: profile_decode.py's (decode role, random KV, blocks scattered, contexts 
 wall clock; batch 64 at --threads torch threads (the in-process engine's setting), batch 1 at one
 (a cluster decode worker's). Variants:
   this checkout;
+  the straight-line layers in Python (``engine.lean_cpu``'s C++ layer stack off);
   the lean forward's general layer loop (``engine.lean_cpu``'s straight-line layers off);
   argmax on torch's ops (``PDSERVE_ARGMAX_KERNEL=off``: greedy sampling before 8de8028);
   decode groups as at --groups-rev (``ModelRunner._decode_groups`` / ``_decode_group`` of that
@@ -69,6 +70,16 @@ def argmax_on_torch():
 
 
 @contextlib.contextmanager
+def python_layers(engine):
+    layers = engine.runner.lean.cpu_layers
+    native, layers.native = layers.native, None
+    try:
+        yield
+    finally:
+        layers.native = native
+
+
+@contextlib.contextmanager
 def general_loop(engine):
     layers, engine.runner.lean.cpu_layers = engine.runner.lean.cpu_layers, None
     try:
@@ -90,8 +101,9 @@ def groups_of(then: type):
 def measure(batch: int, threads: int, steps: int, then: type, groups_rev: str) -> list[str]:
     """The table's lines for one batch size: each variant's median step, paired with this checkout's."""
     torch.set_num_threads(threads)
-    engine = build_engine(64, 640, steps * 4 + 8, batch=batch)
-    variants = {THIS: contextlib.nullcontext, "general layer loop (lean_cpu off)": lambda: general_loop(engine),
+    engine = build_engine(64, 640, steps * 6 + 8, batch=batch)   # every variant's steps, and spare
+    variants = {THIS: contextlib.nullcontext, "straight-line layers in Python": lambda: python_layers(engine),
+                "general layer loop (lean_cpu off)": lambda: general_loop(engine),
                 "argmax on torch's ops": argmax_on_torch, f"decode groups as at {groups_rev}": lambda: groups_of(then)}
     for _ in range(3):
         engine.step()

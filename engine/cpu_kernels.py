@@ -1,8 +1,8 @@
 """Builds and loads pdserve's C++ CPU kernels: one extension from ``engine/csrc/`` holding the
 paged decode and prefill attention and the fused rotary embedding + KV write
 (``engine/paged_kernel.py``), the decode-step linear layers, skinny (few rows) and panel (a
-few dozen rows) (``engine/skinny_linear.py``), and greedy sampling's argmax
-(``engine/greedy_argmax.py``).
+few dozen rows) (``engine/skinny_linear.py``), greedy sampling's argmax
+(``engine/greedy_argmax.py``), and a decode step's layer stack calling them (``engine/lean_cpu.py``).
 
 Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and the ``ninja`` binary: the
 system's, or the ``ninja`` pip package's even when the venv is not activated) with
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "rope_kv.cpp", "skinny_linear.cpp",
-                                    "panel_linear.cpp", "greedy_argmax.cpp", "module.cpp")]
+                                    "panel_linear.cpp", "greedy_argmax.cpp", "decode_layers.cpp", "module.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 

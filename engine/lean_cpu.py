@@ -18,6 +18,10 @@ its norms ``fast_norm``'s, its activation SiLU; and per forward: float32 hidden 
 the C++ rotary + KV-write kernel in use, no autograd, and the switches the general loop consults
 on (``skinny_linear``, ``fused_linear`` with every group intact, ``fast_norm``). Anything else:
 ``None`` / False, and the general loop runs. No state between forwards.
+
+Decode-only steps go further where the model has no biases: the whole layer stack is one call of
+``engine/csrc/decode_layers.cpp`` (the same calls from C++, the GIL released throughout; ``native``),
+else the Python loop below runs them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import fast_norm, fused_linear, skinny_linear
+from engine import cpu_kernels, fast_norm, fused_linear, paged_kernel, skinny_linear
 from engine.attention import AttentionMetadata
 
 
@@ -53,12 +57,72 @@ class _CpuLayer:
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
 
 
+@dataclass(frozen=True, slots=True)
+class NativeLayers:
+    """What ``decode_layers`` (engine/csrc/decode_layers.cpp) takes of the model, gathered once."""
+
+    norms: list[torch.Tensor]   # each layer's input and post-attention norm weights
+    eps: list[float]
+    qkv: list[torch.Tensor]
+    o: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down: list[torch.Tensor]
+    scales: list[float]
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def build(cls, layers: list[_CpuLayer]) -> NativeLayers | None:
+        """None unless every layer is bias-free, on the linear kernels' layers, with even gate/up
+        halves and the same heads, each at its own cache index, and the extension has the call."""
+        module = cpu_kernels.module()
+        if not layers or module is None or not hasattr(module, "decode_layers"):
+            return None
+        hd = layers[0].head_dim
+        heads, kv_heads = layers[0].qkv.sizes[0] // hd, layers[0].qkv.sizes[1] // hd
+        for i, layer in enumerate(layers):
+            biases = (layer.qkv.bias, layer.gate_up.bias, layer.o_proj[1], layer.down_proj[1])
+            if any(b is not None for b in biases) or not (layer.o_skinny and layer.down_skinny) \
+                    or layer.attn.layer_idx != i or layer.head_dim != hd \
+                    or layer.qkv.sizes != [heads * hd, kv_heads * hd, kv_heads * hd] \
+                    or len(set(layer.gate_up.sizes)) != 1:
+                return None
+        return cls([n for layer in layers for n in (layer.input_norm[0], layer.post_norm[0])],
+                   [e for layer in layers for e in (layer.input_norm[1], layer.post_norm[1])],
+                   [layer.qkv.weight for layer in layers], [layer.o_proj[0] for layer in layers],
+                   [layer.gate_up.weight for layer in layers], [layer.down_proj[0] for layer in layers],
+                   [layer.scaling for layer in layers], heads, kv_heads, hd)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: Linear,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        group = metadata.decode_groups[0]
+        out = cpu_kernels.module().decode_layers(
+            hidden[0], self.norms, self.eps, self.qkv, self.o, self.gate_up, self.down, metadata.kv_cache,
+            self.scales, self.heads, self.kv_heads, self.head_dim, cos.contiguous(), sin.contiguous(),
+            metadata.slot_mapping, group.block_tables, group.context_lens, _KERNEL_CODES[kernel])
+        return out[None]
+
+
+# skinny_linear.kernel_for's answer as decode_layers.cpp names it.
+_KERNEL_CODES = {None: 0, skinny_linear.skinny_linear: 1, skinny_linear.panel_linear: 2}
+
+
+def _decode_only(metadata: AttentionMetadata) -> bool:
+    """The step is one group of decode tokens in step order on the paged decode kernel (what
+    ``engine.attention.paged_attention`` then runs directly)."""
+    groups = metadata.decode_groups
+    return (not metadata.prefills and len(groups) == 1 and groups[0].every_token
+            and groups[0].context_lens is not None and paged_kernel.enabled())
+
+
 class CpuLayers:
     def __init__(self, layers: list[_CpuLayer], attention: Callable, rope: Callable) -> None:
         self.layers = layers
         self.attention = attention
         self.rope = rope
         self._groups = [g for layer in layers for g in (layer.qkv, layer.gate_up)]
+        self.native = NativeLayers.build(layers)   # None: decode-only steps take the Python loop too
 
     @classmethod
     def build(cls, lean_layers: Sequence, attention: Callable, rope: Callable) -> CpuLayers | None:
@@ -88,6 +152,8 @@ class CpuLayers:
         tokens = hidden.shape[1]
         kernel = skinny_linear.kernel_for(tokens)   # every layer's projections have one row per token
         cos, sin = cos_sin[0][0], cos_sin[1][0]
+        if self.native is not None and _decode_only(metadata):
+            return self.native(hidden, cos, sin, kernel, metadata)
         for layer in self.layers:
             x = F.rms_norm(hidden, layer.input_norm[0].shape, *layer.input_norm)
             hidden = hidden + self._attention(layer, x, kernel, cos, sin, metadata)

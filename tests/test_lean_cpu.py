@@ -1,8 +1,10 @@
 """engine.lean_cpu: the lean forward's straight-line CPU layers give the general loop's logits and KV
 writes bit for bit (and so the model's call: tests/test_lean_forward.py) on every forward of real
 engine runs whose steps span the linear kernels' row ranges (skinny, panel, torch's linear past
-them), for Llama and for Qwen2's biased q/k/v; they run wherever their conditions hold and nowhere
-else (switches off, bfloat16, a head dim the rotary kernel does not take, fused projections off)."""
+them), for Llama and for Qwen2's biased q/k/v; decode-only steps of a bias-free model run as one C++
+call (engine/csrc/decode_layers.cpp), batches of 1 to past the skinny kernel's rows; they run
+wherever their conditions hold and nowhere else (switches off, bfloat16, a head dim the rotary
+kernel does not take, fused projections off, biases for the C++ call)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from engine import paged_kernel
+from engine import lean_cpu, paged_kernel
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.model_loader import random_model
@@ -74,8 +76,18 @@ class _Counting:
         return self.compare.cpu_layers(*args)
 
 
+@pytest.fixture
+def native_calls(monkeypatch):
+    """The decode-only steps that ran as one C++ call (their batch sizes)."""
+    calls: list[int] = []
+    real = lean_cpu.NativeLayers.__call__
+    monkeypatch.setattr(lean_cpu.NativeLayers, "__call__",
+                        lambda self, hidden, *a: calls.append(hidden.shape[1]) or real(self, hidden, *a))
+    return calls
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_bit_identical_to_the_general_loop_across_row_ranges(name):
+def test_bit_identical_to_the_general_loop_across_row_ranges(name, native_calls):
     """Prompts long enough for steps past the panel kernel's rows (torch's linear), chunks and mixed
     steps within it, decode steps of 1-6 rows (skinny kernel); greedy output == HF generate."""
     prompts = [list(range(5, 305)), list(range(20, 60)), [9, 8, 7], list(range(100, 190)), [4] * 30, [11, 12]]
@@ -84,10 +96,28 @@ def test_bit_identical_to_the_general_loop_across_row_ranges(name):
     refs = [hf_greedy(copy.deepcopy(loaded.model), p, n) for p, n in zip(prompts, max_new)]
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=256, block_size=8, max_num_batched_tokens=512))
     assert engine.runner.lean.cpu_layers is not None
+    assert (engine.runner.lean.cpu_layers.native is None) == (name == "qwen2_hd32_bias")   # biased q/k/v
     compare = engine.runner.lean = _Compare(engine.runner)
     got = run_staggered(engine, prompts, max_new)
     assert [got[f"r{i}"] for i in range(len(prompts))] == refs
     assert compare.ran > 0 and max(compare.rows) > 256 and min(compare.rows) == 1, compare.rows
+    assert bool(native_calls) == (name != "qwen2_hd32_bias") and (not native_calls or min(native_calls) == 1)
+    assert_no_leaks(engine)
+
+
+def test_decode_batches_past_the_skinny_kernel_in_one_call(native_calls):
+    """Decode-only batches of 40 (the panel kernel's rows) and fewer, as one C++ call each, equal to
+    the general loop's; greedy output == HF generate."""
+    prompts = [list(range(7 + i, 20 + 2 * i)) for i in range(40)]
+    max_new = [4 + i % 5 for i in range(40)]
+    loaded = MODELS["llama_hd64"]()
+    refs = [hf_greedy(copy.deepcopy(loaded.model), p, n) for p, n in zip(prompts, max_new)]
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=512, block_size=8, max_num_seqs=64))
+    engine.runner.lean = _Compare(engine.runner)
+    out = engine.generate([RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=n, ignore_eos=True))
+                           for i, (p, n) in enumerate(zip(prompts, max_new))])
+    assert [list(out[f"r{i}"]) for i in range(40)] == refs
+    assert max(native_calls) == 40 and min(native_calls) < 24, native_calls
     assert_no_leaks(engine)
 
 

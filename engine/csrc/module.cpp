@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <vector>
+
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale, bool portable);
 int paged_attention_simd_width();
@@ -19,6 +21,11 @@ void rope_write_kv(at::Tensor q_out, at::Tensor q, at::Tensor k, at::Tensor v, a
                    at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots);
 bool rope_kv_supports(int64_t head_dim);
 void greedy_argmax(at::Tensor out, at::Tensor logits);
+at::Tensor decode_layers(at::Tensor hidden, std::vector<at::Tensor> norms, std::vector<double> eps,
+                         std::vector<at::Tensor> qkv, std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up,
+                         std::vector<at::Tensor> down, at::Tensor kv_cache, std::vector<double> scales, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                         at::Tensor block_tables, at::Tensor context_lens, int64_t kernel);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -51,6 +58,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[:B] = the first index of each row's max, out[B] = whether every logit is finite (float32 "
         "logits [B, V], unit-stride V, CPU; out int64 [B + 1])",
         py::arg("out"), py::arg("logits"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layers", &decode_layers,
+        "A decode-only step's decoder layers (Llama family without biases, float32, CPU): the residual stream "
+        "[T, H] after the last layer (engine/lean_cpu.py)",
+        py::arg("hidden"), py::arg("norms"), py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+        py::arg("down"), py::arg("kv_cache"), py::arg("scales"), py::arg("heads"), py::arg("kv_heads"),
+        py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("kernel"), py::call_guard<py::gil_scoped_release>());
   m.attr("simd_width") = paged_attention_simd_width();
   m.attr("skinny_linear_simd_width") = skinny_linear_simd_width();
   m.attr("panel_linear_simd_width") = panel_linear_simd_width();
