@@ -19,9 +19,9 @@ the C++ rotary + KV-write kernel in use, no autograd, and the switches the gener
 on (``skinny_linear``, ``fused_linear`` with every group intact, ``fast_norm``). Anything else:
 ``None`` / False, and the general loop runs. No state between forwards.
 
-Decode-only steps go further where the model has no biases: the whole layer stack is one call of
-``engine/csrc/decode_layers.cpp`` (the same calls from C++, the GIL released throughout; ``native``),
-else the Python loop below runs them.
+Decode-only steps go further: the whole layer stack is one call of ``engine/csrc/decode_layers.cpp``
+(the same calls from C++, the GIL released throughout; ``native``), else the Python loop below runs
+them.
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ class NativeLayers:
     o: list[torch.Tensor]
     gate_up: list[torch.Tensor]
     down: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]   # a projection with a bias runs on torch's linear, as in Python
+    o_bias: list[torch.Tensor | None]
+    gate_up_bias: list[torch.Tensor | None]
+    down_bias: list[torch.Tensor | None]
     scales: list[float]
     heads: int
     kv_heads: int
@@ -74,17 +78,17 @@ class NativeLayers:
 
     @classmethod
     def build(cls, layers: list[_CpuLayer]) -> NativeLayers | None:
-        """None unless every layer is bias-free, on the linear kernels' layers, with even gate/up
-        halves and the same heads, each at its own cache index, and the extension has the call."""
+        """None unless every layer's o_proj and down_proj are the linear kernels' layers or have a bias
+        (torch's linear either way), its gate/up halves are even, all have the same heads, each sits
+        at its own cache index, and the extension has the call."""
         module = cpu_kernels.module()
         if not layers or module is None or not hasattr(module, "decode_layers"):
             return None
         hd = layers[0].head_dim
         heads, kv_heads = layers[0].qkv.sizes[0] // hd, layers[0].qkv.sizes[1] // hd
         for i, layer in enumerate(layers):
-            biases = (layer.qkv.bias, layer.gate_up.bias, layer.o_proj[1], layer.down_proj[1])
-            if any(b is not None for b in biases) or not (layer.o_skinny and layer.down_skinny) \
-                    or layer.attn.layer_idx != i or layer.head_dim != hd \
+            if not (layer.o_skinny or layer.o_proj[1] is not None) \
+                    or not (layer.down_skinny or layer.down_proj[1] is not None) or layer.attn.layer_idx != i or layer.head_dim != hd \
                     or layer.qkv.sizes != [heads * hd, kv_heads * hd, kv_heads * hd] \
                     or len(set(layer.gate_up.sizes)) != 1:
                 return None
@@ -92,13 +96,16 @@ class NativeLayers:
                    [e for layer in layers for e in (layer.input_norm[1], layer.post_norm[1])],
                    [layer.qkv.weight for layer in layers], [layer.o_proj[0] for layer in layers],
                    [layer.gate_up.weight for layer in layers], [layer.down_proj[0] for layer in layers],
+                   [layer.qkv.bias for layer in layers], [layer.o_proj[1] for layer in layers],
+                   [layer.gate_up.bias for layer in layers], [layer.down_proj[1] for layer in layers],
                    [layer.scaling for layer in layers], heads, kv_heads, hd)
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: Linear,
                  metadata: AttentionMetadata) -> torch.Tensor:
         group = metadata.decode_groups[0]
         out = cpu_kernels.module().decode_layers(
-            hidden[0], self.norms, self.eps, self.qkv, self.o, self.gate_up, self.down, metadata.kv_cache,
+            hidden[0], self.norms, self.eps, self.qkv, self.o, self.gate_up, self.down, self.qkv_bias, self.o_bias,
+            self.gate_up_bias, self.down_bias, metadata.kv_cache,
             self.scales, self.heads, self.kv_heads, self.head_dim, cos.contiguous(), sin.contiguous(),
             metadata.slot_mapping, group.block_tables, group.context_lens, _KERNEL_CODES[kernel])
         return out[None]

@@ -1,10 +1,10 @@
 """engine.lean_cpu: the lean forward's straight-line CPU layers give the general loop's logits and KV
 writes bit for bit (and so the model's call: tests/test_lean_forward.py) on every forward of real
 engine runs whose steps span the linear kernels' row ranges (skinny, panel, torch's linear past
-them), for Llama and for Qwen2's biased q/k/v; decode-only steps of a bias-free model run as one C++
-call (engine/csrc/decode_layers.cpp), batches of 1 to past the skinny kernel's rows; they run
-wherever their conditions hold and nowhere else (switches off, bfloat16, a head dim the rotary
-kernel does not take, fused projections off, biases for the C++ call)."""
+them), for Llama (with and without biases everywhere) and Qwen2's biased q/k/v; decode-only steps run
+as one C++ call (engine/csrc/decode_layers.cpp; biased projections on torch's linear there too), batches of 1
+to past the skinny kernel's rows; they run wherever their conditions hold and nowhere else (switches
+off, bfloat16, a head dim the rotary kernel does not take, fused projections off)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ SMALL = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, intermediate_
 MODELS = {
     "llama_hd64": lambda: random_model(transformers.LlamaConfig(**SMALL, num_attention_heads=2,
                                                                 num_key_value_heads=1), seed=7),
+    "llama_hd32_all_biases": lambda: random_model(transformers.LlamaConfig(
+        **SMALL, num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True), seed=9),
     "qwen2_hd32_bias": lambda: random_model(transformers.Qwen2Config(**SMALL, num_attention_heads=4,
                                                                      num_key_value_heads=2), seed=8),
 }
@@ -96,12 +98,12 @@ def test_bit_identical_to_the_general_loop_across_row_ranges(name, native_calls)
     refs = [hf_greedy(copy.deepcopy(loaded.model), p, n) for p, n in zip(prompts, max_new)]
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=256, block_size=8, max_num_batched_tokens=512))
     assert engine.runner.lean.cpu_layers is not None
-    assert (engine.runner.lean.cpu_layers.native is None) == (name == "qwen2_hd32_bias")   # biased q/k/v
+    assert engine.runner.lean.cpu_layers.native is not None
     compare = engine.runner.lean = _Compare(engine.runner)
     got = run_staggered(engine, prompts, max_new)
     assert [got[f"r{i}"] for i in range(len(prompts))] == refs
     assert compare.ran > 0 and max(compare.rows) > 256 and min(compare.rows) == 1, compare.rows
-    assert bool(native_calls) == (name != "qwen2_hd32_bias") and (not native_calls or min(native_calls) == 1)
+    assert native_calls and min(native_calls) == 1
     assert_no_leaks(engine)
 
 

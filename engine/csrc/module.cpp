@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
 #include <vector>
 
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
@@ -23,7 +24,9 @@ bool rope_kv_supports(int64_t head_dim);
 void greedy_argmax(at::Tensor out, at::Tensor logits);
 at::Tensor decode_layers(at::Tensor hidden, std::vector<at::Tensor> norms, std::vector<double> eps,
                          std::vector<at::Tensor> qkv, std::vector<at::Tensor> o, std::vector<at::Tensor> gate_up,
-                         std::vector<at::Tensor> down, at::Tensor kv_cache, std::vector<double> scales, int64_t heads,
+                         std::vector<at::Tensor> down, std::vector<std::optional<at::Tensor>> qkv_bias,
+                         std::vector<std::optional<at::Tensor>> o_bias, std::vector<std::optional<at::Tensor>> gate_up_bias,
+                         std::vector<std::optional<at::Tensor>> down_bias, at::Tensor kv_cache, std::vector<double> scales, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                          at::Tensor block_tables, at::Tensor context_lens, int64_t kernel);
 
@@ -59,10 +62,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "logits [B, V], unit-stride V, CPU; out int64 [B + 1])",
         py::arg("out"), py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers", &decode_layers,
-        "A decode-only step's decoder layers (Llama family without biases, float32, CPU): the residual stream "
+        "A decode-only step's decoder layers (Llama family, float32, CPU): the residual stream "
         "[T, H] after the last layer (engine/lean_cpu.py)",
         py::arg("hidden"), py::arg("norms"), py::arg("eps"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-        py::arg("down"), py::arg("kv_cache"), py::arg("scales"), py::arg("heads"), py::arg("kv_heads"),
+        py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"),
+        py::arg("kv_cache"), py::arg("scales"), py::arg("heads"), py::arg("kv_heads"),
         py::arg("head_dim"), py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("kernel"), py::call_guard<py::gil_scoped_release>());
   m.attr("simd_width") = paged_attention_simd_width();
