@@ -18,6 +18,8 @@ same order, so the same bits; ~12 dispatches per layer fewer: a decode step at b
 SmolLM2 190 vs 197 ms, a 512-token prefill 798 vs 821 ms, interleaved). On CUDA with Triton the
 elementwise work runs on engine.triton_fused's kernels: each residual add fused into the norm after
 it, the rotary embedding with the KV write, SiLU with its multiply (ten kernels a layer, not ~45).
+On float32 CPU with those C++ kernels the layers run as straight-line calls (engine.lean_cpu), and
+a decode-only step's whole layer stack as one C++ call with the GIL released: the same ops, the same bits.
 
 It calls the model's own modules and parameters (no copies), the same ops in the same order on
 the same shapes as the Hugging Face bodies, so its logits are bit-identical to the model's call
