@@ -78,7 +78,7 @@ def test_the_developer_role_is_openais_new_name_for_system():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
@@ -378,3 +378,19 @@ def test_vllms_top_k_minus_one_means_top_k_off_as_zero_does():
     with pytest.raises(InvalidRequestError) as err:
         sampling_from_proto(below.sampling, defaults)
     assert err.value.field == "sampling.top_k" and param_for(err.value.field, chat=False) == "top_k"
+
+
+def test_choices_copy_the_request_with_their_own_label_and_seed():
+    """n requests from one: the first as sent (its label), the others with router-made labels and
+    seed + index, wrapped into the int64 range GenerateRequest's seed takes."""
+    from router.openai_api.fan_in import SEED_RANGE, choices
+
+    req = parse(CompletionRequest, {"prompt": "x", "n": 3, "seed": SEED_RANGE - 2, "temperature": 1.0})
+    msg = completion_request(req, "label-1")
+    out = choices(msg, 3)
+    assert out[0] is msg and msg.request_id == "label-1"
+    assert [m.HasField("request_id") for m in out[1:]] == [False, False]
+    assert [m.sampling.seed for m in out] == [SEED_RANGE - 2, SEED_RANGE - 1, 0]
+    assert all(m.text == "x" and m.sampling.temperature == 1.0 for m in out)
+    unseeded = choices(completion_request(parse(CompletionRequest, {"prompt": "x"}), None), 2)
+    assert not any(m.sampling.HasField("seed") for m in unseeded)

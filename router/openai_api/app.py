@@ -38,6 +38,7 @@ from router.generation import GenerationCore
 from router.health import ServingHealth
 from router.openai_api import errors
 from router.openai_api.errors import ApiError
+from router.openai_api.fan_in import choices
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.openai_api.requests import chat_request, completion_request, param_for, parse, tokenize_request
 from router.openai_api.responses import ResponseFormat
@@ -254,6 +255,12 @@ class _Api:
                   max_tokens_name: str = "max_tokens") -> GenerationResponse:
         prefix = "chatcmpl-" if chat else "cmpl-"
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        fmt = ResponseFormat(chat, prefix + (label or uuid.uuid4().hex), self.config.model, logprobs=logprobs,
-                             include_usage=include_usage, tokenizer=self.core.tokenizer)
-        return GenerationResponse(self.core, msg, fmt, stream=req.stream, max_tokens_name=max_tokens_name)
+        response_id = prefix + (label or uuid.uuid4().hex)
+        first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
+                               tokenizer=self.core.tokenizer)
+        fmts = [first] + [ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, index=i,
+                                         include_usage=include_usage, tokenizer=self.core.tokenizer,
+                                         token_bytes=first.token_bytes, created=first.created)
+                          for i in range(1, req.n)]
+        return GenerationResponse(self.core, choices(msg, req.n), fmts, stream=req.stream,
+                                  max_tokens_name=max_tokens_name)

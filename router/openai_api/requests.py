@@ -2,7 +2,8 @@
 a gRPC request does (``router.limits``, ``router.convert``); and the other way for error
 messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the client wrote.
 
-What is refused here (a 400 naming the parameter): ``n`` / ``best_of`` > 1, ``echo``,
+What is refused here (a 400 naming the parameter): ``n`` outside [1, ``MAX_CHOICES``] (each
+choice is a generation of its own: ``fan_in.py``), ``best_of`` > 1, ``echo``,
 ``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
 text, a batch of prompts, content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
@@ -26,6 +27,7 @@ from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
+MAX_CHOICES = 16   # n: each choice is a live request (max_concurrent_streams counts it too)
 VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
@@ -169,7 +171,7 @@ def completion_request(req: CompletionRequest, label: str | None) -> pb.Generate
 
 
 def _common(req, label: str | None) -> pb.GenerateRequest:
-    _refuse(req.n == 1, "n", f"only n=1 is supported, got {req.n}: send n requests")
+    _refuse(1 <= req.n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {req.n}")
     _refuse_extensions(req, NOT_IMPLEMENTED)
     for name in ("presence_penalty", "frequency_penalty"):
         _refuse(not getattr(req, name), name, "penalties are not supported (only 0)")

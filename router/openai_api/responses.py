@@ -30,6 +30,19 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
            FinishReason.ERROR: "error"}
 
 
+def usage_total(usages: Sequence[Usage | None]) -> Usage | None:
+    """One request's usage over its choices: the prompt once, every choice's completion tokens."""
+    known = [u for u in usages if u is not None]
+    if not known:
+        return None
+    return Usage(known[0].prompt_tokens, sum(u.completion_tokens for u in known))
+
+
+def whole_of_choices(wholes: Sequence[dict], usages: Sequence[Usage | None]) -> dict:
+    """Each choice's ``ResponseFormat.whole`` as one body: their choices in order, the total usage."""
+    return wholes[0] | {"choices": [w["choices"][0] for w in wholes], "usage": usage_json(usage_total(usages))}
+
+
 def usage_json(usage: Usage | None) -> dict | None:
     if usage is None:
         return None
@@ -45,6 +58,7 @@ class ResponseFormat:
     response_id: str
     model: str
     logprobs: bool = False
+    index: int = 0   # the choice this formats (n > 1: one ResponseFormat per choice, same id)
     include_usage: bool = False
     tokenizer: Any | None = None
     token_bytes: TokenBytes | None = None   # the tokenizer's; made from it when not given
@@ -71,7 +85,7 @@ class ResponseFormat:
         finish = _FINISH.get(delta.finish_reason) if delta.finished else None
         if not event.text and finish is None and not self.logprobs and self._role_sent:
             return None
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = {"content": event.text} if self._role_sent else {"role": "assistant", "content": event.text}
             self._role_sent = True
@@ -95,7 +109,7 @@ class ResponseFormat:
         token_ids = [t for e in events for t in e.delta.token_ids]
         lps = [lp for e in events for lp in (e.delta.logprobs or ())]
         tops = [top for e in events for top in (e.delta.top_logprobs or ())]
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -11,6 +11,9 @@ Streaming waits for the first event before it sends a status, so everything refu
 first token (bad input 400, duplicate id 409, admission 429, no worker 503) is an HTTP status
 with OpenAI's error body; an error after that is one ``data: {"error": ...}`` event followed by
 ``data: [DONE]``. Non-streaming sends one JSON body at the end. ``release`` always runs.
+With ``n`` > 1 the choices run side by side (``fan_in``): every choice's identity is claimed
+before any runs, their events are formatted each with its own ``ResponseFormat`` (its index), the
+first error ends the response, and the usage counts the prompt once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from protos import pdserve_pb2 as pb
 from router.generation import GenerationCore, GenerationEvent
 from router.identity import RequestIdentity
 from router.openai_api import errors
+from router.openai_api.fan_in import merged
 from router.openai_api.requests import param_for
-from router.openai_api.responses import ResponseFormat
+from router.openai_api.responses import ResponseFormat, usage_total, whole_of_choices
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +49,12 @@ def sse(data: dict | str) -> bytes:
 
 
 class GenerationResponse(Response):
-    def __init__(self, core: GenerationCore, request: pb.GenerateRequest, fmt: ResponseFormat, *,
+    def __init__(self, core: GenerationCore, requests: list[pb.GenerateRequest], fmts: list[ResponseFormat], *,
                  stream: bool, max_tokens_name: str = "max_tokens") -> None:
+        """One request per choice (``fan_in.choices``) and one format each."""
         super().__init__(status_code=200)
-        self.core, self.request, self.fmt, self.stream = core, request, fmt, stream
+        self.core, self.requests, self.fmts, self.stream = core, requests, fmts, stream
+        self.fmt = fmts[0]
         self._max_tokens_name = max_tokens_name
         self._started = False     # a status line went out: errors are events from now on
         self._done = False        # the last body went out: a disconnect now means nothing
@@ -57,18 +63,20 @@ class GenerationResponse(Response):
         task = asyncio.current_task()
         watcher = asyncio.ensure_future(_disconnected(receive))
         watcher.add_done_callback(lambda w: self._on_disconnect(w, task))
-        identity: RequestIdentity | None = None
+        identities: list[RequestIdentity] = []
         try:
-            identity = self.core.claim(self.request)
-            await self._run(identity, send)
+            for request in self.requests:   # all or none: a refused one releases the others (finally)
+                identities.append(self.core.claim(request))
+            await self._run(identities, send)
         except asyncio.CancelledError as exc:
-            await self._cancelled(exc, identity, send, task)
+            await self._cancelled(exc, _first(identities), send, task)
         except Exception as exc:
-            await self._fail(exc, identity, send)
+            await self._fail(exc, _first(identities), send)
         finally:
             self._done = True
             watcher.cancel()
-            self.core.release(identity)
+            for identity in identities:
+                self.core.release(identity)
 
     def _on_disconnect(self, watcher: asyncio.Future, task: asyncio.Task) -> None:
         if not watcher.cancelled() and not self._done:
@@ -85,25 +93,35 @@ class GenerationResponse(Response):
         task.uncancel()   # the client left: the request is aborted, there is no one to answer
         logger.debug("client of %s disconnected", identity.req_id if identity else "-")
 
-    async def _run(self, identity: RequestIdentity, send) -> None:
-        async with contextlib.aclosing(self.core.stream(self.request, identity, door="http")) as events:
+    async def _run(self, identities: list[RequestIdentity], send) -> None:
+        if len(identities) == 1:
+            stream = self.core.stream(self.requests[0], identities[0], door="http")
+            events = _indexed(stream)
+        else:
+            events = stream = merged(self.core, self.requests, identities, door="http")
+        async with contextlib.aclosing(stream), contextlib.aclosing(events):
             if self.stream:
                 await self._stream(events, send)
             else:
-                whole = [event async for event in events]
-                await self._send_whole(200, json.dumps(self.fmt.whole(whole)).encode(), send)
+                by_choice: list[list[GenerationEvent]] = [[] for _ in self.fmts]
+                async for index, event in events:
+                    by_choice[index].append(event)
+                body = whole_of_choices([f.whole(e) for f, e in zip(self.fmts, by_choice)],
+                                        [e[-1].usage for e in by_choice])
+                await self._send_whole(200, json.dumps(body).encode(), send)
 
     async def _stream(self, events, send) -> None:
-        last: GenerationEvent | None = None
-        async for event in events:
+        last: list[GenerationEvent | None] = [None] * len(self.fmts)
+        async for index, event in events:
             if not self._started:   # the first event: the request is accepted, the stream begins
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 self._started = True
-            chunk = self.fmt.chunk(event)
+            chunk = self.fmts[index].chunk(event)
             if chunk is not None:
                 await send({"type": "http.response.body", "body": sse(chunk), "more_body": True})
-            last = event
-        tail = sse(self.fmt.usage_chunk(last.usage)) if self.fmt.include_usage and last else b""
+            last[index] = event
+        usage = usage_total([e.usage for e in last if e is not None])
+        tail = sse(self.fmt.usage_chunk(usage)) if self.fmt.include_usage and any(last) else b""
         self._done = True
         await send({"type": "http.response.body", "body": tail + sse("[DONE]"), "more_body": False})
 
@@ -125,6 +143,17 @@ class GenerationResponse(Response):
         self._done = True
         await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _indexed(events):
+    """One choice's events as ``merged`` gives n choices': (0, event)."""
+    async for event in events:
+        yield 0, event
+
+
+def _first(identities: list[RequestIdentity]) -> RequestIdentity | None:
+    """The identity an error names (the first choice's: the client's label)."""
+    return identities[0] if identities else None
 
 
 async def _disconnected(receive) -> Any:

@@ -1,0 +1,84 @@
+"""An OpenAI request with ``n`` > 1: its choices run as n generations side by side, and their events
+come back as one stream of (choice index, event), in the order they arrive.
+
+Why a request per choice: each choice is a whole generation (its own sampling, KV, admission);
+sharing the prompt costs nothing extra where prefix caching is on (the later choices find the
+first one's prompt blocks). ``choices`` makes the n ``GenerateRequest``s: the first as the client
+sent it (its ``X-Request-Id`` label, claimed as any request's), the others with labels the router
+makes, and with a seed each choice's own (seed + index), so a seeded request gives the same n
+answers every time and not n copies of one.
+
+Life cycle of ``merged``: one pump task per choice reads its ``GenerationCore.stream`` into a queue
+of n places (a reader that stops reading stops the pumps, so the choices' own ``DeltaQueue``s
+fill, as one stream's does); the caller's task reads the queue. A choice that fails ends the
+whole response with its error; a pump cancelled as a slow reader (``SLOW_READER``) passes that
+cancel on to the caller's task, which answers it as for one stream; when the caller's iteration
+ends, however it ends, every pump is cancelled and awaited, which aborts the choices still
+running on the workers (the generation's own cleanup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from protos import pdserve_pb2 as pb
+from router.delta_queue import SLOW_READER
+from router.generation import GenerationCore, GenerationEvent
+from router.identity import RequestIdentity
+
+SEED_RANGE = 2**63   # GenerateRequest.sampling.seed is an int64 >= 0
+
+
+def choices(request: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
+    """The n requests of one OpenAI request: the first is ``request`` itself."""
+    out = [request]
+    for index in range(1, n):
+        copy = pb.GenerateRequest()
+        copy.CopyFrom(request)
+        copy.ClearField("request_id")   # one live request per label: the router makes the others'
+        if request.sampling.HasField("seed"):
+            copy.sampling.seed = (request.sampling.seed + index) % SEED_RANGE
+        out.append(copy)
+    return out
+
+
+async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], identities: list[RequestIdentity],
+                 door: str) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Every choice's events as (index, event); ends when every choice has ended."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(requests))
+    caller = asyncio.current_task()
+    pumps = [asyncio.ensure_future(_pump(core, i, request, identity, door, queue, caller))
+             for i, (request, identity) in enumerate(zip(requests, identities))]
+    try:
+        running = len(pumps)
+        while running:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                running -= 1
+            else:
+                yield index, event
+    finally:
+        for pump in pumps:
+            pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _pump(core: GenerationCore, index: int, request: pb.GenerateRequest, identity: RequestIdentity,
+                door: str, queue: asyncio.Queue, caller: asyncio.Task) -> None:
+    try:
+        async with contextlib.aclosing(core.stream(request, identity, door=door)) as events:
+            async for event in events:
+                await queue.put((index, event, None))
+        await queue.put((index, None, None))
+    except asyncio.CancelledError as exc:
+        if exc.args[:1] == (SLOW_READER,):   # this choice's reader (the caller) stopped reading
+            caller.cancel(SLOW_READER)
+            return
+        raise
+    except Exception as exc:
+        await queue.put((index, None, exc))
