@@ -258,9 +258,6 @@ class _Api:
         response_id = prefix + (label or uuid.uuid4().hex)
         first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
                                tokenizer=self.core.tokenizer)
-        fmts = [first] + [ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, index=i,
-                                         include_usage=include_usage, tokenizer=self.core.tokenizer,
-                                         token_bytes=first.token_bytes, created=first.created)
-                          for i in range(1, req.n)]
+        fmts = [first] + [first.for_choice(i) for i in range(1, req.n)]
         return GenerationResponse(self.core, choices(msg, req.n), fmts, stream=req.stream,
                                   max_tokens_name=max_tokens_name)

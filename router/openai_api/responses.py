@@ -71,6 +71,11 @@ class ResponseFormat:
         if self.logprobs and self.token_bytes is None:
             self.token_bytes = TokenBytes(self.tokenizer)
 
+    def for_choice(self, index: int) -> ResponseFormat:
+        """The same response's formatter for choice ``index``: its own role, text and offset state."""
+        return ResponseFormat(self.chat, self.response_id, self.model, self.logprobs, index, self.include_usage,
+                              self.tokenizer, self.token_bytes, self.created)
+
     @property
     def _object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
