@@ -64,8 +64,9 @@ async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], ident
     finally:
         for pump in pumps:
             pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*pumps, return_exceptions=True)
+        # The pumps' own ends (cancelled or not) are collected; a cancel of the caller itself while it
+        # waits here propagates (the pumps are cancelled already and finish on their own).
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def _pump(core: GenerationCore, index: int, request: pb.GenerateRequest, identity: RequestIdentity,
