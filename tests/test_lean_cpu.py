@@ -166,3 +166,15 @@ def test_not_for_bfloat16_or_an_unsupported_head_dim():
     assert _forwards_on_cpu_layers(engine) == 0
     hd16 = random_model(transformers.LlamaConfig(**SMALL, num_attention_heads=8, num_key_value_heads=2), seed=7)
     assert _forwards_on_cpu_layers(LLMEngine(hd16, EngineConfig(num_kv_blocks=64))) == 0
+
+
+def test_decode_batch_past_the_panel_kernel_on_torchs_linear(native_calls):
+    """A decode-only step of 300 rows (past the panel kernel's 256: torch's linear inside the C++
+    call) equals the general loop's."""
+    engine = LLMEngine(MODELS["llama_hd64"](), EngineConfig(num_kv_blocks=2048, block_size=8, max_num_seqs=320,
+                                                           max_num_batched_tokens=4096))
+    engine.runner.lean = _Compare(engine.runner)
+    engine.generate([RequestSpec(f"r{i}", tuple(range(7 + i % 50, 12 + i % 50)),
+                                 SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(300)])
+    assert 300 in native_calls
+    assert_no_leaks(engine)
