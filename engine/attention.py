@@ -65,6 +65,14 @@ class AttentionMetadata:
     # paged_kernel.prefill_preferred; their masks are then never built); otherwise on SDPA.
     prefill_kernel: bool = False
 
+    @property
+    def decode_only_group(self) -> DecodeGroup | None:
+        """The step's one group when it is every token in step order (a decode-only step): attention
+        then reads q as it is and returns its rows as they are."""
+        if not self.prefills and len(self.decode_groups) == 1 and self.decode_groups[0].every_token:
+            return self.decode_groups[0]
+        return None
+
 
 def paged_attention(
     module: torch.nn.Module,
@@ -83,8 +91,8 @@ def paged_attention(
     q = query[0]                                   # [heads, tokens, head_dim]
     num_heads, num_tokens, head_dim = q.shape
     groups = num_heads // k_cache.shape[-2]
-    if not meta.prefills and len(meta.decode_groups) == 1 and meta.decode_groups[0].every_token:
-        return _decode(q, k_cache, v_cache, meta.decode_groups[0], groups, scaling).unsqueeze(0), None
+    if (only := meta.decode_only_group) is not None:
+        return _decode(q, k_cache, v_cache, only, groups, scaling).unsqueeze(0), None
     out = q.new_empty(num_tokens, num_heads, head_dim)
     for seg in meta.prefills:
         _prefill(q, k_cache, v_cache, seg, scaling, out[seg.q_start : seg.q_start + seg.q_len], meta.prefill_kernel)

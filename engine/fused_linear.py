@@ -95,11 +95,17 @@ class FusedLinear(torch.nn.Linear):
         return skinny_linear.linear(x, self.weight, self.bias)
 
 
+def group_of(*members: torch.nn.Module) -> _Group | None:
+    """The fused group ``members`` make up, whole and in order; None when they are not one."""
+    group = getattr(members[0], "_fused_group", None)
+    return group if group is not None and group.members == members else None
+
+
 def outputs(members: tuple[torch.nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """Each member's output for ``x``, as calling them in turn gives it: in one call when they are
     a whole fused group in use (engine.lean_forward takes them so, skipping the members' calls)."""
-    group = getattr(members[0], "_fused_group", None)
-    if group is not None and group.members == members and group.in_use():
+    group = group_of(*members)
+    if group is not None and group.in_use():
         return group.compute(x)
     return [m(x) for m in members]
 

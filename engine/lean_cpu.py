@@ -102,7 +102,7 @@ class NativeLayers:
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: Linear,
                  metadata: AttentionMetadata) -> torch.Tensor:
-        group = metadata.decode_groups[0]
+        group = metadata.decode_only_group
         out = cpu_kernels.module().decode_layers(
             hidden[0], self.norms, self.eps, self.qkv, self.o, self.gate_up, self.down, self.qkv_bias, self.o_bias,
             self.gate_up_bias, self.down_bias, metadata.kv_cache,
@@ -118,9 +118,8 @@ _KERNEL_CODES = {None: 0, skinny_linear.skinny_linear: 1, skinny_linear.panel_li
 def _decode_only(metadata: AttentionMetadata) -> bool:
     """The step is one group of decode tokens in step order on the paged decode kernel (what
     ``engine.attention.paged_attention`` then runs directly)."""
-    groups = metadata.decode_groups
-    return (not metadata.prefills and len(groups) == 1 and groups[0].every_token
-            and groups[0].context_lens is not None and paged_kernel.enabled())
+    group = metadata.decode_only_group
+    return group is not None and group.context_lens is not None and paged_kernel.enabled()
 
 
 class CpuLayers:
@@ -136,7 +135,8 @@ class CpuLayers:
         """From the lean forward's ``_Layer`` list; None when a layer is not in the form above."""
         layers = []
         for layer in lean_layers:
-            qkv, gate_up = _group(layer.q_proj, layer.k_proj, layer.v_proj), _group(layer.gate_proj, layer.up_proj)
+            qkv = fused_linear.group_of(layer.q_proj, layer.k_proj, layer.v_proj)
+            gate_up = fused_linear.group_of(layer.gate_proj, layer.up_proj)
             if qkv is None or gate_up is None or not layer.silu or not all(
                     _fast_norm(n) for n in (layer.input_norm, layer.post_norm)) or not all(
                     type(m) in (skinny_linear.SkinnyLinear, torch.nn.Linear) for m in (layer.o_proj, layer.down_proj)):
@@ -186,11 +186,6 @@ def _linear(kernel: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if kernel is None or bias is not None or not x.is_contiguous():
         return F.linear(x, weight, bias)
     return kernel(x[0], weight)[None]
-
-
-def _group(*members: torch.nn.Module) -> fused_linear._Group | None:
-    group = getattr(members[0], "_fused_group", None)
-    return group if group is not None and group.members == members else None
 
 
 def _skinny(module: torch.nn.Module) -> bool:
