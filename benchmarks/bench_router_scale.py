@@ -531,7 +531,9 @@ def start_py_spy(args):
     exe = Path(sys.executable).with_name("py-spy")
     out = tempfile.NamedTemporaryFile(prefix="router-scale-", suffix=".txt", delete=False).name
     cmd = [str(exe), "record", "--pid", str(os.getpid()), "--duration", str(int(args.measure_s)), "--rate", "200",
-           "--format", "raw", "--threads", "--nonblocking", "--output", out]
+           "--format", "raw", "--threads", "--output", out]
+    # --native (C frames: grpc's Cython, uvloop) needs py-spy to stop the process per sample
+    cmd += ["--native"] if args.profile_native else ["--nonblocking"]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out
 
 
@@ -763,6 +765,7 @@ def main() -> None:
     p.add_argument("--reports-per-round", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="py-spy the window (slows the router: separate run)")
     p.add_argument("--profile-out", type=Path, default=None)
+    p.add_argument("--profile-native", action="store_true", help="with --profile: C frames too (slower still)")
     p.add_argument("--skip-report-cost", action="store_true")
     p.add_argument("--report-cost-only", action="store_true", help="the per-report section alone, printed")
     p.add_argument("--no-gc-freeze", action="store_true",

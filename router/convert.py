@@ -253,12 +253,16 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
     return _FINISH_FROM_PROTO.get(value)  # a newer server's unknown reason reads as "not finished"
 
 
+_TIMINGS_FIELDS = tuple(f.name for f in dataclasses.fields(RequestTimings))   # flat scalars, as in the proto
+
+
 def timings_to_proto(t: RequestTimings) -> pb.Timings:
-    return pb.Timings(**dataclasses.asdict(t))
+    # Not dataclasses.asdict: it deep-copies every field (a request's last message pays it).
+    return pb.Timings(**{name: getattr(t, name) for name in _TIMINGS_FIELDS})
 
 
 def timings_from_proto(msg: pb.Timings) -> RequestTimings:
-    return RequestTimings(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(RequestTimings)})
+    return RequestTimings(**{name: getattr(msg, name) for name in _TIMINGS_FIELDS})
 
 
 def usage_from_proto(msg: pb.Usage) -> Usage:

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass
 
 from engine.errors import CapacityError
-from engine.types import TokenDelta
+from engine.types import FinishReason, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +60,16 @@ class DeltaQueue:
         policy = QUEUE_POLICY.get()
         self.max_pending_tokens = policy.max_pending_tokens if max_pending_tokens is None else max_pending_tokens
         self.stream_interval = policy.stream_interval if stream_interval is None else stream_interval
-        self._items: deque[QueueItem] = deque()
+        # A delta, a run of deltas merged as they came (one message's worth), or an error; a new
+        # delta joins the run before it unless that one finished.
+        self._items: deque[TokenDelta | _Run | Exception] = deque()
         self._num_tokens = 0
         self._release = False     # a finished delta or an error is queued: the reader takes it now
         self._started = False     # the client has had tokens: later ones wait for the interval
-        self._ready = asyncio.Event()
+        # The reader's wake-up: a bare future per wait (an asyncio.Event costs a loop lookup and
+        # a waiter list per wait; this runs once per message of every stream).
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future | None = None
         self._consumer = asyncio.current_task()   # the handler's task (None outside a task)
         self.overflowed = False
 
@@ -80,8 +84,8 @@ class DeltaQueue:
     def put_nowait(self, item: QueueItem) -> None:
         if self.overflowed:
             return
-        self._items.append(item)
         if isinstance(item, TokenDelta):
+            self._put_delta(item)
             self._num_tokens += len(item.token_ids)
             if self._num_tokens > self.max_pending_tokens:
                 self._overflow()
@@ -89,33 +93,48 @@ class DeltaQueue:
             if item.finish_reason is not None:
                 self._release = True
         else:
+            self._items.append(item)
             self._release = True
         if self._is_ready():
-            self._ready.set()   # wakes the reader (one wake-up per message, not per token)
+            self._wake()   # one wake-up per message, not per token
+
+    def _put_delta(self, delta: TokenDelta) -> None:
+        last = self._items[-1] if self._items else None
+        if type(last) is _Run and last.finish_reason is None:
+            last.add(delta)
+        elif type(last) is TokenDelta and last.finish_reason is None:
+            self._items[-1] = _Run(last, delta)
+        else:
+            self._items.append(delta)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> QueueItem:
         while not self._is_ready():
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         return self._take()
 
     def _take(self) -> QueueItem:
-        if isinstance(self._items[0], Exception):
-            error = self._items.popleft()
+        item = self._items.popleft()
+        if isinstance(item, Exception):
             self._release = bool(self._items) and self._has_release()
-            return error
-        run = [self._items.popleft()]   # one pass: merging two at a time would copy O(k^2) tokens
-        while self._items and isinstance(self._items[0], TokenDelta) and run[-1].finish_reason is None:
-            run.append(self._items.popleft())
-        merged = merge(*run)
-        self._num_tokens -= len(merged.token_ids)
-        self._started = self._started or bool(merged.token_ids)
+            return item
+        delta = item.delta() if type(item) is _Run else item
+        self._num_tokens -= len(delta.token_ids)
+        self._started = self._started or bool(delta.token_ids)
         self._release = bool(self._items) and self._has_release()
-        return merged
+        return delta
 
     def _has_release(self) -> bool:
         """What is left holds a finished delta or an error (rare: only past a finished delta or an error)."""
-        return any(not isinstance(i, TokenDelta) or i.finish_reason is not None for i in self._items)
+        return any(isinstance(i, Exception) or i.finish_reason is not None for i in self._items)
 
     def _is_ready(self) -> bool:
         return self._release or (self._num_tokens >= self.stream_interval or not self._started) and bool(self._items)
@@ -129,25 +148,49 @@ class DeltaQueue:
         self._items.append(SlowReaderError(
             f"max_pending_tokens: the client left more than {self.max_pending_tokens} tokens unread"))
         self._release = True
-        self._ready.set()
+        self._wake()
         if self._consumer is not None and not self._consumer.done():
             self._consumer.cancel(SLOW_READER)
 
 
+class _Run:
+    """Consecutive deltas of one request being merged into one (only the last may finish): the
+    token ids (and logprobs) appended as each delta comes, so a message of k tokens costs O(k)."""
+
+    __slots__ = ("req_id", "token_ids", "finish_reason", "logprobs", "error", "num_cached_tokens", "top_logprobs")
+
+    def __init__(self, *deltas: TokenDelta) -> None:
+        first = deltas[0]
+        self.req_id, self.num_cached_tokens = first.req_id, first.num_cached_tokens
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.logprobs: list[float] | None = None        # None until a delta carries some
+        self.top_logprobs: list | None = None
+        self.error: str | None = None
+        for delta in deltas:
+            self.add(delta)
+
+    def add(self, delta: TokenDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs is not None:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.extend(delta.top_logprobs)
+        if delta.error:
+            self.error = delta.error
+
+    def delta(self) -> TokenDelta:
+        return TokenDelta(self.req_id, tuple(self.token_ids), self.finish_reason,
+                          None if self.logprobs is None else tuple(self.logprobs), self.error,
+                          self.num_cached_tokens,
+                          top_logprobs=None if self.top_logprobs is None else tuple(self.top_logprobs))
+
+
 def merge(*deltas: TokenDelta) -> TokenDelta:
     """Consecutive deltas of one request as one (only the last may finish)."""
-    if len(deltas) == 1:
-        return deltas[0]
-    first, last = deltas[0], deltas[-1]
-    error = next((d.error for d in reversed(deltas) if d.error), None)
-    return TokenDelta(first.req_id, tuple(itertools.chain.from_iterable(d.token_ids for d in deltas)),
-                      last.finish_reason, _joined(d.logprobs for d in deltas), error, first.num_cached_tokens,
-                      top_logprobs=_joined(d.top_logprobs for d in deltas))
-
-
-def _joined(parts) -> tuple | None:
-    """Per-token lists of consecutive deltas as one; None when none of them had one."""
-    parts = list(parts)
-    if all(p is None for p in parts):
-        return None
-    return tuple(itertools.chain.from_iterable(p or () for p in parts))
+    return deltas[0] if len(deltas) == 1 else _Run(*deltas).delta()
