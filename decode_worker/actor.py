@@ -7,34 +7,23 @@ from typing import AsyncIterator
 import ray
 
 from engine.config import EngineRole
-from engine.types import RequestSpec, StreamBatch, WorkerStats
+from engine.types import RequestSpec, StreamBatch
+from engine.worker_actor import WorkerActor
 from engine.worker_spec import WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 
 
 @ray.remote
-class DecodeActor:
+class DecodeActor(WorkerActor):
     def __init__(self, spec: WorkerSpec, colocated: bool = False, standby: bool = False) -> None:
         from decode_worker.worker import DecodeWorker   # here: the router imports this class, never the engine
 
         role = EngineRole.COLOCATED if colocated else EngineRole.DECODE
         self.worker = DecodeWorker(spec, role, standby)
 
-    async def ping(self) -> None:
-        """Answers once the constructor is done (a standby spare's model is loaded)."""
-
-    async def activate(self, worker_id: str) -> None:
-        """A standby spare takes a dead worker's place (then ``start``)."""
-        self.worker.activate(worker_id)
-
     async def start(self) -> dict:
         self.worker.start()
         return self.worker.info(ray.get_runtime_context().get_node_id())
-
-    async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
-        from kvtransfer import group   # torch.distributed: in the worker's process only
-
-        await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
     async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
         return await self.worker.reserve(spec, transport)
@@ -52,20 +41,3 @@ class DecodeActor:
         async for batch in self.worker.stream():
             yield batch
 
-    async def lifeline(self) -> None:
-        await self.worker.lifeline()
-
-    async def stats(self) -> WorkerStats:
-        return self.worker.stats()
-
-    async def leak_report(self) -> dict:
-        return await self.worker.leak_report()
-
-    async def inject_fault(self, kind: str) -> None:
-        await self.worker.inject_fault(kind)
-
-    async def shutdown(self) -> None:
-        from kvtransfer import group
-
-        self.worker.shutdown()
-        group.leave()

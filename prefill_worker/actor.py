@@ -10,6 +10,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from engine.errors import PeerLostError
 from engine.types import FirstToken, PrefillResult, RequestSpec, WorkerStats
+from engine.worker_actor import WorkerActor
 from engine.worker_spec import WorkerSpec
 from kvtransfer.handle import KVBlocksHandle
 
@@ -44,28 +45,16 @@ class DecodePeer:
 
 
 @ray.remote
-class PrefillActor:
+class PrefillActor(WorkerActor):
     def __init__(self, spec: WorkerSpec, standby: bool = False) -> None:
         from prefill_worker.worker import PrefillWorker   # here: the router imports this class, never the engine
 
         self.worker = PrefillWorker(spec, standby)
 
-    async def ping(self) -> None:
-        """Answers once the constructor is done (a standby spare's model is loaded)."""
-
-    async def activate(self, worker_id: str) -> None:
-        """A standby spare takes a dead worker's place (then ``start``)."""
-        self.worker.activate(worker_id)
-
     async def start(self) -> dict:
         self.worker.start()
         await self.worker.open_submissions()
         return self.worker.info(ray.get_runtime_context().get_node_id())
-
-    async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
-        from kvtransfer import group   # torch.distributed: in the worker's process only
-
-        await group.join(address, world_size, rank, self.worker.spec.engine.device)
 
     async def prefill(self, spec: RequestSpec, transport: str | None, decode: Any,
                       inbox: str | None = None) -> AsyncIterator[FirstToken | PrefillResult]:
@@ -80,20 +69,3 @@ class PrefillActor:
     async def abort(self, req_id: str) -> WorkerStats:
         return await self.worker.abort(req_id)
 
-    async def lifeline(self) -> None:
-        await self.worker.lifeline()
-
-    async def stats(self) -> WorkerStats:
-        return self.worker.stats()
-
-    async def leak_report(self) -> dict:
-        return await self.worker.leak_report()
-
-    async def inject_fault(self, kind: str) -> None:
-        await self.worker.inject_fault(kind)
-
-    async def shutdown(self) -> None:
-        from kvtransfer import group
-
-        self.worker.shutdown()
-        group.leave()
