@@ -43,11 +43,13 @@ class Request:
     # rather than properties (the spec is frozen and never replaced).
     req_id: str = field(init=False)
     sampling: SamplingParams = field(init=False)
+    adjusts_logits: bool = field(init=False)   # the sampler's per-row check, every step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.spec.prompt_token_ids)
         self.req_id = self.spec.req_id
         self.sampling = self.spec.sampling
+        self.adjusts_logits = self.sampling.adjusts_logits
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,7 +1,9 @@
 """Turns each sampled request's logits row into its next token, or a per-row failure.
 
 Greedy rows (temperature below ``GREEDY_TEMPERATURE``) take one batched argmax
-(``engine.greedy_argmax``: a C++ kernel on CPU). Random rows use
+(``engine.greedy_argmax``: a C++ kernel on CPU); a request's logit bias and penalties
+(``engine.logit_adjust``) apply to a copy of its row first, greedy or not. Logprobs are the
+model's, before those and before temperature (vLLM's default). Random rows use
 temperature, top-k and top-p with a generator seeded from (request seed, output position): the
 same seed gives the same output whatever shares the batch, and a request recomputed after
 preemption redraws the same tokens.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.greedy_argmax import argmax_if_finite
+from engine.logit_adjust import adjusted
 from engine.request import Request
 from engine.types import TopLogprobs
 
@@ -53,14 +56,18 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
         tokens = logits.argmax(dim=-1).tolist()
     failed: dict[int, str] = {}
     for row, request in enumerate(requests):
-        if all_finite and request.sampling.greedy:
+        adjusts = request.adjusts_logits
+        if all_finite and request.sampling.greedy and not adjusts:
             continue   # most rows: the argmax stands
         try:
             if not all_finite and not bool(torch.isfinite(raw[row]).any()):
                 raise SamplingError("the forward produced no finite logit for this request")
+            chosen_from = adjusted(logits[row], request) if adjusts else logits[row]
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
-                tokens[row] = _sample_row(logits[row], request, seed % (2**63))
+                tokens[row] = _sample_row(chosen_from, request, seed % (2**63))
+            elif adjusts:
+                tokens[row] = int(chosen_from.argmax())
         except Exception as exc:  # one bad row fails its request, never the batch
             logger.warning("sampling %s failed: %s", request.req_id, exc)
             failed[row] = f"sampling failed: {type(exc).__name__}"

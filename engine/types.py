@@ -43,10 +43,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0       # with logprobs: also the N most likely tokens at each position (<= MAX_TOP_LOGPROBS)
+    # Logit adjustments before sampling, greedy included (engine/logit_adjust.py); the defaults are off.
+    repetition_penalty: float = 1.0    # > 0: prompt and output tokens' logits divided (> 0) / multiplied (< 0) by it
+    frequency_penalty: float = 0.0     # [-2, 2]: times the token's count in the output, subtracted
+    presence_penalty: float = 0.0      # [-2, 2]: subtracted once from every token in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to its logit
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
+
+    @classmethod
+    def from_plain(cls, fields: dict) -> SamplingParams:
+        """From ``dataclasses.asdict``'s output after a JSON round trip (lists back to tuples)."""
+        return cls(**{**fields, "stop": tuple(fields["stop"]), "stop_token_ids": tuple(fields["stop_token_ids"]),
+                      "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"])})
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +261,7 @@ class PrefillSubmission:
     def from_json(cls, line: bytes) -> PrefillSubmission:
         fields = json.loads(line)
         spec = fields["spec"]
-        sampling = spec["sampling"]
-        sampling = SamplingParams(**{**sampling, "stop": tuple(sampling["stop"]),
-                                     "stop_token_ids": tuple(sampling["stop_token_ids"])})
+        sampling = SamplingParams.from_plain(spec["sampling"])
         spec = RequestSpec(**{**spec, "prompt_token_ids": tuple(spec["prompt_token_ids"]), "sampling": sampling,
                               "slo": SLOTarget(**spec["slo"])})
         return cls(spec, fields["transport"], fields["decode_id"], fields["inbox"])

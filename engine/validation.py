@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from engine.errors import InvalidRequestError, require
 from engine.types import MAX_TOP_LOGPROBS, RequestSpec, SamplingParams
 
+MAX_PENALTY = 2.0        # OpenAI's range for frequency_penalty and presence_penalty
+MAX_LOGIT_BIAS = 100.0   # OpenAI's range for a logit_bias value
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
@@ -37,8 +39,20 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
     require(s.logprobs or not s.top_logprobs, prefix + "top_logprobs", "needs logprobs")
     require(all(s.stop), prefix + "stop", "stop strings must not be empty")
+    require(math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0, prefix + "repetition_penalty",
+            f"must be a finite number > 0 (1 = off), got {s.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(s, name)
+        require(not math.isnan(value) and -MAX_PENALTY <= value <= MAX_PENALTY, prefix + name,
+                f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    for token, bias in s.logit_bias:
+        require(not math.isnan(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, prefix + "logit_bias",
+                f"the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+    require(len({token for token, _ in s.logit_bias}) == len(s.logit_bias), prefix + "logit_bias",
+            "names a token id twice")
     if vocab_size is not None:
         check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")
+        check_token_ids([token for token, _ in s.logit_bias], vocab_size, prefix + "logit_bias")
 
 
 def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int) -> None:

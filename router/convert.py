@@ -178,6 +178,10 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         ignore_eos=get("ignore_eos", False),
         logprobs=get("logprobs", False),
         top_logprobs=get("top_logprobs", 0),
+        repetition_penalty=get("repetition_penalty", 1.0),
+        frequency_penalty=get("frequency_penalty", 0.0),
+        presence_penalty=get("presence_penalty", 0.0),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),   # a map's order is not the wire's: sorted, one spec
     )
     validate_sampling(sp, defaults.vocab_size, prefix="sampling.")
     return sp

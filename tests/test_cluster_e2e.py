@@ -74,6 +74,33 @@ def test_sixteen_streams_disaggregated_equals_colocated_equals_hf(disagg, coloc,
     assert cluster_leaks(disagg) == {} and cluster_leaks(coloc) == {}
 
 
+def test_penalties_and_logit_bias_disaggregated_and_colocated_equal_hf(disagg, coloc, hf_reference):
+    """On a disaggregated pair the first token is chosen on the prefill worker, the rest on the
+    decode worker: both apply the request's adjustments to the same tokens as one engine would."""
+    import random
+
+    from engine.types import SamplingParams
+    from tests.test_logit_adjust import ADJUSTMENTS, hf_adjusted_greedy
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 30) for _ in range(rng.randint(2, 90))] for _ in ADJUSTMENTS]
+    params = [SamplingParams(max_tokens=rng.randint(4, 20), ignore_eos=True, **a) for a in ADJUSTMENTS]
+    refs = [hf_adjusted_greedy(hf_reference, p, s.max_tokens, s) for p, s in zip(prompts, params)]
+
+    async def run(cluster):
+        async with AsyncPdserveClient(address(cluster)) as client:
+            return await asyncio.gather(*(client.generate_text(
+                token_ids=p, max_tokens=s.max_tokens, ignore_eos=True, repetition_penalty=s.repetition_penalty,
+                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                logit_bias=dict(s.logit_bias)) for p, s in zip(prompts, params)))
+
+    for cluster in (disagg, coloc):
+        results = asyncio.run(run(cluster))
+        assert [list(r.token_ids) for r in results] == refs
+        assert cluster_leaks(cluster) == {}
+    assert all(r.timings.kv_handoff == "ok" for r in asyncio.run(run(disagg)))
+
+
 def test_the_stdlib_asyncio_loop_serves_the_same(ray_session, disagg, workload):
     """The router runs on uvloop by default (router/event_loop.py); asyncio's own loop, the
     fallback where uvloop is not installed, serves the same tokens and frees everything."""
@@ -126,6 +153,11 @@ BAD_REQUESTS = [
     ({"token_ids": [5, 100000]}, "token_ids"),
     ({"token_ids": [-1, 5]}, "token_ids"),
     ({"text": "hello"}, "tokenizer"),
+    ({"token_ids": [5, 6], "repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+    ({"token_ids": [5, 6], "frequency_penalty": 3.0}, "sampling.frequency_penalty"),
+    ({"token_ids": [5, 6], "presence_penalty": -2.5}, "sampling.presence_penalty"),
+    ({"token_ids": [5, 6], "logit_bias": {7: 101.0}}, "sampling.logit_bias"),
+    ({"token_ids": [5, 6], "logit_bias": {100000: 1.0}}, "sampling.logit_bias"),
 ]
 
 

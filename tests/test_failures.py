@@ -42,14 +42,15 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
-async def _streams(addr: str, prompts, max_tokens, on_first_tokens=None) -> list[tuple[list[int], object]]:
-    """Run every request as a stream; ``on_first_tokens`` runs once all of them have tokens."""
+async def _streams(addr: str, prompts, max_tokens, on_first_tokens=None, sampling=None) -> list[tuple[list[int], object]]:
+    """Run every request as a stream; ``on_first_tokens`` runs once all of them have tokens;
+    ``sampling``: one dict of sampling fields per request."""
     started = asyncio.Event()
     count = {"n": 0}
 
-    async def one(client, prompt, n):
+    async def one(client, prompt, n, extra):
         tokens, last = [], None
-        async for msg in client.generate(token_ids=prompt, max_tokens=n, ignore_eos=True):
+        async for msg in client.generate(token_ids=prompt, max_tokens=n, ignore_eos=True, **extra):
             if not tokens and msg.token_ids:
                 count["n"] += 1
                 if count["n"] == len(prompts):
@@ -59,7 +60,8 @@ async def _streams(addr: str, prompts, max_tokens, on_first_tokens=None) -> list
         return tokens, last
 
     async with AsyncPdserveClient(addr, timeout_s=180) as client:
-        tasks = [asyncio.create_task(one(client, p, n)) for p, n in zip(prompts, max_tokens)]
+        extras = sampling or [{}] * len(prompts)
+        tasks = [asyncio.create_task(one(client, p, n, e)) for p, n, e in zip(prompts, max_tokens, extras)]
         if on_first_tokens is not None:
             await asyncio.wait_for(started.wait(), 60)
             on_first_tokens()
@@ -92,6 +94,29 @@ def test_kill_decode_worker_mid_stream_every_stream_completes(cluster, workload)
     info = PdserveClient(address(cluster)).server_info()
     states = {w.worker_id: (w.state, w.restarts) for w in info.workers}
     assert states["decode-0"] == ("ready", restarts + 1) and states["prefill-0"][0] == "ready"
+    assert cluster_leaks(cluster) == {}
+
+
+@pytest.mark.parametrize("cluster", ["standby"], indirect=True)   # the kill's moment, not the restart's kind
+def test_kill_decode_worker_mid_stream_with_penalties_and_logit_bias(cluster, hf_reference):
+    """A migrated request is prefilled elsewhere with the tokens it streamed appended to its
+    prompt: its penalties keep counting those as output, so it goes on as if never moved."""
+    from engine.types import SamplingParams
+    from tests.test_logit_adjust import ADJUSTMENTS, hf_adjusted_greedy
+
+    prompts, max_tokens, _ = greedy_workload(hf_reference, seed=31, num=len(ADJUSTMENTS), prompt_len=(8, 60),
+                                             output_len=(40, 70))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, **a) for n, a in zip(max_tokens, ADJUSTMENTS)]
+    refs = [hf_adjusted_greedy(hf_reference, p, s.max_tokens, s) for p, s in zip(prompts, params)]
+    sampling = [dict(repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
+                     presence_penalty=s.presence_penalty, logit_bias=dict(s.logit_bias)) for s in params]
+    decode = cluster.cluster.registry.get("decode-0")
+    restarts = decode.restarts
+    results = asyncio.run(_streams(address(cluster), prompts, max_tokens, lambda: _kill(decode.pid), sampling))
+    for i, (tokens, last) in enumerate(results):
+        assert tokens == refs[i], f"stream {i} ({params[i]}) differs from HF after its migration"
+        assert last.timings.migrations == 1
+    _wait_ready(cluster, "decode-0", restarts + 1)
     assert cluster_leaks(cluster) == {}
 
 

@@ -1,6 +1,7 @@
 """Fuzz: >= 1,000 generated GenerateRequests, valid and invalid, through a live router with real
 Ray workers (tiny random model), 8-16 in flight at a time: text, chat and token-id prompts,
-weird sampling values (NaN, inf, huge and tiny temperatures), stop strings, duplicate request
+weird sampling values (NaN, inf, huge and tiny temperatures and penalties, logit biases outside the
+vocabulary), stop strings, duplicate request
 ids sent concurrently, priorities, SLO hints, max_tokens. Every call ends within its deadline
 with a result or a client-error status (never INTERNAL, UNKNOWN or UNAVAILABLE); afterwards the
 server is healthy, serves a greedy request equal to HF, and holds nothing (leak check).
@@ -73,10 +74,13 @@ def requests(draw) -> pb.GenerateRequest:
         "top_k": st.one_of(st.integers(-2, 5), st.just(10**6)),
         "seed": st.integers(-1, 2**40), "ignore_eos": st.booleans(), "logprobs": st.booleans(),
         "top_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1)),
+        "repetition_penalty": weird_floats, "frequency_penalty": weird_floats, "presence_penalty": weird_floats,
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
+    for token, bias in draw(st.dictionaries(st.one_of(st.integers(-3, 520), st.just(2**62)), weird_floats, max_size=8)).items():
+        s.logit_bias[token] = bias
     s.stop.extend(draw(st.lists(st.text(max_size=300), max_size=20)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=70)))
     if draw(st.booleans()):   # a small pool, so concurrent duplicates are common
@@ -117,6 +121,13 @@ def valid_requests(draw) -> pb.GenerateRequest:
         s.top_logprobs = draw(st.sampled_from([0, 1, 5, 20]))
     s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=3)))
+    if draw(st.booleans()):
+        s.repetition_penalty = draw(st.sampled_from([1e-30, 0.5, 1.0, 2.0, 1e30]))
+        s.frequency_penalty = draw(st.sampled_from([-2.0, 0.0, 0.7, 2.0]))
+        s.presence_penalty = draw(st.sampled_from([-2.0, 0.0, 1.3, 2.0]))
+        for token, bias in draw(st.dictionaries(st.integers(0, 511), st.sampled_from([-100.0, -1.0, 0.0, 3.0, 100.0]),
+                                                max_size=4)).items():
+            s.logit_bias[token] = bias
     if draw(st.booleans()):
         req.request_id = draw(st.sampled_from(["a", "b", "c", "d"]))
     for name in ("ttft_ms", "tpot_ms"):

@@ -117,6 +117,27 @@ def test_greedy_completion_equals_grpc_and_hf(cluster, model_name, hf_reference)
     assert cluster_leaks(cluster) == {}
 
 
+def test_penalties_and_logit_bias_equal_grpc_and_hf(cluster, model_name, hf_reference):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias (token ids as JSON strings)
+    and vLLM's repetition_penalty, streamed and whole: the tokens gRPC and HF give."""
+    from engine.types import SamplingParams
+    from tests.test_logit_adjust import hf_adjusted_greedy
+
+    prompt = [7, 8, 9, 7, 8, 9, 10, 7]
+    params = SamplingParams(max_tokens=14, ignore_eos=True, repetition_penalty=1.25, frequency_penalty=0.8,
+                            presence_penalty=0.3, logit_bias=((5, 4.0), (8, -100.0)))
+    ref = hf_adjusted_greedy(hf_reference, prompt, 14, params)
+    assert ref != hf_greedy(hf_reference, prompt, 14)
+    body = dict(model=model_name, prompt=prompt, max_tokens=14, presence_penalty=0.3, frequency_penalty=0.8,
+                logit_bias={"5": 4.0, "8": -100.0}, extra_body={"ignore_eos": True, "repetition_penalty": 1.25})
+    whole = client_for(cluster).completions.create(**body)
+    streamed = "".join(c.choices[0].text for c in client_for(cluster).completions.create(stream=True, **body))
+    assert ids_of(whole.choices[0].text) == ref == ids_of(streamed)
+    assert grpc_ids(cluster, token_ids=prompt, max_tokens=14, ignore_eos=True, repetition_penalty=1.25,
+                    frequency_penalty=0.8, presence_penalty=0.3, logit_bias={5: 4.0, 8: -100.0}) == ref
+    assert cluster_leaks(cluster) == {}
+
+
 def test_chat_stream_and_whole_agree_with_grpc_and_carry_usage(cluster, model_name):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     client = client_for(cluster)
@@ -223,7 +244,8 @@ def _error(call) -> openai.APIStatusError:
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
     (dict(messages=[]), "messages"),
     (dict(stop=[""]), "stop"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),                           # OpenAI's range: [-2, 2]
+    (dict(logit_bias={"10000000": 1.0}), "logit_bias"),                          # not in the vocabulary
     (dict(seed=2**70), "seed"),                                                  # past GenerateRequest's int64
     (dict(max_tokens=3_000_000_000), "max_tokens"),                              # past its int32
 ])

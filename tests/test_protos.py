@@ -46,7 +46,10 @@ def test_committed_descriptor_matches_proto(regenerated):
     out = regenerated / "pdserve.desc"
     assert protoc.main(["protoc", f"-I{PROTOS}", f"--descriptor_set_out={out}", "pdserve.proto"]) == 0
     fresh = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
-    for message in fresh.message_type:  # --descriptor_set_out adds json_name; Python gencode omits it
+    messages = list(fresh.message_type)   # --descriptor_set_out adds json_name; Python gencode omits it
+    while messages:                        # (nested types too: a map field's entry is one)
+        message = messages.pop()
+        messages.extend(message.nested_type)
         for f in message.field:
             f.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)

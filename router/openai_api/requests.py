@@ -4,7 +4,7 @@ messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the cl
 
 What is refused here (a 400 naming the parameter): ``n`` outside [1, ``MAX_CHOICES``] (each
 choice is a generation of its own: ``fan_in.py``), ``best_of`` > 1, ``echo``,
-``suffix``, ``logit_bias``, non-zero penalties, ``tools``, a ``response_format`` other than
+``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, a ``response_format`` other than
 text, a batch of prompts, content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
 ``min_tokens`` or ``guided_json`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
@@ -27,6 +27,8 @@ from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
+# Logit adjustments, with the value that adjusts nothing (left out then: the same request as without it).
+_ADJUSTMENTS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 MAX_CHOICES = 16   # n: each choice is a live request (max_concurrent_streams counts it too)
 VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
@@ -38,7 +40,7 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 # vLLM's request extensions that would change what is generated, with the values that change
 # nothing (sent by clients that fill in every default). Any other value is refused by name.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "min_tokens": (0,), "repetition_penalty": (1.0,), "min_p": (0.0,), "include_stop_str_in_output": (False,),
+    "min_tokens": (0,), "min_p": (0.0,), "include_stop_str_in_output": (False,),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
     "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
@@ -173,24 +175,36 @@ def completion_request(req: CompletionRequest, label: str | None) -> pb.Generate
 def _common(req, label: str | None) -> pb.GenerateRequest:
     _refuse(1 <= req.n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {req.n}")
     _refuse_extensions(req, NOT_IMPLEMENTED)
-    for name in ("presence_penalty", "frequency_penalty"):
-        _refuse(not getattr(req, name), name, "penalties are not supported (only 0)")
-    _refuse(not req.logit_bias, "logit_bias", "logit_bias is not supported")
     msg = pb.GenerateRequest()
     if label is not None:
         msg.request_id = label
     for name in _SAMPLING:
         if getattr(req, name) is not None:
             setattr(msg.sampling, name, getattr(req, name))
+    for name, no_op in _ADJUSTMENTS.items():
+        if getattr(req, name) not in (None, no_op):
+            setattr(msg.sampling, name, getattr(req, name))
     if req.top_k == VLLM_ALL_TOKENS:
         msg.sampling.top_k = 0   # pdserve's "top-k off" (gRPC refuses -1: its contract names 0 alone)
     for name in _TOP:
         if getattr(req, name) is not None:
             setattr(msg, name, getattr(req, name))
+    for key, bias in (req.logit_bias or {}).items():
+        token = _token_id(key)
+        _refuse(token not in msg.sampling.logit_bias, "logit_bias", f"names token id {token} twice")
+        msg.sampling.logit_bias[token] = bias
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     msg.sampling.stop.extend(stops)
     msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
     return msg
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key: OpenAI's are token ids written as JSON strings ("50256")."""
+    _refuse(re.fullmatch(r"-?\d{1,19}", key.strip()), "logit_bias", f"keys must be token ids, got {key!r}")
+    token = int(key)
+    _refuse(-(2**63) <= token < 2**63, "logit_bias", f"token id {key} is out of range")
+    return token
 
 
 # ---------------------------------------------------------------- field paths, back

@@ -1,0 +1,193 @@
+"""Logit bias and the repetition, frequency and presence penalties (engine/logit_adjust.py).
+
+Greedy output with them equals Hugging Face ``generate`` run with the same adjustments as
+logits processors (Hugging Face's own ``RepetitionPenaltyLogitsProcessor``; OpenAI's bias and
+penalties written out, in vLLM's order), on one engine under every scheduling (staggered
+arrivals, chunked prefill, preemption by recompute); ``repetition_penalty`` alone equals
+``generate(repetition_penalty=...)``. Sampling with them draws the same tokens after
+preemption. The validation names each bad value. (Through the cluster: tests/test_cluster_e2e.py;
+over HTTP: tests/test_openai_api.py.) Every engine test ends with the leak check.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.logit_adjust import adjusted
+from engine.request import Request
+from engine.types import PrefillSubmission, RequestSpec, SamplingParams
+from engine.validation import validate_sampling
+from tests.conftest import assert_no_leaks, hf_greedy
+from tests.test_engine_exact import CONFIGS, run_staggered
+
+VOCAB = 512   # the tiny random Llama's
+
+# One request per kind of adjustment, and every kind at once; prompts drawn from few ids so
+# that tokens repeat (a penalty only touches tokens already seen).
+ADJUSTMENTS = [
+    dict(repetition_penalty=1.3),
+    dict(repetition_penalty=0.7),
+    dict(frequency_penalty=0.9, presence_penalty=0.4),
+    dict(frequency_penalty=-0.5, presence_penalty=1.5),
+    dict(logit_bias=((7, 5.0), (11, -100.0), (300, 2.5))),
+    dict(repetition_penalty=1.2, frequency_penalty=0.6, presence_penalty=-0.3, logit_bias=((9, 3.0), (12, -1.5))),
+]
+
+
+class OpenAIAdjustments(LogitsProcessor):
+    """The reference: OpenAI's logit_bias, then Hugging Face's repetition penalty, then OpenAI's
+    frequency and presence penalties over the generated tokens (vLLM's order)."""
+
+    def __init__(self, prompt_len: int, params: SamplingParams) -> None:
+        self.prompt_len, self.params = prompt_len, params
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        scores = scores.clone()
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias])
+            scores[:, ids] += torch.tensor([b for _, b in p.logit_bias])
+        if p.repetition_penalty != 1.0:
+            scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(input_ids, scores)
+        generated = input_ids[0, self.prompt_len:]
+        if generated.numel():
+            ids, counts = generated.unique(return_counts=True)
+            scores[0, ids] -= p.frequency_penalty * counts.to(scores.dtype)
+            scores[0, ids] -= p.presence_penalty
+        return scores
+
+
+def hf_adjusted_greedy(model, prompt: list[int], max_new: int, params: SamplingParams) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0,
+        logits_processor=LogitsProcessorList([OpenAIAdjustments(len(prompt), params)]),
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def adjusted_workload(hf_reference):
+    rng = random.Random(23)
+    prompts, params = [], []
+    for i in range(2 * len(ADJUSTMENTS)):
+        prompts.append([rng.randrange(3, 24) for _ in range(rng.randint(1, 70))])
+        params.append(SamplingParams(max_tokens=rng.randint(8, 28), ignore_eos=True, **ADJUSTMENTS[i % len(ADJUSTMENTS)]))
+    refs = [hf_adjusted_greedy(hf_reference, p, s.max_tokens, s) for p, s in zip(prompts, params)]
+    plain = [hf_greedy(hf_reference, p, s.max_tokens) for p, s in zip(prompts, params)]
+    return prompts, params, refs, plain
+
+
+def test_the_reference_is_hf_generate_for_repetition_penalty_alone(hf_reference, adjusted_workload):
+    prompts, params, refs, _ = adjusted_workload
+    for prompt, sp, ref in zip(prompts, params, refs):
+        if sp.repetition_penalty != 1.0 and not (sp.frequency_penalty or sp.presence_penalty or sp.logit_bias):
+            out = hf_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=sp.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                        repetition_penalty=sp.repetition_penalty)
+            assert out[0, len(prompt):].tolist() == ref
+
+
+def test_the_adjustments_change_the_output(adjusted_workload):
+    """Not a vacuous comparison: most adjusted references differ from plain greedy."""
+    _, _, refs, plain = adjusted_workload
+    assert sum(r != p for r, p in zip(refs, plain)) >= len(refs) // 2
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_with_adjustments_matches_hf(tiny_model, adjusted_workload, name):
+    prompts, params, refs, plain = adjusted_workload
+    engine = LLMEngine(tiny_model, CONFIGS[name])
+    specs = [RequestSpec(f"a{i}", tuple(p), s) for i, (p, s) in enumerate(zip(prompts, params))]
+    # Plain greedy neighbours in the same batches keep the batch's argmax.
+    plain_prompts = prompts[:4]
+    got = run_staggered(engine, plain_prompts, [s.max_tokens for s in params[:4]], specs)
+    for i, ref in enumerate(refs):
+        assert got[f"a{i}"] == ref, f"request a{i} ({params[i]}) differs from HF under config {name}"
+    for i in range(4):
+        assert got[f"r{i}"] == plain[i]
+    if name == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_sampling_with_adjustments_redraws_the_same_tokens_after_preemption(tiny_model, adjusted_workload):
+    prompts, params, _, _ = adjusted_workload
+    sampled = [RequestSpec(f"s{i}", tuple(p), SamplingParams(**{**_fields(s), "temperature": 0.9, "seed": i}))
+               for i, (p, s) in enumerate(zip(prompts, params))]
+    outputs = {}
+    for name in ("default", "preempt"):
+        engine = LLMEngine(tiny_model, CONFIGS[name])
+        outputs[name] = run_staggered(engine, [], [], sampled)
+        assert_no_leaks(engine)
+    assert outputs["default"] == outputs["preempt"]
+
+
+def test_a_migrated_request_counts_the_tokens_it_streamed_before(tiny_model):
+    """A request resumed elsewhere carries its streamed tokens in its prompt (``num_generated``):
+    the frequency and presence penalties count them as output, the repetition penalty as seen."""
+    params = SamplingParams(max_tokens=1, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5,
+                            logit_bias=((3, 1.0),))
+    resumed = Request(RequestSpec("m", (5, 6, 7, 7, 8), params, num_generated=3))   # 7, 7, 8 were output
+    row = torch.linspace(-2.0, 2.0, VOCAB)
+    out = adjusted(row, resumed)
+    expected = row.clone()
+    expected[3] += 1.0
+    for t in (5, 6, 7, 8):
+        expected[t] = expected[t] * 1.5 if expected[t] < 0 else expected[t] / 1.5
+    expected[7] -= 2 * 1.0
+    expected[7] -= 0.5
+    expected[8] -= 1.0
+    expected[8] -= 0.5
+    assert torch.equal(out, expected)
+    assert torch.equal(row, torch.linspace(-2.0, 2.0, VOCAB)), "the batch's logits are not touched"
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(frequency_penalty=2.01), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(logit_bias=((5, 100.5),)), "logit_bias"),
+    (dict(logit_bias=((5, float("nan")),)), "logit_bias"),
+    (dict(logit_bias=((5, 1.0), (5, 2.0))), "logit_bias"),
+    (dict(logit_bias=((VOCAB, 1.0),)), "logit_bias"),
+    (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+])
+def test_bad_values_are_named(fields, name):
+    with pytest.raises(InvalidRequestError) as err:
+        validate_sampling(SamplingParams(**fields), VOCAB, prefix="sampling.")
+    assert err.value.field == "sampling." + name
+
+
+def test_the_ranges_edges_are_accepted():
+    validate_sampling(SamplingParams(repetition_penalty=1e-3, frequency_penalty=-2.0, presence_penalty=2.0,
+                                     logit_bias=((0, -100.0), (VOCAB - 1, 100.0))), VOCAB)
+
+
+def test_a_request_added_with_a_bad_value_is_refused_and_nothing_is_held(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=32))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(RequestSpec("bad", (5, 6), SamplingParams(logit_bias=((VOCAB + 7, 1.0),))))
+    assert_no_leaks(engine)
+
+
+def test_the_adjustments_survive_the_direct_submissions_json():
+    """A prefill worker on the router's node gets the request over a socket as JSON
+    (``PrefillSubmission``): the first token it chooses needs the same adjustments."""
+    spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, stop=("x",), stop_token_ids=(9,), **ADJUSTMENTS[-1]))
+    assert PrefillSubmission.from_json(PrefillSubmission(spec, "shm", "d0", None).to_json()).spec == spec
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
