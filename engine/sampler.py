@@ -4,7 +4,7 @@ Greedy rows (temperature below ``GREEDY_TEMPERATURE``) take one batched argmax
 (``engine.greedy_argmax``: a C++ kernel on CPU); a request's logit bias and penalties
 (``engine.logit_adjust``) apply to a copy of its row first, greedy or not. Logprobs are the
 model's, before those and before temperature (vLLM's default). Random rows use
-temperature, top-k and top-p with a generator seeded from (request seed, output position): the
+temperature, min-p, top-k and top-p (vLLM's order) with a generator seeded from (request seed, output position): the
 same seed gives the same output whatever shares the batch, and a request recomputed after
 preemption redraws the same tokens.
 
@@ -110,6 +110,9 @@ def _sample_row(row: torch.Tensor, request: Request, seed: int) -> int:
     row = _finite(row)
     row = (row - row.max()) / params.temperature
     row = torch.nan_to_num(row, nan=float("-inf"), neginf=float("-inf"))
+    if params.min_p > 0.0:   # vLLM's order: after the temperature, before top-k / top-p
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < params.min_p * probs.max(), float("-inf"))  # the argmax stays
     if params.top_k and params.top_k < row.numel():
         kth = torch.topk(row, params.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))  # the argmax is >= kth: it stays

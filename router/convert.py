@@ -172,6 +172,7 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         temperature=get("temperature", defaults.temperature),
         top_p=get("top_p", defaults.top_p),
         top_k=get("top_k", defaults.top_k),
+        min_p=get("min_p", 0.0),
         seed=get("seed", None),
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

@@ -75,6 +75,7 @@ def requests(draw) -> pb.GenerateRequest:
         "seed": st.integers(-1, 2**40), "ignore_eos": st.booleans(), "logprobs": st.booleans(),
         "top_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1)),
         "repetition_penalty": weird_floats, "frequency_penalty": weird_floats, "presence_penalty": weird_floats,
+        "min_p": weird_floats,
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):
@@ -114,6 +115,7 @@ def valid_requests(draw) -> pb.GenerateRequest:
     s.temperature = draw(st.sampled_from([0.0, 1e-30, 9e-6, 1e-5, 0.7, 2.0, 1e30, 1.7e308]))
     s.top_p = draw(st.sampled_from([1e-12, 0.1, 0.9, 1.0]))
     s.top_k = draw(st.sampled_from([0, 1, 5, 10**6]))
+    s.min_p = draw(st.sampled_from([0.0, 1e-9, 0.3, 1.0]))
     if draw(st.booleans()):
         s.seed = draw(st.integers(0, 2**62))
     s.ignore_eos, s.logprobs = draw(st.booleans()), draw(st.booleans())

@@ -39,6 +39,9 @@ SAMPLING_CASES = [
     dict(temperature=0.7, top_k=1),
     dict(temperature=0.7, top_k=VOCAB * 10, top_p=0.5),
     dict(temperature=1e-30, top_k=3),                 # greedy
+    dict(temperature=0.7, min_p=1.0),                 # min_p keeps only the likeliest
+    dict(temperature=1e30, min_p=0.5, top_k=4, top_p=0.3, repetition_penalty=1e-30, frequency_penalty=2.0,
+         presence_penalty=-2.0, logit_bias=((3, 100.0), (7, -100.0))),   # everything at its edge
 ]
 
 
@@ -57,9 +60,35 @@ def test_sampling_never_returns_nan_or_an_impossible_token(params, kind):
     for i, ((token, logprob, top), row) in enumerate(zip(out, logits)):
         assert 0 <= token < VOCAB and logprob is not None and not math.isnan(logprob)
         assert (top is None) if i == 0 else (len(top) == i and not any(math.isnan(v) for _, v in top))
-        if params.get("top_p", 1.0) < 1e-6 or params.get("top_k") == 1 or params["temperature"] < GREEDY_TEMPERATURE:
+        if (params.get("top_p", 1.0) < 1e-6 or params.get("top_k") == 1 or params["temperature"] < GREEDY_TEMPERATURE
+                or params.get("min_p") == 1.0) and kind != "huge":   # huge: several rows share the top value
             finite = torch.nan_to_num(row, nan=-math.inf)
             assert token == int(finite.argmax())
+
+
+def test_min_p_never_samples_a_token_below_its_share_of_the_likeliest():
+    """vLLM's min_p, after the temperature: a token less likely than ``min_p`` x the likeliest
+    is never drawn, whatever the seed; those above it are (it filters, it does not sharpen)."""
+    logits = torch.tensor([[4.0, 3.6, 3.0, 1.0, 0.5] + [-2.0] * (VOCAB - 5)])
+    probs = torch.softmax(logits[0] / 0.8, dim=-1)
+    allowed = {int(t) for t in torch.nonzero(probs >= 0.25 * probs.max())}
+    assert allowed == {0, 1, 2}
+    drawn = set()
+    for seed in range(200):
+        request = _request("m", temperature=0.8, min_p=0.25, seed=seed)
+        (token, _, _), = sample(logits, [request], {"m": seed})
+        drawn.add(token)
+    assert drawn == allowed
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.01, math.nan, math.inf])
+def test_min_p_outside_0_1_is_named(min_p):
+    from engine.errors import InvalidRequestError
+    from engine.validation import validate_sampling
+
+    with pytest.raises(InvalidRequestError) as err:
+        validate_sampling(SamplingParams(temperature=1.0, min_p=min_p), VOCAB, prefix="sampling.")
+    assert err.value.field == "sampling.min_p"
 
 
 def test_a_row_without_finite_logits_fails_alone():
