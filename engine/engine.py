@@ -107,6 +107,7 @@ class LLMEngine:
                                   cuda_graphs.plan_for(config, cache.shape[2], self.max_model_len))
         model_support.probe(self.runner, self.layout)
         self._seeds: dict[str, int] = {}
+        self._eos_token_ids = frozenset(loaded.eos_token_ids)   # what min_tokens holds back
         self._last_num_kv_tokens = 0
         self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)
         graphs = self.runner.graphs
@@ -196,7 +197,8 @@ class LLMEngine:
         self._last_num_kv_tokens = inputs.num_kv_tokens
         sampling = [s.request for s in out.scheduled if s.sample]
         sampled = {}
-        for request, outcome in zip(sampling, sample(logits, sampling, self._seeds) if sampling else []):
+        outcomes = sample(logits, sampling, self._seeds, self._eos_token_ids) if sampling else []
+        for request, outcome in zip(sampling, outcomes):
             if isinstance(outcome, RowFailure):
                 result.deltas.append(self._fail_request(request, outcome.message))
             else:

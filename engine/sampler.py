@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.greedy_argmax import argmax_if_finite
-from engine.logit_adjust import adjusted
+from engine import logit_adjust
 from engine.request import Request
 from engine.types import TopLogprobs
 
@@ -48,7 +48,8 @@ class RowFailure:
 Sampled = tuple[int, float | None, TopLogprobs | None] | RowFailure
 
 
-def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int]) -> list[Sampled]:
+def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
+           eos_token_ids: frozenset[int] = frozenset()) -> list[Sampled]:
     raw = logits.float()
     tokens, all_finite = argmax_if_finite(raw)
     logits = raw if all_finite else _finite(raw)
@@ -56,13 +57,13 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int])
         tokens = logits.argmax(dim=-1).tolist()
     failed: dict[int, str] = {}
     for row, request in enumerate(requests):
-        adjusts = request.adjusts_logits
+        adjusts = logit_adjust.applies(request)
         if all_finite and request.sampling.greedy and not adjusts:
             continue   # most rows: the argmax stands
         try:
             if not all_finite and not bool(torch.isfinite(raw[row]).any()):
                 raise SamplingError("the forward produced no finite logit for this request")
-            chosen_from = adjusted(logits[row], request) if adjusts else logits[row]
+            chosen_from = logit_adjust.adjusted(logits[row], request, eos_token_ids) if adjusts else logits[row]
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
                 tokens[row] = _sample_row(chosen_from, request, seed % (2**63))

@@ -38,6 +38,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0              # 0 disables top-k
     min_p: float = 0.0          # [0, 1]: tokens less likely than min_p x the likeliest are not sampled (0: off)
+    min_tokens: int = 0         # EOS and stop_token_ids cannot be chosen before this many output tokens
     seed: int | None = None     # same seed, same output, whatever shares the batch
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()

@@ -40,6 +40,10 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
     require(s.logprobs or not s.top_logprobs, prefix + "top_logprobs", "needs logprobs")
     require(all(s.stop), prefix + "stop", "stop strings must not be empty")
+    require(0 <= s.min_tokens <= s.max_tokens, prefix + "min_tokens",
+            f"must be in [0, max_tokens ({s.max_tokens})], got {s.min_tokens}")
+    require(not (s.min_tokens and s.stop), prefix + "min_tokens",
+            "cannot be combined with stop strings (stop_token_ids and EOS can)")
     require(math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0, prefix + "repetition_penalty",
             f"must be a finite number > 0 (1 = off), got {s.repetition_penalty}")
     for name in ("frequency_penalty", "presence_penalty"):

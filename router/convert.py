@@ -173,6 +173,7 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         top_p=get("top_p", defaults.top_p),
         top_k=get("top_k", defaults.top_k),
         min_p=get("min_p", 0.0),
+        min_tokens=get("min_tokens", 0),
         seed=get("seed", None),
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

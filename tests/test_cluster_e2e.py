@@ -101,6 +101,23 @@ def test_penalties_and_logit_bias_disaggregated_and_colocated_equal_hf(disagg, c
     assert all(r.timings.kv_handoff == "ok" for r in asyncio.run(run(disagg)))
 
 
+def test_min_tokens_holds_back_the_first_token_on_the_prefill_worker(disagg, coloc, hf_reference):
+    """The first token is chosen where the prompt is prefilled: there too, a stop token id (the
+    one plain greedy would start with) cannot end the output before min_tokens."""
+    from tests.test_logit_adjust import _hf_min_new_tokens
+
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    stop = hf_greedy(hf_reference, prompt, 1)[0]
+    for min_tokens in (0, 4):
+        ref = _hf_min_new_tokens(hf_reference, prompt, 20, min_tokens, [2, stop])
+        assert (len(ref) == 1) == (min_tokens == 0)
+        for cluster in (disagg, coloc):
+            with PdserveClient(address(cluster)) as client:
+                got = client.generate_text(token_ids=prompt, max_tokens=20, min_tokens=min_tokens, stop_token_ids=[stop])
+            assert list(got.token_ids) == ref
+            assert cluster_leaks(cluster) == {}
+
+
 def test_the_stdlib_asyncio_loop_serves_the_same(ray_session, disagg, workload):
     """The router runs on uvloop by default (router/event_loop.py); asyncio's own loop, the
     fallback where uvloop is not installed, serves the same tokens and frees everything."""

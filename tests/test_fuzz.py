@@ -75,7 +75,7 @@ def requests(draw) -> pb.GenerateRequest:
         "seed": st.integers(-1, 2**40), "ignore_eos": st.booleans(), "logprobs": st.booleans(),
         "top_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1)),
         "repetition_penalty": weird_floats, "frequency_penalty": weird_floats, "presence_penalty": weird_floats,
-        "min_p": weird_floats,
+        "min_p": weird_floats, "min_tokens": st.one_of(st.integers(-2, 9), st.just(2**31 - 1)),
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):
@@ -121,7 +121,10 @@ def valid_requests(draw) -> pb.GenerateRequest:
     s.ignore_eos, s.logprobs = draw(st.booleans()), draw(st.booleans())
     if s.logprobs:
         s.top_logprobs = draw(st.sampled_from([0, 1, 5, 20]))
-    s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
+    if draw(st.booleans()):   # min_tokens, or stop strings (not both: INVALID_ARGUMENT)
+        s.min_tokens = draw(st.integers(0, s.max_tokens))
+    else:
+        s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=3)))
     if draw(st.booleans()):
         s.repetition_penalty = draw(st.sampled_from([1e-30, 0.5, 1.0, 2.0, 1e30]))

@@ -1,10 +1,10 @@
-"""Logit bias and the repetition, frequency and presence penalties (engine/logit_adjust.py).
+"""min_tokens, logit bias and the repetition, frequency and presence penalties (engine/logit_adjust.py).
 
 Greedy output with them equals Hugging Face ``generate`` run with the same adjustments as
 logits processors (Hugging Face's own ``RepetitionPenaltyLogitsProcessor``; OpenAI's bias and
 penalties written out, in vLLM's order), on one engine under every scheduling (staggered
 arrivals, chunked prefill, preemption by recompute); ``repetition_penalty`` alone equals
-``generate(repetition_penalty=...)``. Sampling with them draws the same tokens after
+``generate(repetition_penalty=...)``; ``min_tokens`` equals ``generate(min_new_tokens=...)``. Sampling with them draws the same tokens after
 preemption. The validation names each bad value. (Through the cluster: tests/test_cluster_e2e.py;
 over HTTP: tests/test_openai_api.py.) Every engine test ends with the leak check.
 """
@@ -150,6 +150,53 @@ def test_a_migrated_request_counts_the_tokens_it_streamed_before(tiny_model):
     assert torch.equal(row, torch.linspace(-2.0, 2.0, VOCAB)), "the batch's logits are not touched"
 
 
+def _hf_min_new_tokens(model, prompt: list[int], max_new: int, min_new: int, eos: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, min_new_tokens=min_new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", ["default", "chunked", "preempt"])
+def test_min_tokens_holds_back_eos_and_stop_ids_as_hf_min_new_tokens_does(tiny_model, hf_reference, name):
+    """vLLM's min_tokens is Hugging Face's min_new_tokens: EOS (the model's, 2 here, unless the
+    request ignores it) and the stop token ids cannot be chosen before it, and end the output
+    after it. Each prompt's stop token is one its plain greedy output would stop at early."""
+    rng = random.Random(3)
+    engine = LLMEngine(tiny_model, CONFIGS[name])
+    specs, refs = [], []
+    for i in range(6):
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randint(3, 50))]
+        plain = hf_greedy(hf_reference, prompt, 40)
+        stop = plain[rng.randrange(0, 4)]
+        for min_tokens in (0, 6, 25):
+            specs.append(RequestSpec(f"m{i}-{min_tokens}", tuple(prompt),
+                                     SamplingParams(max_tokens=40, min_tokens=min_tokens, stop_token_ids=(stop,))))
+            refs.append(_hf_min_new_tokens(hf_reference, prompt, 40, min_tokens, [2, stop]))
+    got = run_staggered(engine, [], [], specs)
+    for spec, ref in zip(specs, refs):
+        assert got[spec.req_id] == ref, spec
+        assert len(ref) > spec.sampling.min_tokens or len(ref) == 40
+    assert any(len(r) < 6 for r in refs[::3]), "without min_tokens some outputs stop early"
+    if name == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_min_tokens_after_a_migration_counts_the_tokens_streamed_before(tiny_model):
+    """A resumed request's streamed tokens count toward min_tokens: 3 out of 4, one more held."""
+    params = SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=(9,))
+    row = torch.zeros(VOCAB)
+    held = adjusted(row, Request(RequestSpec("m", (5, 6, 7, 8), params, num_generated=3)), frozenset({2}))
+    others = torch.ones(VOCAB, dtype=torch.bool)
+    others[[2, 9]] = False
+    assert held[9] == held[2] == float("-inf") and torch.equal(held[others], row[others])
+    free = adjusted(row, Request(RequestSpec("m", (5, 6, 7, 8, 1), params, num_generated=4)), frozenset({2}))
+    assert torch.equal(free, row)
+    ignoring = Request(RequestSpec("m", (5,), SamplingParams(max_tokens=9, min_tokens=4, ignore_eos=True)))
+    assert torch.equal(adjusted(row, ignoring, frozenset({2})), row), "an ignored EOS is not held back"
+
+
 @pytest.mark.parametrize("fields, name", [
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
@@ -163,6 +210,9 @@ def test_a_migrated_request_counts_the_tokens_it_streamed_before(tiny_model):
     (dict(logit_bias=((5, 1.0), (5, 2.0))), "logit_bias"),
     (dict(logit_bias=((VOCAB, 1.0),)), "logit_bias"),
     (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(max_tokens=5, min_tokens=6), "min_tokens"),
+    (dict(min_tokens=2, stop=("x",)), "min_tokens"),
 ])
 def test_bad_values_are_named(fields, name):
     with pytest.raises(InvalidRequestError) as err:

@@ -327,11 +327,9 @@ def test_stop_strings_are_trimmed_from_streamed_text():
 
 
 @pytest.mark.parametrize("model, body, param", [
-    (CompletionRequest, {"prompt": "x", "min_tokens": 5}, "min_tokens"),
     (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
     (CompletionRequest, {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
     (CompletionRequest, {"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    (CompletionRequest, {"prompt": "x", "min_tokens": True}, "min_tokens"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}, "guided_choice"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
@@ -350,11 +348,14 @@ def test_vllm_extensions_that_would_change_the_output_are_refused_by_name(model,
     assert err.value.field == param and "not supported" in str(err.value)
 
 
-def test_penalties_logit_bias_and_min_p_become_the_grpc_fields():
+def test_penalties_logit_bias_min_p_and_min_tokens_become_the_grpc_fields():
     body = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {"7": 2.5, " 12 ": -100},
-            "repetition_penalty": 1.1, "min_p": 0.05}
+            "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 3}
     s = completion_request(parse(CompletionRequest, body), None).sampling
-    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -1.0, 1.1, 0.05)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == (0.5, -1.0, 1.1, 0.05, 3)
+    with pytest.raises(InvalidRequestError) as err:   # a JSON true is not a count of 1
+        parse(CompletionRequest, {"prompt": "x", "min_tokens": True})
+    assert err.value.field == "min_tokens"
     assert dict(s.logit_bias) == {7: 2.5, 12: -100.0}
     chat = chat_request(parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                                       "logit_bias": {"3": 1}}), None)

@@ -4,11 +4,11 @@ Unknown fields are ignored (clients send ``user``, ``metadata`` and the like, wh
 nothing here), as vLLM does; a field sent as ``null`` is a field left out (OpenAI's schema makes
 every optional parameter nullable, and many clients write unset fields as null); known fields
 this server cannot honour are refused by ``requests.py`` with a 400 that names them, never
-silently dropped: OpenAI's, and vLLM's extensions that would change the output (``min_tokens``,
-guided decoding, chat-template options, ...), which the request models
+silently dropped: OpenAI's, and vLLM's extensions that would change the output (guided
+decoding, chat-template options, ...), which the request models
 keep among their extra fields for ``requests.py`` to look at. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``, ``repetition_penalty``, ``min_p``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
+``skip_special_tokens``, ``repetition_penalty``, ``min_p``, ``min_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
 
 Every integer and string that becomes a ``GenerateRequest`` field is typed with that field's
@@ -88,6 +88,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
+    min_tokens: Annotated[Int32, Field(strict=True)] | None = None   # a JSON true is no count
     # pdserve's SLO hints (as in GenerateRequest)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
