@@ -39,10 +39,16 @@ def smol():
 
 
 @pytest.fixture(scope="module")
-def smol_cases(smol):
-    tok = smol.tokenizer
+def smol_reference(smol):
     ref_model = copy.deepcopy(smol.model)
     ref_model.config._attn_implementation = "sdpa"
+    return ref_model
+
+
+@pytest.fixture(scope="module")
+def smol_cases(smol, smol_reference):
+    tok = smol.tokenizer
+    ref_model = smol_reference
     prompts = []
     for q in QUESTIONS:
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
@@ -66,6 +72,28 @@ def test_smollm2_greedy_matches_hf(smol, smol_cases, config):
     if config.num_kv_blocks == 9:
         assert engine.scheduler.num_preemptions > 0
     assert "Paris" in smol.tokenizer.decode(got["q0"])
+    assert_no_leaks(engine)
+
+
+def test_smollm2_with_penalties_bias_and_min_tokens_matches_hf(smol, smol_cases, smol_reference):
+    """The real model and tokenizer ids: the adjustments (engine/logit_adjust.py) give Hugging
+    Face's tokens; min_tokens holds the model's own EOS back as min_new_tokens does."""
+    from tests.test_logit_adjust import ADJUSTMENTS, _hf_min_new_tokens, hf_adjusted_greedy
+
+    prompts, _ = smol_cases
+    engine = LLMEngine(smol, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=32))
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, **ADJUSTMENTS[i]) for i in (0, 2, 5)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, logit_bias=((2, 5.0), (504, -100.0)),
+                             repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3), *params]
+    specs = [RequestSpec(f"a{i}", tuple(prompts[i % len(prompts)]), p) for i, p in enumerate(params)]
+    eos = list(smol.eos_token_ids)
+    short = RequestSpec("eos", tuple(prompts[3]), SamplingParams(max_tokens=24, min_tokens=16))   # "2 + 2": a short answer
+    got = engine.generate([*specs, short])
+    for spec in specs:
+        ref = hf_adjusted_greedy(smol_reference, list(spec.prompt_token_ids), 20, spec.sampling)
+        assert got[spec.req_id] == ref, spec.sampling
+    assert got["eos"] == _hf_min_new_tokens(smol_reference, list(short.prompt_token_ids), 24, 16, eos)
+    assert len(got["eos"]) > 16 > len(_hf_min_new_tokens(smol_reference, list(short.prompt_token_ids), 24, 0, eos))
     assert_no_leaks(engine)
 
 
