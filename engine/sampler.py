@@ -82,10 +82,11 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
     ]
 
 
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """NaN -> the lowest float, ±inf -> the extremes: comparisons and softmax stay defined."""
+def _finite(x: torch.Tensor, neginf: float | None = None) -> torch.Tensor:
+    """NaN -> the lowest float, ±inf -> the extremes (``neginf``: what -inf becomes instead):
+    comparisons and softmax stay defined."""
     info = torch.finfo(x.dtype)
-    return torch.nan_to_num(x, nan=info.min, posinf=info.max, neginf=info.min)
+    return torch.nan_to_num(x, nan=info.min, posinf=info.max, neginf=info.min if neginf is None else neginf)
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
@@ -107,8 +108,9 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
 
 def _sample_row(row: torch.Tensor, request: Request, seed: int) -> int:
     params = request.sampling
-    # Subtracting the max first keeps the division finite for any temperature >= 1e-5.
-    row = _finite(row)
+    # Subtracting the max first keeps the division finite for any temperature >= 1e-5. A -inf
+    # stays -inf (probability 0 at any temperature): min_tokens holds tokens back that way.
+    row = _finite(row, neginf=float("-inf"))
     row = (row - row.max()) / params.temperature
     row = torch.nan_to_num(row, nan=float("-inf"), neginf=float("-inf"))
     if params.min_p > 0.0:   # vLLM's order: after the temperature, before top-k / top-p

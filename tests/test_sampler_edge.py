@@ -81,6 +81,20 @@ def test_min_p_never_samples_a_token_below_its_share_of_the_likeliest():
     assert drawn == allowed
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1e30, 1.7e308])
+def test_min_tokens_holds_its_tokens_back_at_any_temperature(temperature):
+    """A held token is -inf: no temperature, however flat, gives it a chance (the flattest turn
+    every other logit into the same value)."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 2] = logits[0, 9] = 5.0   # EOS and a stop token id, the likeliest
+    drawn = set()
+    for seed in range(100):
+        request = _request("h", temperature=temperature, seed=seed, max_tokens=8, min_tokens=3, stop_token_ids=(9,))
+        (token, _, _), = sample(logits, [request], {"h": seed}, frozenset({2}))
+        drawn.add(token)
+    assert not drawn & {2, 9} and len(drawn) > 1
+
+
 @pytest.mark.parametrize("min_p", [-0.1, 1.01, math.nan, math.inf])
 def test_min_p_outside_0_1_is_named(min_p):
     from engine.errors import InvalidRequestError
