@@ -10,13 +10,19 @@ Stateless: every step reads the request's tokens as they stand (``Request.all_to
 its output, which reaches back into the prompt of a migrated request), so a request recomputed
 after preemption, resumed on another worker, or whose first token a prefill worker chose gets
 the same adjustments it would have had on one engine. The arithmetic is Hugging Face's
-processors' (float32, the penalty a Python float), so greedy output with them equals
-``generate``'s. Only rows whose request asks for an adjustment come here; the others keep the
-batch's argmax.
+processors' (the same float32 operations on the same values), so greedy output with them equals
+``generate``'s. Only the rows whose request asks for an adjustment come here, all of a step's in
+one call (the sampler's); the others keep the batch's argmax. Cost on one CPU thread, a
+49,152-token vocabulary and 768 tokens of context a row: all four at once 0.3 ms for one row,
+8.3 ms for 64 (2.9 of them the rows' copy), against 15 ms row by row.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -28,26 +34,57 @@ def applies(request: Request) -> bool:
     return request.adjusts_logits or (request.sampling.min_tokens > 0 and request.num_generated < request.sampling.min_tokens)
 
 
-def adjusted(row: torch.Tensor, request: Request, eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
-    """A copy of one request's (finite) logits row with its adjustments applied; ``eos_token_ids``:
-    the model's, which ``min_tokens`` holds back (unless the request ignores EOS)."""
+def adjust(rows: torch.Tensor, requests: Sequence[Request], eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """``rows`` (one finite logits row per request, a copy the caller owns) adjusted in place and
+    returned. Each adjustment is a few batched gathers and scatters at the (row, token) places it
+    touches, whatever the number of rows: no per-row kernel launches on a GPU, no dense
+    (rows x vocabulary) pass. ``eos_token_ids``: the model's, which ``min_tokens`` holds back
+    (unless the request ignores EOS)."""
+    vocab, flat = rows.shape[-1], rows.view(-1)
+
+    def at(items: Iterable[tuple[int, Sequence[int]]]) -> torch.Tensor:
+        """Flat indices of (row, each of its tokens)."""
+        items = [(i, tokens) for i, tokens in items if tokens]
+        if not items:
+            return torch.empty(0, dtype=torch.long, device=rows.device)
+        # numpy reads a list of ints ~8x faster than torch.tensor (tens of thousands a step at batch 64).
+        ids = np.fromiter(itertools.chain.from_iterable(t for _, t in items), dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= vocab:   # a flat index past its row would be another row's
+            raise IndexError(f"a token id outside the logits' vocabulary of {vocab}")
+        tokens = torch.from_numpy(ids).to(rows.device)
+        if len(items) == 1:
+            return tokens + items[0][0] * vocab
+        row_of = torch.repeat_interleave(torch.tensor([i for i, _ in items], device=rows.device),
+                                         torch.tensor([len(t) for _, t in items], device=rows.device))
+        return row_of * vocab + tokens
+
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=rows.dtype, device=rows.device)
+
+    held = at((i, _held(r, eos_token_ids)) for i, r in enumerate(requests) if r.num_generated < r.sampling.min_tokens)
+    flat[held] = float("-inf")
+    biased = [(i, r.sampling.logit_bias) for i, r in enumerate(requests) if r.sampling.logit_bias]
+    if biased:   # token ids unique per request (validated): one add each
+        flat[at((i, [t for t, _ in bias]) for i, bias in biased)] += per_row([b for _, bias in biased for _, b in bias])
+    repeated = [(i, r) for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
+    if repeated:
+        idx = at((i, r.all_token_ids) for i, r in repeated).unique()
+        penalty = torch.ones(len(requests), dtype=rows.dtype, device=rows.device)
+        penalty[[i for i, _ in repeated]] = per_row([r.sampling.repetition_penalty for _, r in repeated])
+        penalty, seen = penalty[idx // vocab], flat[idx]
+        flat[idx] = torch.where(seen < 0, seen * penalty, seen / penalty)
+    counted = [(i, r) for i, r in enumerate(requests) if r.sampling.frequency_penalty or r.sampling.presence_penalty]
+    if counted:
+        idx, counts = at((i, r.generated_tail(r.num_generated)) for i, r in counted).unique(return_counts=True)
+        frequency, presence = (torch.zeros(len(requests), dtype=rows.dtype, device=rows.device) for _ in range(2))
+        frequency[[i for i, _ in counted]] = per_row([r.sampling.frequency_penalty for _, r in counted])
+        presence[[i for i, _ in counted]] = per_row([r.sampling.presence_penalty for _, r in counted])
+        row_of = idx // vocab
+        flat[idx] -= frequency[row_of] * counts.to(rows.dtype)
+        flat[idx] -= presence[row_of]
+    return rows
+
+
+def _held(request: Request, eos_token_ids: frozenset[int]) -> list[int]:
     params = request.sampling
-    row = row.clone()
-    if request.num_generated < params.min_tokens:
-        held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        if held:
-            row[torch.tensor(sorted(held), device=row.device)] = float("-inf")
-    if params.logit_bias:
-        ids = torch.tensor([token for token, _ in params.logit_bias], device=row.device)
-        row[ids] += torch.tensor([bias for _, bias in params.logit_bias], dtype=row.dtype, device=row.device)
-    if params.repetition_penalty != 1.0:
-        ids = torch.tensor(request.all_token_ids, device=row.device).unique()
-        seen = row[ids]
-        row[ids] = torch.where(seen < 0, seen * params.repetition_penalty, seen / params.repetition_penalty)
-    if params.frequency_penalty or params.presence_penalty:
-        output = request.generated_tail(request.num_generated)
-        if output:
-            ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
-            row[ids] -= params.frequency_penalty * counts.to(row.dtype)
-            row[ids] -= params.presence_penalty
-    return row
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids))

@@ -56,18 +56,18 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
     if not all_finite:
         tokens = logits.argmax(dim=-1).tolist()
     failed: dict[int, str] = {}
+    adjusted = _adjusted_rows(logits, requests, eos_token_ids, failed)
     for row, request in enumerate(requests):
-        adjusts = logit_adjust.applies(request)
-        if all_finite and request.sampling.greedy and not adjusts:
+        if row in failed or (all_finite and request.sampling.greedy and row not in adjusted):
             continue   # most rows: the argmax stands
         try:
             if not all_finite and not bool(torch.isfinite(raw[row]).any()):
                 raise SamplingError("the forward produced no finite logit for this request")
-            chosen_from = logit_adjust.adjusted(logits[row], request, eos_token_ids) if adjusts else logits[row]
+            chosen_from = adjusted.get(row, logits[row])
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
                 tokens[row] = _sample_row(chosen_from, request, seed % (2**63))
-            elif adjusts:
+            elif row in adjusted:
                 tokens[row] = int(chosen_from.argmax())
         except Exception as exc:  # one bad row fails its request, never the batch
             logger.warning("sampling %s failed: %s", request.req_id, exc)
@@ -80,6 +80,27 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
         (tokens[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None, tops[i])
         for i, r in enumerate(requests)
     ]
+
+
+def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozenset[int],
+                   failed: dict[int, str]) -> dict[int, torch.Tensor]:
+    """Row index -> its adjusted copy, for the rows whose request adjusts its logits this step:
+    one batched pass over all of them (``engine.logit_adjust``); if that fails, row by row, so a
+    request that cannot be adjusted fails alone (into ``failed``)."""
+    rows = [i for i, r in enumerate(requests) if logit_adjust.applies(r)]
+    if not rows:
+        return {}
+    try:
+        return dict(zip(rows, logit_adjust.adjust(logits[rows], [requests[i] for i in rows], eos_token_ids)))
+    except Exception:
+        adjusted = {}
+        for i in rows:
+            try:
+                adjusted[i] = logit_adjust.adjust(logits[[i]], [requests[i]], eos_token_ids)[0]
+            except Exception as exc:
+                logger.warning("adjusting the logits of %s failed: %s", requests[i].req_id, exc)
+                failed[i] = f"sampling failed: {type(exc).__name__}"
+        return adjusted
 
 
 def _finite(x: torch.Tensor, neginf: float | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenalty
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import InvalidRequestError
-from engine.logit_adjust import adjusted
+from engine.logit_adjust import adjust
 from engine.request import Request
 from engine.types import PrefillSubmission, RequestSpec, SamplingParams
 from engine.validation import validate_sampling
@@ -137,7 +137,7 @@ def test_a_migrated_request_counts_the_tokens_it_streamed_before(tiny_model):
                             logit_bias=((3, 1.0),))
     resumed = Request(RequestSpec("m", (5, 6, 7, 7, 8), params, num_generated=3))   # 7, 7, 8 were output
     row = torch.linspace(-2.0, 2.0, VOCAB)
-    out = adjusted(row, resumed)
+    out = adjust(row[None].clone(), [resumed])[0]
     expected = row.clone()
     expected[3] += 1.0
     for t in (5, 6, 7, 8):
@@ -147,7 +147,7 @@ def test_a_migrated_request_counts_the_tokens_it_streamed_before(tiny_model):
     expected[8] -= 1.0
     expected[8] -= 0.5
     assert torch.equal(out, expected)
-    assert torch.equal(row, torch.linspace(-2.0, 2.0, VOCAB)), "the batch's logits are not touched"
+    assert torch.equal(row, torch.linspace(-2.0, 2.0, VOCAB)), "the caller's copy is what changes"
 
 
 def _hf_min_new_tokens(model, prompt: list[int], max_new: int, min_new: int, eos: list[int]) -> list[int]:
@@ -187,14 +187,14 @@ def test_min_tokens_after_a_migration_counts_the_tokens_streamed_before(tiny_mod
     """A resumed request's streamed tokens count toward min_tokens: 3 out of 4, one more held."""
     params = SamplingParams(max_tokens=10, min_tokens=4, stop_token_ids=(9,))
     row = torch.zeros(VOCAB)
-    held = adjusted(row, Request(RequestSpec("m", (5, 6, 7, 8), params, num_generated=3)), frozenset({2}))
+    held = adjust(row[None].clone(), [Request(RequestSpec("m", (5, 6, 7, 8), params, num_generated=3))], frozenset({2}))[0]
     others = torch.ones(VOCAB, dtype=torch.bool)
     others[[2, 9]] = False
     assert held[9] == held[2] == float("-inf") and torch.equal(held[others], row[others])
-    free = adjusted(row, Request(RequestSpec("m", (5, 6, 7, 8, 1), params, num_generated=4)), frozenset({2}))
+    free = adjust(row[None].clone(), [Request(RequestSpec("m", (5, 6, 7, 8, 1), params, num_generated=4))], frozenset({2}))[0]
     assert torch.equal(free, row)
     ignoring = Request(RequestSpec("m", (5,), SamplingParams(max_tokens=9, min_tokens=4, ignore_eos=True)))
-    assert torch.equal(adjusted(row, ignoring, frozenset({2})), row), "an ignored EOS is not held back"
+    assert torch.equal(adjust(row[None].clone(), [ignoring], frozenset({2}))[0], row), "an ignored EOS is not held back"
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -230,6 +230,20 @@ def test_a_request_added_with_a_bad_value_is_refused_and_nothing_is_held(tiny_mo
     with pytest.raises(InvalidRequestError):
         engine.add_request(RequestSpec("bad", (5, 6), SamplingParams(logit_bias=((VOCAB + 7, 1.0),))))
     assert_no_leaks(engine)
+
+
+def test_a_request_whose_adjustment_fails_fails_alone():
+    """A bias naming a token past the logits (validation keeps it out; here it slips past) fails
+    its request with a RowFailure; the other adjusted and plain rows of the batch are chosen."""
+    from engine.sampler import RowFailure, sample
+
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    bad = Request(RequestSpec("bad", (1, 2), SamplingParams(logit_bias=((VOCAB + 5, 1.0),))))
+    good = Request(RequestSpec("good", (1, 2), SamplingParams(logit_bias=((4, 100.0),))))
+    plain = Request(RequestSpec("plain", (1, 2), SamplingParams()))
+    out = sample(logits, [bad, good, plain], {})
+    assert isinstance(out[0], RowFailure)
+    assert out[1][0] == 4 and out[2][0] == int(logits[2].argmax())
 
 
 def test_the_adjustments_survive_the_direct_submissions_json():
