@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--top-p", type=float, default=None)
         p.add_argument("--top-k", type=int, default=None)
         p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--min-p", type=float, default=None)
+        p.add_argument("--min-tokens", type=int, default=None)
+        p.add_argument("--repetition-penalty", type=float, default=None)
+        p.add_argument("--frequency-penalty", type=float, default=None)
+        p.add_argument("--presence-penalty", type=float, default=None)
         p.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
         security_args.add_client_args(p)
         p.set_defaults(run=_run_generate if name == "generate" else _run_chat)
@@ -248,7 +253,8 @@ async def _serve(config) -> int:
 
 
 def _request_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    keys = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "min_tokens", "repetition_penalty",
+            "frequency_penalty", "presence_penalty")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 

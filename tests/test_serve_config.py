@@ -1,6 +1,7 @@
 """`pdserve serve` with a value no cluster could serve with: refused at once as a usage error
 (exit status 2, the field named, nothing started), before Ray or any worker. The same rules hold
-for programmatic configs (ClusterConfig, EngineConfig, ServerLimits raise ValueError)."""
+for programmatic configs (ClusterConfig, EngineConfig, ServerLimits raise ValueError). And the
+sampling flags of `pdserve generate` and `chat` reach the request."""
 
 from __future__ import annotations
 
@@ -54,3 +55,19 @@ def test_programmatic_configs_follow_the_same_rules():
         EngineConfig(kv_cache_memory_fraction=0)
     assert ClusterConfig(mode="colocated", num_prefill=0).num_prefill == 0   # colocated: decode workers prefill
     assert EngineConfig(device="cuda:1").dtype == "bfloat16"
+
+
+def test_generate_and_chat_sampling_flags_become_the_requests_fields():
+    """``pdserve generate`` / ``chat`` send the sampling flags as the gRPC request's fields (the
+    server validates them, as any client's)."""
+    from deploy.cli import _parser, _request_kwargs
+    from router.client import build_request
+
+    args = _parser().parse_args(["generate", "hi", "--temperature", "0.7", "--min-p", "0.1", "--min-tokens", "4",
+                                 "--repetition-penalty", "1.2", "--frequency-penalty", "0.5",
+                                 "--presence-penalty", "-0.5"])
+    s = build_request(text="hi", **_request_kwargs(args)).sampling
+    assert (s.temperature, s.min_p, s.min_tokens, s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == \
+        (0.7, 0.1, 4, 1.2, 0.5, -0.5)
+    plain = build_request(text="hi", **_request_kwargs(_parser().parse_args(["chat"]))).sampling
+    assert not plain.HasField("min_p") and not plain.HasField("repetition_penalty")
