@@ -43,6 +43,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False   # the router keeps a stop string in the text (what follows goes)
     logprobs: bool = False
     top_logprobs: int = 0       # with logprobs: also the N most likely tokens at each position (<= MAX_TOP_LOGPROBS)
     # Logit adjustments before sampling, greedy included (engine/logit_adjust.py); the defaults are off.

@@ -178,6 +178,7 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=get("ignore_eos", False),
+        include_stop_str_in_output=get("include_stop_str_in_output", False),
         logprobs=get("logprobs", False),
         top_logprobs=get("top_logprobs", 0),
         repetition_penalty=get("repetition_penalty", 1.0),

@@ -123,7 +123,7 @@ class GenerationCore:
         trace = RequestTrace()
         stream_span = None
         detok = self._detokenizer(request, spec)
-        trim = StopTextTrimmer(spec.sampling.stop) if spec.sampling.stop else None
+        trim = StopTextTrimmer(spec.sampling.stop, spec.sampling.include_stop_str_in_output) if spec.sampling.stop else None
         outcome = FinishReason.ABORT  # until the stream says otherwise
         rejected = False
         QUEUE_POLICY.set(self._queue_policy)  # read by the request's DeltaQueue

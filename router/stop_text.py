@@ -1,6 +1,7 @@
-"""Stop strings are not part of the output text (the proto's and OpenAI's rule): the engine stops
-generating at one (``engine/stop.py``), and this trims it, and anything after it, from the text
-the router streams. Token ids are left as generated (vLLM does the same).
+"""Stop strings are not part of the output text (the proto's and OpenAI's rule; vLLM's
+``include_stop_str_in_output`` keeps them): the engine stops generating at one
+(``engine/stop.py``), and this trims it, and anything after it, from the text the router
+streams. Token ids are left as generated (vLLM does the same).
 
 Life cycle: one ``StopTextTrimmer`` per request with stop strings, fed every text delta in order
 by ``GenerationCore``; text that could still be the start of a stop string is held back until
@@ -49,8 +50,11 @@ def _failure_function(pattern: str) -> list[int]:
 
 
 class StopTextTrimmer:
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
+        """``include_stop``: the stop string stays in the text, what follows it does not (vLLM's
+        ``include_stop_str_in_output``)."""
         self._stops = tuple(s for s in stops if s)
+        self._include_stop = include_stop
         self._matchers = [_PrefixMatcher(s) for s in self._stops]
         self._held = ""
         self._stopped = False
@@ -59,10 +63,11 @@ class StopTextTrimmer:
         if self._stopped:
             return ""
         held = self._held + text
-        cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = min(((i, n) for i, n in ((held.find(s), n) for n, s in enumerate(self._stops)) if i >= 0), default=None)
+        if found is not None:   # the earliest match; at one place, the first stop string listed
+            cut, n = found
             self._stopped, self._held = True, ""
-            return held[:cut]
+            return held[:cut + len(self._stops[n])] if self._include_stop else held[:cut]
         for matcher in self._matchers:
             matcher.feed(text)
         keep = 0 if finished else max((m.state for m in self._matchers), default=0)

@@ -119,6 +119,7 @@ def valid_requests(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         s.seed = draw(st.integers(0, 2**62))
     s.ignore_eos, s.logprobs = draw(st.booleans()), draw(st.booleans())
+    s.include_stop_str_in_output = draw(st.booleans())
     if s.logprobs:
         s.top_logprobs = draw(st.sampled_from([0, 1, 5, 20]))
     if draw(st.booleans()):   # min_tokens, or stop strings (not both: INVALID_ARGUMENT)

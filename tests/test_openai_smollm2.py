@@ -46,6 +46,9 @@ def test_chat_over_http_equals_grpc_and_stop_strings_stop(smol_cluster):
     stopped = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, stop=[" Paris"])
     assert stopped.choices[0].message.content.rstrip() == "The capital of France is"
     assert stopped.choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, stop=[" Paris"],
+                                          extra_body={"include_stop_str_in_output": True})   # vLLM's
+    assert kept.choices[0].message.content == "The capital of France is Paris" and kept.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=16,
                                             stop=["."], stream=True))
     text = "".join(c.choices[0].text for c in chunks)

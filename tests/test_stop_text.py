@@ -1,5 +1,6 @@
 """The router's stop-string trimming (router/stop_text.py) equals a plain reference that
-rescans the whole text after every delta, on random stop strings and random delta splits, and
+rescans the whole text after every delta, on random stop strings and random delta splits (the
+stop string cut or, with include_stop_str_in_output, kept), and
 its per-delta work does not depend on how long the stop strings are."""
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from router.stop_text import StopTextTrimmer
 _TEXT = st.text(alphabet="abx", max_size=6)
 
 
-def _reference(stops: list[str], deltas: list[str]) -> str:
+def _reference(stops: list[str], deltas: list[str], include: bool = False) -> str:
     """What the client must see: the engine stops at the first delta after which a stop string
-    appears, and the text is cut where the earliest one found begins; all text if none."""
+    appears, and the text is cut where the earliest one found begins (with ``include``: where it
+    ends; at one place, the first listed); all text if none."""
     text = ""
     for delta in deltas:
         text += delta
-        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            return text[:cut]
+        found = sorted((text.find(s), n) for n, s in enumerate(stops) if s in text)
+        if found:
+            cut, n = found[0]
+            return text[:cut + len(stops[n])] if include else text[:cut]
     return text
 
 
@@ -32,16 +35,16 @@ def _held_back_ok(stops: list[str], sent: str, seen: str) -> bool:
 
 @settings(max_examples=400, deadline=None)
 @given(stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=7), min_size=1, max_size=3),
-       deltas=st.lists(_TEXT, min_size=1, max_size=10))
-def test_trimmed_stream_equals_reference(stops, deltas):
-    trimmer = StopTextTrimmer(stops)
+       deltas=st.lists(_TEXT, min_size=1, max_size=10), include=st.booleans())
+def test_trimmed_stream_equals_reference(stops, deltas, include):
+    trimmer = StopTextTrimmer(stops, include_stop=include)
     sent, seen = "", ""
     for i, delta in enumerate(deltas):
         sent += trimmer.push(delta, finished=i == len(deltas) - 1)
         seen += delta
         if i < len(deltas) - 1 and not any(s in seen for s in stops):
             assert _held_back_ok(stops, sent, seen), (stops, deltas, sent)
-    assert sent == _reference(stops, deltas)
+    assert sent == _reference(stops, deltas, include)
 
 
 def test_long_stop_strings_do_not_slow_each_delta():

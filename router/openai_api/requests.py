@@ -29,7 +29,7 @@ from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, Compl
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
 # Sampling fields with the value that turns them off (left out then: the same request as without it).
 _OFF_VALUES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-               "min_tokens": 0}
+               "min_tokens": 0, "include_stop_str_in_output": False}
 MAX_CHOICES = 16   # n: each choice is a live request (max_concurrent_streams counts it too)
 VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
@@ -41,7 +41,6 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 # vLLM's request extensions that would change what is generated, with the values that change
 # nothing (sent by clients that fill in every default). Any other value is refused by name.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "include_stop_str_in_output": (False,),
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
     "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
