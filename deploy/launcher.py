@@ -196,7 +196,8 @@ class Cluster:
         name = cfg.served_model_name or name or info["model"]   # what gRPC's ServerInfo and /v1/models say
         # The longest request every worker can hold (each caps it to its KV pool).
         max_model_len = min(i["max_model_len"] for i in infos)
-        defaults = ServerDefaults(max_model_len=max_model_len, vocab_size=info["vocab_size"], **cfg.defaults)
+        defaults = ServerDefaults(max_model_len=max_model_len, vocab_size=info["vocab_size"],
+                                  eos_token_ids=tuple(info.get("eos_token_ids", ())), **cfg.defaults)
         servicer = PdserveServicer(self.orchestrator, self.tokenizer, defaults,
                                    ServerInfo(name, cfg.mode, info["block_size"]), self.metrics)
         self.servicer = servicer

@@ -107,7 +107,7 @@ class LLMEngine:
                                   cuda_graphs.plan_for(config, cache.shape[2], self.max_model_len))
         model_support.probe(self.runner, self.layout)
         self._seeds: dict[str, int] = {}
-        self._eos_token_ids = frozenset(loaded.eos_token_ids)   # what min_tokens holds back
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)   # what min_tokens holds back
         self._last_num_kv_tokens = 0
         self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)
         graphs = self.runner.graphs
@@ -197,7 +197,7 @@ class LLMEngine:
         self._last_num_kv_tokens = inputs.num_kv_tokens
         sampling = [s.request for s in out.scheduled if s.sample]
         sampled = {}
-        outcomes = sample(logits, sampling, self._seeds, self._eos_token_ids) if sampling else []
+        outcomes = sample(logits, sampling, self._seeds, self.eos_token_ids) if sampling else []
         for request, outcome in zip(sampling, outcomes):
             if isinstance(outcome, RowFailure):
                 result.deltas.append(self._fail_request(request, outcome.message))
@@ -274,7 +274,8 @@ class LLMEngine:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _validate(self, spec: RequestSpec) -> None:
-        validate_spec(spec, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        validate_spec(spec, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      eos_token_ids=self.eos_token_ids)
         if self.config.role is EngineRole.PREFILL and len(spec.prompt_token_ids) > self.pool_tokens:
             raise InvalidRequestError("prompt", f"has {len(spec.prompt_token_ids)} tokens; this worker's KV pool "
                                                 f"holds {self.pool_tokens}")

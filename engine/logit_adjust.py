@@ -1,7 +1,8 @@
 """A request's logit adjustments before its token is chosen (greedy or sampled): vLLM's
-``min_tokens`` (EOS and the stop token ids held at -inf until that many tokens are out), OpenAI's
-``logit_bias``, ``frequency_penalty`` and ``presence_penalty``, and the ``repetition_penalty``
-of Hugging Face and vLLM, in vLLM's order: the hold and the bias first, then the repetition penalty (every
+``allowed_token_ids`` (every other token at -inf) and ``min_tokens`` (EOS and the stop token ids
+held at -inf until that many tokens are out), OpenAI's ``logit_bias``, ``frequency_penalty`` and
+``presence_penalty``, and the ``repetition_penalty`` of Hugging Face and vLLM, in vLLM's order:
+the allowed set, the hold and the bias first, then the repetition penalty (every
 token in the prompt or the output: a positive logit divided by it, a negative one multiplied),
 then the frequency penalty (times the token's count in the output) and the presence penalty
 (once per token in the output), each subtracted.
@@ -61,6 +62,12 @@ def adjust(rows: torch.Tensor, requests: Sequence[Request], eos_token_ids: froze
     def per_row(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=rows.dtype, device=rows.device)
 
+    limited = [(i, r.sampling.allowed_token_ids) for i, r in enumerate(requests) if r.sampling.allowed_token_ids]
+    if limited:   # every other token of those rows to -inf
+        idx = at(limited)
+        kept = flat[idx]
+        rows[[i for i, _ in limited]] = float("-inf")
+        flat[idx] = kept
     held = at((i, _held(r, eos_token_ids)) for i, r in enumerate(requests) if r.num_generated < r.sampling.min_tokens)
     flat[held] = float("-inf")
     biased = [(i, r.sampling.logit_bias) for i, r in enumerate(requests) if r.sampling.logit_bias]

@@ -64,6 +64,8 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
             if not all_finite and not bool(torch.isfinite(raw[row]).any()):
                 raise SamplingError("the forward produced no finite logit for this request")
             chosen_from = adjusted.get(row, logits[row])
+            if row in adjusted and not bool(torch.isfinite(chosen_from).any()):
+                raise SamplingError("every token is ruled out (allowed_token_ids all held back by min_tokens)")
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
                 tokens[row] = _sample_row(chosen_from, request, seed % (2**63))

@@ -51,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # [-2, 2]: times the token's count in the output, subtracted
     presence_penalty: float = 0.0      # [-2, 2]: subtracted once from every token in the output
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to its logit
+    allowed_token_ids: tuple[int, ...] = ()          # non-empty: only these can be chosen (vLLM's)
 
     @property
     def greedy(self) -> bool:
@@ -59,13 +60,14 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids))
 
     @classmethod
     def from_plain(cls, fields: dict) -> SamplingParams:
         """From ``dataclasses.asdict``'s output after a JSON round trip (lists back to tuples)."""
         return cls(**{**fields, "stop": tuple(fields["stop"]), "stop_token_ids": tuple(fields["stop_token_ids"]),
-                      "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"])})
+                      "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"]),
+                      "allowed_token_ids": tuple(fields["allowed_token_ids"])})
 
 
 @dataclass(frozen=True, slots=True)

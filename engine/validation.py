@@ -24,8 +24,10 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
         raise InvalidRequestError(field, f"token id {bad[1]} at index {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
-def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, prefix: str = "") -> None:
-    """``prefix`` + the field name is what the error names (the router passes "sampling.")."""
+def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, prefix: str = "",
+                      eos_token_ids: Sequence[int] = ()) -> None:
+    """``prefix`` + the field name is what the error names (the router passes "sampling.");
+    ``eos_token_ids``: the model's (what ``min_tokens`` holds back unless EOS is ignored)."""
     s = sampling
     require(s.max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {s.max_tokens}")
     # isfinite also rejects NaN, which would slip past every comparison; inf would turn every
@@ -44,6 +46,9 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
             f"must be in [0, max_tokens ({s.max_tokens})], got {s.min_tokens}")
     require(not (s.min_tokens and s.stop), prefix + "min_tokens",
             "cannot be combined with stop strings (stop_token_ids and EOS can)")
+    held = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
+    require(not (s.min_tokens and s.allowed_token_ids and set(s.allowed_token_ids) <= held),
+            prefix + "allowed_token_ids", "every allowed token is EOS or a stop token id, which min_tokens holds back")
     require(math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0, prefix + "repetition_penalty",
             f"must be a finite number > 0 (1 = off), got {s.repetition_penalty}")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -57,17 +62,20 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
             "names a token id twice")
     if vocab_size is not None:
         check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")
+        require(len(s.allowed_token_ids) <= vocab_size, prefix + "allowed_token_ids",
+                f"{len(s.allowed_token_ids)} ids; at most the vocabulary's {vocab_size}")
+        check_token_ids(s.allowed_token_ids, vocab_size, prefix + "allowed_token_ids")
         check_token_ids([token for token, _ in s.logit_bias], vocab_size, prefix + "logit_bias")
 
 
-def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int) -> None:
+def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
     """Raise InvalidRequestError naming the offending field; return silently when the spec is servable."""
     ids = spec.prompt_token_ids
     require(spec.req_id, "request_id", "must not be empty")
     require(len(ids) > 0, "prompt", "must not be empty")
     require(len(ids) < max_model_len, "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}")
     check_token_ids(ids, vocab_size, "prompt_token_ids")
-    validate_sampling(spec.sampling, vocab_size)
+    validate_sampling(spec.sampling, vocab_size, eos_token_ids=eos_token_ids)
     require(len(ids) + spec.sampling.max_tokens <= max_model_len, "max_tokens",
              f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds max_model_len "
              f"{max_model_len} (the model's, or what the worker's KV pool holds)")

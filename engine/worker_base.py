@@ -101,6 +101,7 @@ class WorkerBase:
         engine = self.engine
         return {"worker_id": self.worker_id, "node_id": node_id, "device": device_identity(self.spec.engine.device),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                "eos_token_ids": sorted(engine.eos_token_ids),
                 "block_size": engine.config.block_size, "model": self.loaded.name,
                 "prefix_caching": engine.config.enable_prefix_caching,
                 "shm_path": self.shm_path, "pid": os.getpid(), "startup_s": self.startup_s}

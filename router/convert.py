@@ -59,6 +59,7 @@ class ServerDefaults:
     max_model_len: int
     vocab_size: int
     max_tokens: int = 128
+    eos_token_ids: tuple[int, ...] = ()   # the model's: what min_tokens holds back
     temperature: float = 0.0     # greedy: reproducible unless the client asks for sampling
     top_p: float = 1.0
     top_k: int = 0               # 0 disables top-k
@@ -185,8 +186,9 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         frequency_penalty=get("frequency_penalty", 0.0),
         presence_penalty=get("presence_penalty", 0.0),
         logit_bias=tuple(sorted(msg.logit_bias.items())),   # a map's order is not the wire's: sorted, one spec
+        allowed_token_ids=tuple(msg.allowed_token_ids),
     )
-    validate_sampling(sp, defaults.vocab_size, prefix="sampling.")
+    validate_sampling(sp, defaults.vocab_size, prefix="sampling.", eos_token_ids=defaults.eos_token_ids)
     return sp
 
 
@@ -226,7 +228,7 @@ def spec_from_proto(
     spec = RequestSpec(req_id=req_id, prompt_token_ids=prompt, sampling=sampling, slo=slo, priority=priority)
     # The engine re-checks every spec on add_request; running its checks here too means a spec
     # the engine would refuse is refused now, before it is queued, whatever either side adds.
-    validate_spec(spec, max_model_len=limit, vocab_size=defaults.vocab_size)
+    validate_spec(spec, max_model_len=limit, vocab_size=defaults.vocab_size, eos_token_ids=defaults.eos_token_ids)
     return spec
 
 

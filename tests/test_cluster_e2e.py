@@ -175,6 +175,8 @@ BAD_REQUESTS = [
     ({"token_ids": [5, 6], "presence_penalty": -2.5}, "sampling.presence_penalty"),
     ({"token_ids": [5, 6], "logit_bias": {7: 101.0}}, "sampling.logit_bias"),
     ({"token_ids": [5, 6], "logit_bias": {100000: 1.0}}, "sampling.logit_bias"),
+    ({"token_ids": [5, 6], "min_tokens": 2, "allowed_token_ids": [2]}, "sampling.allowed_token_ids"),   # 2: EOS
+    ({"token_ids": [5, 6], "allowed_token_ids": [600]}, "sampling.allowed_token_ids"),
 ]
 
 

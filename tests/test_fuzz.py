@@ -84,6 +84,7 @@ def requests(draw) -> pb.GenerateRequest:
         s.logit_bias[token] = bias
     s.stop.extend(draw(st.lists(st.text(max_size=300), max_size=20)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=70)))
+    s.allowed_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=8)))
     if draw(st.booleans()):   # a small pool, so concurrent duplicates are common
         req.request_id = draw(st.one_of(st.sampled_from(["a", "b", "c", ""]), st.text(min_size=250, max_size=260)))
     for name in ("ttft_ms", "tpot_ms"):
@@ -134,6 +135,7 @@ def valid_requests(draw) -> pb.GenerateRequest:
         for token, bias in draw(st.dictionaries(st.integers(0, 511), st.sampled_from([-100.0, -1.0, 0.0, 3.0, 100.0]),
                                                 max_size=4)).items():
             s.logit_bias[token] = bias
+        s.allowed_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=5)))
     if draw(st.booleans()):
         req.request_id = draw(st.sampled_from(["a", "b", "c", "d"]))
     for name in ("ttft_ms", "tpot_ms"):

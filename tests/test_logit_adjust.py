@@ -213,6 +213,8 @@ def test_min_tokens_after_a_migration_counts_the_tokens_streamed_before(tiny_mod
     (dict(min_tokens=-1), "min_tokens"),
     (dict(max_tokens=5, min_tokens=6), "min_tokens"),
     (dict(min_tokens=2, stop=("x",)), "min_tokens"),
+    (dict(allowed_token_ids=(3, VOCAB)), "allowed_token_ids"),
+    (dict(allowed_token_ids=(0,) * (VOCAB + 1)), "allowed_token_ids"),
 ])
 def test_bad_values_are_named(fields, name):
     with pytest.raises(InvalidRequestError) as err:
@@ -255,3 +257,46 @@ def test_the_adjustments_survive_the_direct_submissions_json():
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
+
+
+def test_allowed_token_ids_as_hf_prefix_allowed_tokens_fn(tiny_model, hf_reference):
+    """vLLM's allowed_token_ids: only those can be chosen, greedy as HF's prefix_allowed_tokens_fn
+    chooses; with penalties and a bias on top; sampled draws stay inside the set."""
+    rng = random.Random(9)
+    engine = LLMEngine(tiny_model, CONFIGS["chunked"])
+    specs, refs = [], []
+    for i in range(4):
+        prompt = [rng.randrange(3, 40) for _ in range(rng.randint(2, 40))]
+        allowed = sorted(rng.sample(range(VOCAB), 12))
+        extra = ADJUSTMENTS[i] if i % 2 else {}
+        params = SamplingParams(max_tokens=15, ignore_eos=True, allowed_token_ids=tuple(allowed), **extra)
+        specs.append(RequestSpec(f"l{i}", tuple(prompt), params))
+        out = hf_reference.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=15,
+            do_sample=False, eos_token_id=None, pad_token_id=0, prefix_allowed_tokens_fn=lambda b, ids, a=allowed: a,
+            logits_processor=LogitsProcessorList([OpenAIAdjustments(len(prompt), params)]))
+        refs.append(out[0, len(prompt):].tolist())
+    sampled = RequestSpec("ls", (5, 6, 7), SamplingParams(max_tokens=30, temperature=1.5, seed=3, ignore_eos=True,
+                                                        allowed_token_ids=(4, 8, 15, 16, 23, 42)))
+    got = run_staggered(engine, [], [], [*specs, sampled])
+    for spec, ref in zip(specs, refs):
+        assert got[spec.req_id] == ref and set(ref) <= set(spec.sampling.allowed_token_ids)
+    assert set(got["ls"]) <= {4, 8, 15, 16, 23, 42} and len(set(got["ls"])) > 1
+    assert_no_leaks(engine)
+
+
+def test_allowed_token_ids_all_held_back_are_refused_and_at_worst_fail_alone():
+    from engine.sampler import RowFailure, sample
+
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2))
+    stuck = Request(RequestSpec("stuck", (1,), SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=(2,))))
+    fine = Request(RequestSpec("fine", (1,), SamplingParams(max_tokens=4, allowed_token_ids=(5, 6))))
+    out = sample(logits, [stuck, fine], {}, frozenset({2}))   # 2: EOS, the only allowed token, held back
+    assert isinstance(out[0], RowFailure) and out[1][0] == 5 + int(logits[1, 6] > logits[1, 5])
+    for params, eos in [(SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=(7, 9), allowed_token_ids=(9,)), ()),
+                        (SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=(2,)), (2,))]:
+        with pytest.raises(InvalidRequestError) as err:   # refused up front, where the model's EOS is known
+            validate_sampling(params, VOCAB, eos_token_ids=eos)
+        assert err.value.field == "allowed_token_ids"
+    validate_sampling(SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=(2,), ignore_eos=True), VOCAB,
+                      eos_token_ids=(2,))   # an ignored EOS is not held back: allowed

@@ -135,6 +135,10 @@ def test_penalties_and_logit_bias_equal_grpc_and_hf(cluster, model_name, hf_refe
     assert ids_of(whole.choices[0].text) == ref == ids_of(streamed)
     assert grpc_ids(cluster, token_ids=prompt, max_tokens=14, ignore_eos=True, repetition_penalty=1.25,
                     frequency_penalty=0.8, presence_penalty=0.3, logit_bias={5: 4.0, 8: -100.0}) == ref
+    allowed = [5, 9, 11, 300]   # vLLM's allowed_token_ids: the first token too (chosen on the prefill worker)
+    limited = client_for(cluster).completions.create(model=model_name, prompt=prompt, max_tokens=10,
+                                                     extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert set(ids_of(limited.choices[0].text)) <= set(allowed) and limited.usage.completion_tokens == 10
     assert cluster_leaks(cluster) == {}
 
 

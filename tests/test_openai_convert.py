@@ -349,13 +349,13 @@ def test_vllm_extensions_that_would_change_the_output_are_refused_by_name(model,
 
 def test_penalties_logit_bias_min_p_and_min_tokens_become_the_grpc_fields():
     body = {"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {"7": 2.5, " 12 ": -100},
-            "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 3}
+            "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 3, "allowed_token_ids": [4, 2]}
     s = completion_request(parse(CompletionRequest, body), None).sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == (0.5, -1.0, 1.1, 0.05, 3)
     with pytest.raises(InvalidRequestError) as err:   # a JSON true is not a count of 1
         parse(CompletionRequest, {"prompt": "x", "min_tokens": True})
     assert err.value.field == "min_tokens"
-    assert dict(s.logit_bias) == {7: 2.5, 12: -100.0}
+    assert dict(s.logit_bias) == {7: 2.5, 12: -100.0} and list(s.allowed_token_ids) == [4, 2]
     chat = chat_request(parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                                       "logit_bias": {"3": 1}}), None)
     assert dict(chat.sampling.logit_bias) == {3: 1.0}

@@ -9,7 +9,7 @@ decoding, chat-template options, ...), which the request models
 keep among their extra fields for ``requests.py`` to look at. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
-``include_stop_str_in_output``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
+``include_stop_str_in_output``, ``allowed_token_ids``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
 
 Every integer and string that becomes a ``GenerateRequest`` field is typed with that field's
@@ -91,6 +91,7 @@ class _Sampling(_Body):
     min_p: float | None = None
     min_tokens: Annotated[Int32, Field(strict=True)] | None = None   # a JSON true is no count
     include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[Int64] | None = None
     # pdserve's SLO hints (as in GenerateRequest)
     ttft_ms: float | None = None
     tpot_ms: float | None = None

@@ -42,7 +42,7 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 # nothing (sent by clients that fill in every default). Any other value is refused by name.
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
-    "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
+    "logits_processors": (), "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's, and OpenAI's tool_choice): the prompt, the reply's shape
@@ -196,6 +196,7 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     msg.sampling.stop.extend(stops)
     msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
+    msg.sampling.allowed_token_ids.extend(req.allowed_token_ids or [])
     return msg
 
 
