@@ -161,9 +161,14 @@ def _encode_chat(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[i
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
+# Optional scalar fields whose unset meaning is SamplingParams' own default (the server has none of its own).
+_SAMPLING_AS_IS = ("min_p", "min_tokens", "seed", "ignore_eos", "include_stop_str_in_output", "logprobs",
+                   "top_logprobs", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> SamplingParams:
-    """Unset fields take ``defaults`` (presence, not zero, decides). Prompt-dependent limits
-    (prompt + max_tokens) are checked by ``spec_from_proto``."""
+    """Unset fields take ``defaults`` (presence, not zero, decides), or SamplingParams' own where
+    the server sets none. Prompt-dependent limits (prompt + max_tokens) are checked by ``spec_from_proto``."""
 
     def get(name: str, default: Any) -> Any:
         return getattr(msg, name) if msg.HasField(name) else default
@@ -173,20 +178,11 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         temperature=get("temperature", defaults.temperature),
         top_p=get("top_p", defaults.top_p),
         top_k=get("top_k", defaults.top_k),
-        min_p=get("min_p", 0.0),
-        min_tokens=get("min_tokens", 0),
-        seed=get("seed", None),
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=get("ignore_eos", False),
-        include_stop_str_in_output=get("include_stop_str_in_output", False),
-        logprobs=get("logprobs", False),
-        top_logprobs=get("top_logprobs", 0),
-        repetition_penalty=get("repetition_penalty", 1.0),
-        frequency_penalty=get("frequency_penalty", 0.0),
-        presence_penalty=get("presence_penalty", 0.0),
         logit_bias=tuple(sorted(msg.logit_bias.items())),   # a map's order is not the wire's: sorted, one spec
         allowed_token_ids=tuple(msg.allowed_token_ids),
+        **{name: getattr(msg, name) for name in _SAMPLING_AS_IS if msg.HasField(name)},
     )
     validate_sampling(sp, defaults.vocab_size, prefix="sampling.", eos_token_ids=defaults.eos_token_ids)
     return sp

@@ -101,6 +101,21 @@ def test_penalties_and_logit_bias_disaggregated_and_colocated_equal_hf(disagg, c
     assert all(r.timings.kv_handoff == "ok" for r in asyncio.run(run(disagg)))
 
 
+@pytest.mark.parametrize("fixture", ["disagg", "coloc"])
+def test_cancel_mid_stream_with_every_adjustment_frees_everything(request, fixture):
+    """A stream whose every step is adjusted (penalties, bias, allowed set, min_tokens), cancelled
+    after its first tokens: nothing of it is left on any worker."""
+    cluster = request.getfixturevalue(fixture)
+    with PdserveClient(address(cluster)) as client:
+        stream = client.generate(token_ids=list(range(10, 60)), max_tokens=400, ignore_eos=True, min_tokens=300,
+                                 repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5,
+                                 logit_bias={3: 2.0}, allowed_token_ids=list(range(3, 200)), stop_token_ids=[7])
+        received = [next(stream) for _ in range(3)]
+        stream.close()
+    assert all(3 <= t < 200 and t != 7 for msg in received for t in msg.token_ids)
+    assert cluster_leaks(cluster) == {}
+
+
 def test_min_tokens_holds_back_the_first_token_on_the_prefill_worker(disagg, coloc, hf_reference):
     """The first token is chosen where the prompt is prefilled: there too, a stop token id (the
     one plain greedy would start with) cannot end the output before min_tokens."""

@@ -7,7 +7,7 @@ choice is a generation of its own: ``fan_in.py``), ``best_of`` > 1, ``echo``,
 ``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, a ``response_format`` other than
 text, a batch of prompts, content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
-``min_tokens`` or ``guided_json`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
+``guided_json`` or ``bad_words`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
 OpenAI defines them: chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
 logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
@@ -23,13 +23,16 @@ import re
 from pydantic import ValidationError
 
 from engine.errors import InvalidRequestError
+from engine.types import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
-# Sampling fields with the value that turns them off (left out then: the same request as without it).
-_OFF_VALUES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-               "min_tokens": 0, "include_stop_str_in_output": False}
+# Sampling fields sent only when not at SamplingParams' default, the value that turns them off
+# (a client that fills in every default sends the same request as one that leaves them out).
+_UNLESS_OFF = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+               "include_stop_str_in_output")
+_OFF = SamplingParams()
 MAX_CHOICES = 16   # n: each choice is a live request (max_concurrent_streams counts it too)
 VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
@@ -181,8 +184,8 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     for name in _SAMPLING:
         if getattr(req, name) is not None:
             setattr(msg.sampling, name, getattr(req, name))
-    for name, no_op in _OFF_VALUES.items():
-        if getattr(req, name) not in (None, no_op):
+    for name in _UNLESS_OFF:
+        if getattr(req, name) is not None and getattr(req, name) != getattr(_OFF, name):
             setattr(msg.sampling, name, getattr(req, name))
     if req.top_k == VLLM_ALL_TOKENS:
         msg.sampling.top_k = 0   # pdserve's "top-k off" (gRPC refuses -1: its contract names 0 alone)
