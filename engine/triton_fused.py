@@ -146,14 +146,23 @@ def applies(hidden: torch.Tensor, norm_weight: torch.Tensor) -> bool:
             and usable(hidden.device, hidden.dtype))
 
 
-@functools.cache
-def usable(device: torch.device, dtype: torch.dtype) -> bool:
+def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Each kernel runs once on a small case against the model's ops (the first time per device and
     dtype: the ModelRunner asks at start-up, before any graph capture). A kernel that fails to
     compile or to launch on this GPU and Triton, or gives a wrong result, turns the three off for
     the process with a warning saying why: the model's own ops still serve every request."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # "cuda" (the ModelRunner's start-up call) and "cuda:0" (each forward's) are one GPU: one check.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _checked(device, dtype)
+
+
+@functools.cache
+def _checked(device: torch.device, dtype: torch.dtype) -> bool:
+    """``usable``'s verdict, once per GPU and dtype."""
     try:
-        reason = _check(torch.device(device), dtype)
+        reason = _check(device, dtype)
     except Exception as exc:   # noqa: BLE001 - any failure of a kernel is the reason to keep the model's ops
         reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:

@@ -168,7 +168,7 @@ def test_lean_forward_on_the_kernels_equals_hf_greedy(graphs, monkeypatch):
         real = getattr(triton_fused, name)
         monkeypatch.setattr(triton_fused, name, lambda *a, _r=real, _k=key: calls.__setitem__(_k, calls[_k] + 1) or _r(*a))
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
-                                            device=DEVICE, decode_graphs=graphs))
+                                            device=DEVICE, dtype="float32", decode_graphs=graphs))
     got = run_staggered(engine, PROMPTS, MAX_NEW)
     assert [got[f"r{i}"] for i in range(len(PROMPTS))] == refs
     layers = TINY["num_hidden_layers"]
@@ -229,9 +229,9 @@ class _BrokenKernel:
 
 @pytest.fixture
 def fresh_check():
-    triton_fused.usable.cache_clear()
+    triton_fused._checked.cache_clear()
     yield
-    triton_fused.usable.cache_clear()
+    triton_fused._checked.cache_clear()
 
 
 def test_a_kernel_that_fails_turns_them_off_and_the_model_ops_serve(fresh_check, monkeypatch, caplog):
@@ -247,7 +247,7 @@ def test_a_kernel_that_fails_turns_them_off_and_the_model_ops_serve(fresh_check,
     refs = [hf_greedy(reference, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     with caplog.at_level("WARNING", logger=triton_fused.__name__):
         engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
-                                                device=DEVICE))
+                                                device=DEVICE, dtype="float32"))
         got = run_staggered(engine, PROMPTS, MAX_NEW)
     assert "PTX for this kernel could not be loaded" in caplog.text and "model's own ops" in caplog.text
     assert len(calls) == 1   # the check's own call, never the forward's
