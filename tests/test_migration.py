@@ -176,6 +176,40 @@ def test_supervisor_replaces_with_backoff_and_reports(monkeypatch):
     assert worker.alive and worker.restarts == 3
 
 
+def test_a_worker_killed_after_a_stable_run_is_replaced_at_once_a_crash_loop_backs_off(monkeypatch):
+    """Kills spaced wider than STABLE_S (an OOM killer, kill -9 every 17 s) restart at once every
+    time; crashes sooner than that after the replacement was ready back off, and one stable run
+    clears the backoff."""
+    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
+    registry = WorkerRegistry()
+    worker = WorkerHandle("p0", "prefill", "actor-0", "n", "cpu")
+    registry.add(worker)
+    clock, delays = [1000.0], []
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: clock[0])
+
+    async def spawn(w):
+        return f"actor-{w.generation + 1}", {"node_id": "n", "device": "cpu"}
+
+    async def fake_sleep(s):
+        delays.append(s)
+
+    monkeypatch.setattr(supervisor_module.asyncio, "sleep", fake_sleep)
+
+    async def run():
+        sup = Supervisor(registry, spawn, on_down=lambda w: None, on_ready=lambda w: None)
+        sup.watch = lambda w: sup._up_since.__setitem__(w.worker_id, clock[0])   # no lifeline on a fake actor
+        sup.watch(worker)
+        for up_s in (17.0, 17.0, 17.0, 2.0, 2.0, 2.0, supervisor_module.STABLE_S, 1.0):
+            clock[0] += up_s
+            sup.worker_lost(WorkerLost(worker, worker.generation, "killed"))
+            await asyncio.gather(*sup._tasks)
+
+    asyncio.run(run())
+    # 17 s runs: at once each time; then each quick crash doubles (1, 2, 4 s); a stable run: at once again.
+    assert delays == [0.0, 0.0, 0.0, 1.0, 2.0, 4.0, 0.0, 1.0]
+    assert worker.alive and worker.restarts == 8
+
+
 def test_supervisor_gives_up_past_max_restarts(monkeypatch):
     monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
     registry = WorkerRegistry()
