@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import cuda_graphs, freed_memory, kv_cache, model_support
+from engine import cuda_graphs, freed_memory, kv_cache, model_support, prompt_logprobs
 from engine.config import EngineConfig, EngineRole
 from engine.dtypes import torch_dtype
 from engine.errors import CapacityError, InvalidRequestError
@@ -38,7 +38,8 @@ from engine.request import Request
 from engine.sampler import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import StopChecker
-from engine.types import FinishReason, KVEvent, KVLayout, RequestSpec, StepTiming, TokenDelta, TopLogprobs, WorkerStats
+from engine.types import (FinishReason, KVEvent, KVLayout, PromptLogprobs, RequestSpec, StepTiming, TokenDelta,
+                          TopLogprobs, WorkerStats)
 from engine.validation import validate_spec
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class PrefillDone:
     first_token_id: int
     first_logprob: float | None
     first_top_logprobs: TopLogprobs | None
+    prompt_logprobs: PromptLogprobs | None   # with sampling.prompt_logprobs
     queue_s: float             # added -> first scheduled
     prefill_s: float           # first scheduled -> first token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
@@ -196,6 +198,10 @@ class LLMEngine:
         logits = self.runner.execute(inputs)
         self._last_num_kv_tokens = inputs.num_kv_tokens
         sampling = [s.request for s in out.scheduled if s.sample]
+        if logits.shape[0] > len(sampling):   # the rows after the sampling ones: prompt logprobs
+            prompt_logprobs.record([(s.request, s.prompt_positions) for s in out.scheduled if s.prompt_positions],
+                                   logits[len(sampling):])
+            logits = logits[: len(sampling)]
         sampled = {}
         outcomes = sample(logits, sampling, self._seeds, self.eos_token_ids) if sampling else []
         for request, outcome in zip(sampling, outcomes):
@@ -240,6 +246,7 @@ class LLMEngine:
             first_token_id=r.output_token_ids[0],
             first_logprob=r.output_logprobs[0] if r.output_logprobs else None,
             first_top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
+            prompt_logprobs=prompt_logprobs.result(r),
             queue_s=scheduled - r.added_s,
             prefill_s=time.perf_counter() - scheduled,
             num_cached_tokens=r.num_cached_tokens,
@@ -259,7 +266,8 @@ class LLMEngine:
         tops = tuple(request.output_top_logprobs[done:]) if request.output_top_logprobs else None
         request.num_reported_tokens = len(request.output_token_ids)
         reason = request.finish_reason if request.is_finished else None
-        return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0, tops)
+        return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0, tops,
+                          prompt_logprobs.result(request) if first else None)
 
     def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
         timing = StepTiming(

@@ -7,7 +7,8 @@ paged attention registered in ``engine.attention`` (q/k/v and gate/up projection
 ``engine.fast_norm``; for the Llama family without Hugging Face's plumbing, ``engine.lean_forward``,
 on CUDA with ``engine.triton_fused``'s kernels)
 and returns logits only at the positions that sample (each request's last
-scheduled token when it reaches its last known token).
+scheduled token when it reaches its last known token), then at the positions whose prompt
+logprobs a request asked for (``engine.prompt_logprobs``).
 With decode graphs on (``engine.cuda_graphs``), a decode-only step is loaded into the graph pool's
 static buffer instead and replayed; every other step runs here.
 """
@@ -106,13 +107,17 @@ class ModelRunner:
         return sdpa_kernel(_CUDA_SDPA_BACKENDS)
 
     def prepare(self, out: SchedulerOutput) -> ModelInputs | GraphInputs:
-        graph_inputs = self.graphs.prepare(out) if self.graphs is not None else None
-        if isinstance(graph_inputs, GraphInputs):
-            return graph_inputs
+        """Logits rows: each sampling request's, in step order, then the prompt-logprob
+        positions' (``ScheduledRequest.prompt_positions``), in step order."""
+        if self.graphs is not None and not any(s.prompt_positions for s in out.scheduled):
+            graph_inputs = self.graphs.prepare(out)
+            if isinstance(graph_inputs, GraphInputs):
+                return graph_inputs
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        prompt_rows: list[int] = []
         prefills: list[PrefillSegment] = []
         decodes: list[tuple[int, ScheduledRequest]] = []
         prefill_kernel = self._prefill_kernel()
@@ -128,6 +133,9 @@ class ModelRunner:
                 prefills.append(self._prefill_segment(s.block_ids, q_start, start, n, masked=not prefill_kernel))
             if s.sample:
                 logits_indices.append(q_start + n - 1)
+            if s.prompt_positions:
+                prompt_rows.extend(range(q_start + s.prompt_positions.start - start,
+                                         q_start + s.prompt_positions.stop - start))
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
@@ -137,7 +145,8 @@ class ModelRunner:
         )
         num_kv = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         return ModelInputs(
-            self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_indices), metadata, num_kv
+            self._tensor(ids)[None], self._tensor(positions)[None], self._tensor(logits_indices + prompt_rows),
+            metadata, num_kv
         )
 
     def _slots(self, table: list[int], start: int, n: int) -> list[int]:

@@ -29,6 +29,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)   # with sampling.top_logprobs
+    # With sampling.prompt_logprobs, while this engine owes them (engine/prompt_logprobs.py):
+    # prompt_logprobs[p] is prompt token p + 1's; None: not asked, or another worker computes them.
+    prompt_logprobs: list[float] | None = field(init=False)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -50,6 +55,11 @@ class Request:
         self.req_id = self.spec.req_id
         self.sampling = self.spec.sampling
         self.adjusts_logits = self.sampling.adjusts_logits
+        self.prompt_logprobs = [] if self.sampling.prompt_logprobs is not None else None
+
+    def forgo_prompt_logprobs(self) -> None:
+        """Its prompt's KV comes from a prefill worker, which delivers them with the first token."""
+        self.prompt_logprobs = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,6 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from engine import prompt_logprobs
 from engine.config import EngineConfig, EngineRole
 from engine.kv_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -40,6 +41,8 @@ class ScheduledRequest:
     # The request's block table after this step's allocation: the KV manager's own list, read
     # by the model runner (which never touches the manager, as in vLLM: block ids ride on the plan).
     block_ids: list[int]
+    # Positions whose logits this step keeps for the request's prompt logprobs (most: none).
+    prompt_positions: range = range(0)
 
 
 @dataclass(slots=True)
@@ -80,6 +83,7 @@ class Scheduler:
         """Decode role: reserve blocks for the prompt's KV, sharing the ``cached`` prefix blocks
         (from ``kv.find_cached``: their KV is here already); the request waits for the rest."""
         self.kv.admit(request.req_id, request.all_token_ids, cached, request.num_prompt_tokens)
+        request.forgo_prompt_logprobs()   # the prefill worker computes the prompt (and sends them)
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.req_id] = request
         self.parked[request.req_id] = request
@@ -179,7 +183,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached(request.req_id, request.all_token_ids)
+            # Prompt logprobs need every prompt position computed: nothing read from the cache.
+            cached = ([] if prompt_logprobs.owed(request)
+                      else self.kv.find_cached(request.req_id, request.all_token_ids))
             start = len(cached) * self.kv.block_size
             n = min(request.num_tokens - start, budget)
             if not self.kv.can_admit(request.req_id, cached, start + n):
@@ -195,8 +201,12 @@ class Scheduler:
             budget -= n
 
     def _plan(self, request: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(request, n, sample=request.num_computed_tokens + n == request.num_tokens,
+        start = request.num_computed_tokens
+        plan = ScheduledRequest(request, n, sample=start + n == request.num_tokens,
                                 block_ids=self.kv.block_tables[request.req_id])
+        if request.prompt_logprobs is not None:
+            plan.prompt_positions = prompt_logprobs.positions(request, start, n)
+        return plan
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s (recompute)", request.req_id)

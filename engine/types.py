@@ -46,6 +46,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False   # the router keeps a stop string in the text (what follows goes)
     logprobs: bool = False
     top_logprobs: int = 0       # with logprobs: also the N most likely tokens at each position (<= MAX_TOP_LOGPROBS)
+    # None: off; N in [0, MAX_TOP_LOGPROBS]: each prompt token's logprob and its N most likely (engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     # Logit adjustments before sampling, greedy included (engine/logit_adjust.py); the defaults are off.
     repetition_penalty: float = 1.0    # > 0: prompt and output tokens' logits divided (> 0) / multiplied (< 0) by it
     frequency_penalty: float = 0.0     # [-2, 2]: times the token's count in the output, subtracted
@@ -68,6 +70,26 @@ class SamplingParams:
         return cls(**{**fields, "stop": tuple(fields["stop"]), "stop_token_ids": tuple(fields["stop_token_ids"]),
                       "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"]),
                       "allowed_token_ids": tuple(fields["allowed_token_ids"])})
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A prompt's logprobs: entry i is prompt token i + 1's (the first has no context):
+    ``token_ids[i]`` that token, ``logprobs[i]`` its logprob given the tokens before it,
+    ``ranks[i]`` its rank there (1: the most likely; vLLM's), and with ``sampling.prompt_logprobs``
+    = N > 0, ``top[i]`` that position's N most likely tokens (else ``top`` is empty)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top: tuple[TopLogprobs, ...] = ()
+
+    @classmethod
+    def from_plain(cls, fields: dict) -> PromptLogprobs:
+        """From ``dataclasses.asdict``'s output after a JSON round trip (lists back to tuples)."""
+        return cls(tuple(int(t) for t in fields["token_ids"]), tuple(float(x) for x in fields["logprobs"]),
+                   tuple(int(r) for r in fields["ranks"]),
+                   tuple(tuple((int(t), float(p)) for t, p in top) for top in fields["top"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +128,7 @@ class TokenDelta:
     # On a request's first token when this engine prefilled it: prompt tokens it found cached.
     num_cached_tokens: int = 0
     top_logprobs: tuple[TopLogprobs, ...] | None = None   # one per token id when sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None   # on the first delta, with sampling.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -221,6 +244,7 @@ class FirstToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
+    prompt_logprobs: PromptLogprobs | None = None   # with sampling.prompt_logprobs
     # The prefill worker's part of the first token's path (``router.orchestrator.FirstTokenPath``),
     # wall clock (``time.time``: comparable with the router's on one node): when its ``prefill``
     # call arrived, when this token left; and the engine's own queue and compute time between,
@@ -241,6 +265,8 @@ class FirstToken:
         top = fields.get("top_logprobs")
         if top is not None:
             fields["top_logprobs"] = tuple((int(t), float(p)) for t, p in top)
+        if fields.get("prompt_logprobs") is not None:
+            fields["prompt_logprobs"] = PromptLogprobs.from_plain(fields["prompt_logprobs"])
         return cls(**fields)
 
 
@@ -298,6 +324,7 @@ class PrefillResult:
     saved_bytes: int = 0           # KV bytes not moved thanks to that
     first_top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
     kv_events: tuple[KVEvent, ...] = ()   # its prefix-cache changes not yet reported
+    prompt_logprobs: PromptLogprobs | None = None   # with sampling.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,8 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
     require(0 <= s.top_logprobs <= MAX_TOP_LOGPROBS, prefix + "top_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
     require(s.logprobs or not s.top_logprobs, prefix + "top_logprobs", "needs logprobs")
+    require(s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS, prefix + "prompt_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.prompt_logprobs}")
     require(all(s.stop), prefix + "stop", "stop strings must not be empty")
     require(0 <= s.min_tokens <= s.max_tokens, prefix + "min_tokens",
             f"must be in [0, max_tokens ({s.max_tokens})], got {s.min_tokens}")

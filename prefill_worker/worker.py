@@ -215,7 +215,7 @@ class PrefillWorker(WorkerBase):
     def _first_token_of(self, done: PrefillDone, reserve_wait_s: float) -> FirstToken:
         run = self._running.get(done.req_id)
         return FirstToken(done.req_id, done.first_token_id, done.first_logprob, done.first_top_logprobs,
-                          received_s=run.received_s if run else 0.0, sent_s=time.time(),
+                          prompt_logprobs=done.prompt_logprobs, received_s=run.received_s if run else 0.0, sent_s=time.time(),
                           queue_s=done.queue_s, prefill_s=done.prefill_s, reserve_wait_s=reserve_wait_s)
 
     def _reserved(self, req_id: str, reservation: asyncio.Task) -> None:
@@ -403,7 +403,7 @@ def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
     top = delta.top_logprobs[0] if delta.top_logprobs else None
     outcome = HandoffOutcome.ABORTED if delta.finish_reason is FinishReason.ABORT else HandoffOutcome.ENDED_AT_PREFILL
     return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome,
-                         first_top_logprobs=top)
+                         first_top_logprobs=top, prompt_logprobs=delta.prompt_logprobs)
 
 
 def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,
@@ -415,6 +415,7 @@ def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 
         finish_reason=reason,
         first_logprob=done.first_logprob,
         first_top_logprobs=done.first_top_logprobs,
+        prompt_logprobs=done.prompt_logprobs,
         error=error,
         queue_s=done.queue_s,
         prefill_s=done.prefill_s,

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import FinishReason
+from engine.types import FinishReason, PromptLogprobs
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.channel import ClientSecurity, open_channel
@@ -43,6 +43,7 @@ class GenerationResult:
     timings: RequestTimings | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)   # with sampling top_logprobs
+    prompt_logprobs: PromptLogprobs | None = None   # with sampling prompt_logprobs (the first message's)
     error: str = ""
     num_messages: int = 0
 
@@ -52,6 +53,10 @@ class GenerationResult:
         self.text += resp.text
         self.logprobs.extend(resp.logprobs)
         self.top_logprobs.extend(list(zip(top.token_ids, top.logprobs)) for top in resp.top_logprobs)
+        if resp.HasField("prompt_logprobs"):
+            p = resp.prompt_logprobs
+            self.prompt_logprobs = PromptLogprobs(tuple(p.token_ids), tuple(p.logprobs), tuple(p.ranks),
+                                                  tuple(tuple(zip(t.token_ids, t.logprobs)) for t in p.top_logprobs))
         self.num_messages += 1
         self.finish_reason = finish_reason_from_proto(resp.finish_reason) or self.finish_reason
         self.error = resp.error or self.error

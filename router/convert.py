@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError, require
-from engine.types import FinishReason, RequestSpec, SamplingParams, SLOTarget, TokenDelta, WorkerStats
+from engine.types import FinishReason, RequestSpec, SamplingParams, SLOTarget, TokenDelta, TopLogprobs, WorkerStats
 from engine.validation import check_token_ids, validate_sampling, validate_spec
 from protos import pdserve_pb2 as pb
 from router.limits import ServerLimits, clamp_hint_ms, limits_to_proto, priority_for
@@ -163,7 +163,7 @@ def _encode_chat(messages: list[dict[str, str]], tokenizer: Tokenizer) -> list[i
 
 # Optional scalar fields whose unset meaning is SamplingParams' own default (the server has none of its own).
 _SAMPLING_AS_IS = ("min_p", "min_tokens", "seed", "ignore_eos", "include_stop_str_in_output", "logprobs",
-                   "top_logprobs", "repetition_penalty", "frequency_penalty", "presence_penalty")
+                   "top_logprobs", "prompt_logprobs", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> SamplingParams:
@@ -274,6 +274,10 @@ def usage_from_proto(msg: pb.Usage) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens)
 
 
+def _top_to_proto(top: TopLogprobs) -> pb.TopLogprobs:
+    return pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+
+
 def delta_to_proto(
     delta: TokenDelta, text: str, *, usage: Usage | None = None, timings: RequestTimings | None = None,
     request_id: str | None = None,
@@ -290,8 +294,14 @@ def delta_to_proto(
     if delta.error:
         msg.error = delta.error
     if delta.top_logprobs:
-        msg.top_logprobs.extend(pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
-                                for top in delta.top_logprobs)
+        msg.top_logprobs.extend(_top_to_proto(top) for top in delta.top_logprobs)
+    if delta.prompt_logprobs is not None:
+        prompt = msg.prompt_logprobs
+        prompt.SetInParent()   # present even for a one-token prompt (no logprob to list)
+        prompt.token_ids.extend(delta.prompt_logprobs.token_ids)
+        prompt.logprobs.extend(delta.prompt_logprobs.logprobs)
+        prompt.ranks.extend(delta.prompt_logprobs.ranks)
+        prompt.top_logprobs.extend(_top_to_proto(top) for top in delta.prompt_logprobs.top)
     if usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens))
     if timings is not None:

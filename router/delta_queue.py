@@ -157,11 +157,13 @@ class _Run:
     """Consecutive deltas of one request being merged into one (only the last may finish): the
     token ids (and logprobs) appended as each delta comes, so a message of k tokens costs O(k)."""
 
-    __slots__ = ("req_id", "token_ids", "finish_reason", "logprobs", "error", "num_cached_tokens", "top_logprobs")
+    __slots__ = ("req_id", "token_ids", "finish_reason", "logprobs", "error", "num_cached_tokens", "top_logprobs",
+                 "prompt_logprobs")
 
     def __init__(self, *deltas: TokenDelta) -> None:
         first = deltas[0]
         self.req_id, self.num_cached_tokens = first.req_id, first.num_cached_tokens
+        self.prompt_logprobs = first.prompt_logprobs   # only a request's first delta has them
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] | None = None        # None until a delta carries some
@@ -188,7 +190,8 @@ class _Run:
         return TokenDelta(self.req_id, tuple(self.token_ids), self.finish_reason,
                           None if self.logprobs is None else tuple(self.logprobs), self.error,
                           self.num_cached_tokens,
-                          top_logprobs=None if self.top_logprobs is None else tuple(self.top_logprobs))
+                          top_logprobs=None if self.top_logprobs is None else tuple(self.top_logprobs),
+                          prompt_logprobs=self.prompt_logprobs)
 
 
 def merge(*deltas: TokenDelta) -> TokenDelta:

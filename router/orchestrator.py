@@ -40,8 +40,8 @@ from typing import Any, AsyncIterator, Callable
 
 from engine import tracing
 from engine.errors import CapacityError, WorkerFailedError
-from engine.types import (FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, RequestSpec, TokenDelta,
-                          WorkerStats)
+from engine.types import (FirstToken, HandoffOutcome, PrefillResult, PrefillSubmission, PromptLogprobs, RequestSpec,
+                          TokenDelta, WorkerStats)
 from engine.unix_push import UnixPusher
 from router.admission import RESUME_WAIT_S, Admission
 from router.convert import RequestTimings
@@ -336,7 +336,8 @@ class Orchestrator:
                     if isinstance(item, FirstToken):   # the client has it while the KV moves
                         trace.path.back_wall_s, trace.path.first = time.time(), item
                         sent = (item.token_id,)
-                        yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs)
+                        yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs,
+                                           prompt_logprobs=item.prompt_logprobs)
                     else:
                         result: PrefillResult = item
         finally:
@@ -382,7 +383,7 @@ class Orchestrator:
         if sent:
             return None
         return _first_delta(spec.req_id, _first(result), result.first_logprob, result.first_top_logprobs,
-                            result.finish_reason, result.error)
+                            result.finish_reason, result.error, result.prompt_logprobs)
 
     def _count_handoff(self, outcome: HandoffOutcome | None) -> None:
         if outcome is not None and self.metrics is not None:
@@ -469,7 +470,8 @@ def _first(result: PrefillResult) -> tuple[int, ...]:
 
 
 def _first_delta(req_id: str, token_ids: tuple[int, ...], logprob: float | None, top_logprobs,
-                 finish_reason=None, error: str | None = None) -> TokenDelta:
+                 finish_reason=None, error: str | None = None,
+                 prompt_logprobs: PromptLogprobs | None = None) -> TokenDelta:
     """The prefill worker's first token as a delta, whether it went ahead or came with the result."""
     return TokenDelta(req_id, token_ids, finish_reason, None if logprob is None else (logprob,), error,
-                      top_logprobs=None if top_logprobs is None else (top_logprobs,))
+                      top_logprobs=None if top_logprobs is None else (top_logprobs,), prompt_logprobs=prompt_logprobs)

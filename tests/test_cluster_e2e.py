@@ -133,6 +133,49 @@ def test_min_tokens_holds_back_the_first_token_on_the_prefill_worker(disagg, col
             assert cluster_leaks(cluster) == {}
 
 
+def test_prompt_logprobs_disaggregated_and_colocated_equal_hf(disagg, coloc, hf_reference):
+    """Computed where the prompt is prefilled (the prefill worker, or the colocated engine), in
+    the first message only, equal to HF's log-softmax over the prompt; a prompt whose blocks are
+    cached is computed again (nothing read from the cache) and gives the same; the output stays
+    HF's greedy tokens; one that ends with its first token (max_tokens 1) has them too."""
+    from tests.test_prompt_logprobs import _assert_matches
+
+    prompts = [tuple(range(40, 40 + n)) for n in (70, 1, 33)] + [tuple(range(40, 110))]   # the last: cached
+    asks = [(3, 8), (0, 3), (5, 1), (2, 6)]   # (prompt_logprobs, max_tokens)
+
+    async def run(cluster):
+        async with AsyncPdserveClient(address(cluster)) as client:
+            first = await client.generate_text(token_ids=list(prompts[0]), max_tokens=8, ignore_eos=True,
+                                               prompt_logprobs=3)
+            rest = await asyncio.gather(*(client.generate_text(token_ids=list(p), max_tokens=m, ignore_eos=True,
+                                                               prompt_logprobs=n)
+                                          for p, (n, m) in zip(prompts[1:], asks[1:])))
+            plain = await client.generate_text(token_ids=list(prompts[0]), max_tokens=2, ignore_eos=True)
+        return [first, *rest], plain
+
+    for cluster in (disagg, coloc):
+        results, plain = asyncio.run(run(cluster))
+        for prompt, (n, m), result in zip(prompts, asks, results):
+            assert result.prompt_logprobs is not None
+            _assert_matches(result.prompt_logprobs, hf_reference, prompt, n)
+            assert list(result.token_ids) == hf_greedy(hf_reference, list(prompt), m)
+        assert results[-1].timings.prefill_cached_tokens == 0, "computed again, not read from the cache"
+        assert plain.prompt_logprobs is None
+        assert cluster_leaks(cluster) == {}
+
+
+@pytest.mark.parametrize("fixture", ["disagg", "coloc"])
+def test_cancel_a_prompt_logprobs_stream_frees_everything(request, fixture):
+    cluster = request.getfixturevalue(fixture)
+    with PdserveClient(address(cluster)) as client:
+        stream = client.generate(token_ids=list(range(10, 130)), max_tokens=300, ignore_eos=True, prompt_logprobs=20)
+        first = next(stream)
+        next(stream)
+        stream.close()
+    assert len(first.prompt_logprobs.logprobs) == 119 and len(first.prompt_logprobs.top_logprobs) == 119
+    assert cluster_leaks(cluster) == {}
+
+
 def test_the_stdlib_asyncio_loop_serves_the_same(ray_session, disagg, workload):
     """The router runs on uvloop by default (router/event_loop.py); asyncio's own loop, the
     fallback where uvloop is not installed, serves the same tokens and frees everything."""
@@ -192,6 +235,8 @@ BAD_REQUESTS = [
     ({"token_ids": [5, 6], "logit_bias": {100000: 1.0}}, "sampling.logit_bias"),
     ({"token_ids": [5, 6], "min_tokens": 2, "allowed_token_ids": [2]}, "sampling.allowed_token_ids"),   # 2: EOS
     ({"token_ids": [5, 6], "allowed_token_ids": [600]}, "sampling.allowed_token_ids"),
+    ({"token_ids": [5, 6], "prompt_logprobs": 21}, "sampling.prompt_logprobs"),
+    ({"token_ids": [5, 6], "prompt_logprobs": -1}, "sampling.prompt_logprobs"),
 ]
 
 

@@ -18,7 +18,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import ClusterThread
-from router.client import AsyncPdserveClient, PdserveClient
+from router.client import AsyncPdserveClient, GenerationResult, PdserveClient
 from tests.conftest import cluster_leaks, greedy_workload, hf_greedy
 from tests.test_cluster_e2e import address, start_cluster
 
@@ -145,6 +145,50 @@ def test_kill_prefill_worker_during_prefill_requests_complete(cluster, long_work
     moved = [r.timings for r in results if r.timings.migrations or r.timings.kv_handoff == "prefilled_locally"]
     assert moved, "the kill hit no prefill: the test proved nothing"
     _wait_ready(cluster, "prefill-0", restarts + 1)
+    assert cluster_leaks(cluster) == {}
+
+
+@pytest.mark.parametrize("cluster", ["standby"], indirect=True)   # the kill's moment, not the restart's kind
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_prompt_logprobs_arrive_once_whichever_worker_dies(cluster, hf_reference, victim):
+    """Prompt logprobs ride on a request's first message: the prefill worker killed while it
+    prefills (the request starts over on its replacement, which computes them), or the decode
+    worker killed once every stream has its first tokens (the request moves with them sent:
+    nobody sends them again). Each stream gets them exactly once, equal to HF's, and HF's tokens."""
+    from tests.test_prompt_logprobs import _assert_matches
+
+    prompts = [list(range(20 + i, 20 + i + n)) for i, n in enumerate((150, 90, 120, 60))]
+    refs = [hf_greedy(hf_reference, p, 30) for p in prompts]
+    worker = cluster.cluster.registry.get(victim)
+    restarts = worker.restarts
+
+    async def one(client, prompt, messages):
+        async for msg in client.generate(token_ids=prompt, max_tokens=30, ignore_eos=True, prompt_logprobs=2):
+            messages.append(msg)
+
+    async def run():
+        received = [[] for _ in prompts]
+        async with AsyncPdserveClient(address(cluster), timeout_s=180) as client:
+            tasks = [asyncio.create_task(one(client, p, m)) for p, m in zip(prompts, received)]
+            if victim == "prefill-0":
+                await asyncio.sleep(0.05)   # the prompts reached the prefill worker's queue
+            else:   # every stream past its first message: decoding on the victim
+                while any(len(m) < 2 for m in received):
+                    await asyncio.sleep(0.005)
+            _kill(worker.pid)
+            await asyncio.gather(*tasks)
+        return received
+
+    results = asyncio.run(run())
+    for prompt, ref, messages in zip(prompts, refs, results):
+        assert [t for m in messages for t in m.token_ids] == ref
+        carrying = [i for i, m in enumerate(messages) if m.HasField("prompt_logprobs")]
+        assert carrying == [0], f"prompt logprobs in messages {carrying}"
+        collected = GenerationResult()
+        collected.add(messages[0])
+        _assert_matches(collected.prompt_logprobs, hf_reference, prompt, 2)
+    assert any(m.timings.migrations for *_, m in results), "the kill moved no request: the test proved nothing"
+    _wait_ready(cluster, victim, restarts + 1)
     assert cluster_leaks(cluster) == {}
 
 

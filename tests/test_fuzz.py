@@ -74,6 +74,7 @@ def requests(draw) -> pb.GenerateRequest:
         "top_k": st.one_of(st.integers(-2, 5), st.just(10**6)),
         "seed": st.integers(-1, 2**40), "ignore_eos": st.booleans(), "logprobs": st.booleans(),
         "top_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1)),
+        "prompt_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1), st.just(-2**31)),
         "repetition_penalty": weird_floats, "frequency_penalty": weird_floats, "presence_penalty": weird_floats,
         "min_p": weird_floats, "min_tokens": st.one_of(st.integers(-2, 9), st.just(2**31 - 1)),
     }
@@ -123,6 +124,8 @@ def valid_requests(draw) -> pb.GenerateRequest:
     s.include_stop_str_in_output = draw(st.booleans())
     if s.logprobs:
         s.top_logprobs = draw(st.sampled_from([0, 1, 5, 20]))
+    if draw(st.booleans()):
+        s.prompt_logprobs = draw(st.sampled_from([0, 1, 20]))
     if draw(st.booleans()):   # min_tokens, or stop strings (not both: INVALID_ARGUMENT)
         s.min_tokens = draw(st.integers(0, s.max_tokens))
     else:

@@ -232,6 +232,40 @@ def test_top_logprobs_as_openai_defines_them_and_as_grpc_gives_them(cluster, mod
     assert cluster_leaks(cluster) == {}
 
 
+def test_prompt_logprobs_as_vllm_gives_them_and_as_grpc_gives_them(cluster, model_name, hf_reference):
+    """vLLM's ``prompt_logprobs`` N: each completion choice's (the chat response's) list, None for
+    the first prompt token, then per token its entry (logprob, rank, text) and the position's N
+    most likely; the same numbers as gRPC's and HF's. Not with stream: a 400 naming it."""
+    from tests.test_prompt_logprobs import _assert_matches
+
+    prompt, n = [9, 10, 11, 12, 40, 41], 2
+    with PdserveClient(address(cluster)) as grpc_client:
+        via_grpc = grpc_client.generate_text(token_ids=prompt, max_tokens=3, ignore_eos=True, prompt_logprobs=n)
+    _assert_matches(via_grpc.prompt_logprobs, hf_reference, prompt, n)
+    status, body = _post(f"{base_url(cluster)}/completions", {"model": model_name, "prompt": prompt, "max_tokens": 3,
+                                                              "ignore_eos": True, "prompt_logprobs": n})
+    assert status == 200, body
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    p = via_grpc.prompt_logprobs
+    for entries, token, lp, rank, top in zip(got[1:], p.token_ids, p.logprobs, p.ranks, p.top):
+        own = entries[str(token)]
+        assert own == {"logprob": pytest.approx(lp), "rank": rank, "decoded_token": text_of(token)}
+        for i, (t, v) in enumerate(top):
+            assert entries[str(t)]["logprob"] == pytest.approx(v) and (t == token or entries[str(t)]["rank"] == i + 1)
+        assert len(entries) == n + (token not in [t for t, _ in top])
+    status, chat = _post(f"{base_url(cluster)}/chat/completions", {
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
+    assert status == 200 and chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1, chat
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:]) and "prompt_logprobs" not in chat["choices"][0]
+    for body, param in (({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1, "stream": True},
+                                                                          "prompt_logprobs")):
+        status, err = _post(f"{base_url(cluster)}/completions",
+                            {"model": model_name, "prompt": prompt, "max_tokens": 2, **body})
+        assert status == 400 and err["error"]["param"] == param, err
+    assert cluster_leaks(cluster) == {}
+
+
 def _error(call) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as err:
         call()

@@ -328,7 +328,7 @@ def test_stop_strings_are_trimmed_from_streamed_text():
 
 @pytest.mark.parametrize("model, body, param", [
     (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
-    (CompletionRequest, {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
+    (CompletionRequest, {"prompt": "x", "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}, "guided_choice"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],

@@ -92,6 +92,7 @@ class _Sampling(_Body):
     min_tokens: Annotated[Int32, Field(strict=True)] | None = None   # a JSON true is no count
     include_stop_str_in_output: bool | None = None
     allowed_token_ids: list[Int64] | None = None
+    prompt_logprobs: Int32 | None = None   # the prompt's logprobs and top N (not with stream)
     # pdserve's SLO hints (as in GenerateRequest)
     ttft_ms: float | None = None
     tpot_ms: float | None = None

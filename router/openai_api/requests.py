@@ -44,7 +44,7 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 # vLLM's request extensions that would change what is generated, with the values that change
 # nothing (sent by clients that fill in every default). Any other value is refused by name.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "prompt_logprobs": (), "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
+    "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
     "logits_processors": (), "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
@@ -200,6 +200,10 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     msg.sampling.stop.extend(stops)
     msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
     msg.sampling.allowed_token_ids.extend(req.allowed_token_ids or [])
+    if req.prompt_logprobs is not None:
+        # vLLM's rule too: the whole body carries them, a stream's chunks have no place for them.
+        _refuse(not req.stream, "prompt_logprobs", "is not supported with stream: true")
+        msg.sampling.prompt_logprobs = req.prompt_logprobs
     return msg
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import FinishReason, TopLogprobs
+from engine.types import FinishReason, PromptLogprobs, TopLogprobs
 from router.convert import Usage
 from router.generation import GenerationEvent
 from router.openai_api.token_bytes import TokenBytes
@@ -121,7 +121,11 @@ class ResponseFormat:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(token_ids, lps, tops) if self.logprobs else None
         choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
-        return self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
+        body = self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
+        prompt = events[0].delta.prompt_logprobs
+        if prompt is not None:   # vLLM's place: the chat response's, each completion choice's
+            (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)
+        return body
 
     # ---- logprobs --------------------------------------------------------------------------
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
@@ -135,6 +139,21 @@ class ResponseFormat:
         top_maps = [{self._token_text(t): v for t, v in top} | {tok: lp} for tok, lp, top in zip(tokens, values, tops)]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps,
                 "text_offset": self._text_offsets(token_ids, tokens)}
+
+    def _prompt_logprobs(self, prompt: PromptLogprobs) -> list[dict | None]:
+        """vLLM's shape: None for the first prompt token, then per token a map from token id to
+        its logprob, rank and text: the prompt token's own entry, then the position's N most likely."""
+        out: list[dict | None] = [None]
+        tops = prompt.top or [()] * len(prompt.token_ids)
+        for token_id, logprob, rank, top in zip(prompt.token_ids, prompt.logprobs, prompt.ranks, tops):
+            entries = {str(token_id): self._ranked(token_id, logprob, rank)}
+            for i, (t, v) in enumerate(top):
+                entries.setdefault(str(t), self._ranked(t, v, i + 1))
+            out.append(entries)
+        return out
+
+    def _ranked(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _json_logprob(logprob), "rank": rank, "decoded_token": self._token_text(token_id)}
 
     def _text_offsets(self, token_ids: Sequence[int], tokens: Sequence[str]) -> list[int]:
         """Where each token starts in the completion's text, counted across the whole response
@@ -156,6 +175,8 @@ class ResponseFormat:
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
+        if self.token_bytes is None:   # made on first use: prompt logprobs without logprobs
+            self.token_bytes = TokenBytes(self.tokenizer)
         return self.token_bytes.text(token_id, self.tokenizer.decode([token_id], skip_special_tokens=False))
 
 
