@@ -97,6 +97,22 @@ def test_smollm2_with_penalties_bias_and_min_tokens_matches_hf(smol, smol_cases,
     assert_no_leaks(engine)
 
 
+def test_smollm2_prompt_logprobs_match_hf(smol, smol_cases, smol_reference):
+    """The real model's prompt logprobs (chat-templated prompts, chunked): HF's log-softmax over
+    the prompt, its top 5 and ranks; the output still HF's greedy tokens."""
+    from tests.test_prompt_logprobs import _assert_matches, _run
+
+    prompts, refs = smol_cases
+    engine = LLMEngine(smol, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=24))
+    specs = [RequestSpec(f"p{i}", tuple(p), SamplingParams(max_tokens=24, ignore_eos=True, prompt_logprobs=5))
+             for i, p in enumerate(prompts[:2])]
+    tokens, carried = _run(engine, specs)
+    for i, spec in enumerate(specs):
+        assert tokens[spec.req_id] == refs[i]
+        _assert_matches(carried[spec.req_id][0][1], smol_reference, spec.prompt_token_ids, 5)
+    assert_no_leaks(engine)
+
+
 def _pdserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "deploy.cli", *args]
 
