@@ -73,5 +73,5 @@ def result(request: Request) -> PromptLogprobs | None:
     """What the request's first delta carries: None unless it asked and this engine computed them."""
     if request.prompt_logprobs is None or request.spec.num_generated:
         return None
-    return PromptLogprobs(request.spec.prompt_token_ids[1:], tuple(request.prompt_logprobs),
+    return PromptLogprobs(request.spec.prompt_token_ids, tuple(request.prompt_logprobs),
                           tuple(request.prompt_ranks), tuple(request.prompt_top_logprobs))

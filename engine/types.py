@@ -74,10 +74,11 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class PromptLogprobs:
-    """A prompt's logprobs: entry i is prompt token i + 1's (the first has no context):
-    ``token_ids[i]`` that token, ``logprobs[i]`` its logprob given the tokens before it,
-    ``ranks[i]`` its rank there (1: the most likely; vLLM's), and with ``sampling.prompt_logprobs``
-    = N > 0, ``top[i]`` that position's N most likely tokens (else ``top`` is empty)."""
+    """A prompt's logprobs. ``token_ids``: the prompt; the others hold one entry per prompt token
+    after the first (which has no context), entry i for ``token_ids[i + 1]``: ``logprobs[i]`` its
+    logprob given the tokens before it, ``ranks[i]`` its rank there (1: the most likely; vLLM's),
+    and with ``sampling.prompt_logprobs`` = N > 0, ``top[i]`` that position's N most likely tokens
+    (else ``top`` is empty)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]

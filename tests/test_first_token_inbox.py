@@ -14,7 +14,7 @@ from router.first_token_inbox import FirstTokenInbox, first_ahead
 
 FIRST = FirstToken("r0", 42, -0.5, ((42, -0.5), (7, -1.25)), received_s=1.0, sent_s=2.0, queue_s=0.1,
                    prefill_s=0.5, reserve_wait_s=0.01,
-                   prompt_logprobs=PromptLogprobs((3, 4), (-1.5, -0.25), (2, 1),
+                   prompt_logprobs=PromptLogprobs((5, 3, 4), (-1.5, -0.25), (2, 1),
                                                   (((9, -0.5), (3, -1.5)), ((4, -0.25), (8, -2.0)))))
 RESULT = PrefillResult("r0", 42)
 

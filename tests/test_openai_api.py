@@ -248,7 +248,7 @@ def test_prompt_logprobs_as_vllm_gives_them_and_as_grpc_gives_them(cluster, mode
     got = body["choices"][0]["prompt_logprobs"]
     assert got[0] is None and len(got) == len(prompt)
     p = via_grpc.prompt_logprobs
-    for entries, token, lp, rank, top in zip(got[1:], p.token_ids, p.logprobs, p.ranks, p.top):
+    for entries, token, lp, rank, top in zip(got[1:], p.token_ids[1:], p.logprobs, p.ranks, p.top):
         own = entries[str(token)]
         assert own == {"logprob": pytest.approx(lp), "rank": rank, "decoded_token": text_of(token)}
         for i, (t, v) in enumerate(top):
@@ -263,6 +263,47 @@ def test_prompt_logprobs_as_vllm_gives_them_and_as_grpc_gives_them(cluster, mode
         status, err = _post(f"{base_url(cluster)}/completions",
                             {"model": model_name, "prompt": prompt, "max_tokens": 2, **body})
         assert status == 400 and err["error"]["param"] == param, err
+    assert cluster_leaks(cluster) == {}
+
+
+def test_echo_puts_the_prompt_before_the_completion_with_its_logprobs(cluster, model_name, hf_reference):
+    """Completions' ``echo``: the text is the prompt's then the completion's; with ``logprobs`` N
+    the prompt's tokens come first (the first with a null logprob and top map), each with HF's
+    logprob and its N most likely, then the completion's as without echo. What lm-evaluation-
+    harness sends to score a continuation (a one-prompt batch of ids, max_tokens 1, logprobs 1)
+    works. Not with stream: a 400 naming it."""
+    from tests.test_prompt_logprobs import _reference
+
+    prompt = [9, 10, 11, 12, 40, 41, 7]
+    client = client_for(cluster)
+    plain = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+    echoed = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "".join(map(text_of, prompt)) + plain.choices[0].text
+    text = "".join(map(text_of, prompt))
+    as_text = client.completions.create(model=model_name, prompt=text, max_tokens=4, echo=True,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+    assert as_text.startswith(text) and len(as_text) == len(text) + 4   # the prompt as sent, then 4 tokens
+
+    status, body = _post(f"{base_url(cluster)}/completions", {   # lm-evaluation-harness' loglikelihood request
+        "model": model_name, "prompt": [prompt], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+        "seed": 1234})
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    chosen, ids, values = _reference(hf_reference, tuple(prompt), 1)
+    assert lp["tokens"][: len(prompt)] == [text_of(t) for t in prompt] and len(lp["tokens"]) == len(prompt) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(prompt)] == pytest.approx(chosen, abs=1e-4)
+    for i, top in enumerate(lp["top_logprobs"][1 : len(prompt)]):
+        assert top[text_of(ids[i][0])] == pytest.approx(values[i][0], abs=1e-4)   # the most likely
+        assert top[text_of(prompt[i + 1])] == pytest.approx(chosen[i], abs=1e-4)  # and the prompt's own
+    greedy = hf_greedy(hf_reference, prompt, 1)[0]
+    assert lp["tokens"][-1] == text_of(greedy) and lp["top_logprobs"][-1] == {text_of(greedy): lp["token_logprobs"][-1]}
+    assert lp["text_offset"] == list(range(len(prompt) + 1))   # one character per token here
+    assert body["choices"][0]["text"] == text + text_of(greedy)
+    status, err = _post(f"{base_url(cluster)}/completions", {"model": model_name, "prompt": prompt, "echo": True,
+                                                              "stream": True})
+    assert status == 400 and err["error"]["param"] == "echo", err
     assert cluster_leaks(cluster) == {}
 
 

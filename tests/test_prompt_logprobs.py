@@ -43,7 +43,7 @@ def _ranks(hf_reference, prompt) -> list[int]:
 
 def _assert_matches(got: PromptLogprobs, hf_reference, prompt, n: int) -> None:
     chosen, ids, values = _reference(hf_reference, prompt, n)
-    assert tuple(got.token_ids) == tuple(prompt[1:])
+    assert tuple(got.token_ids) == tuple(prompt)
     assert got.logprobs == pytest.approx(chosen, abs=1e-4)
     assert list(got.ranks) == _ranks(hf_reference, prompt)
     if not n:

@@ -40,7 +40,7 @@ from router.openai_api import errors
 from router.openai_api.errors import ApiError
 from router.openai_api.fan_in import choices
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.openai_api.requests import chat_request, completion_request, param_for, parse, tokenize_request
+from router.openai_api.requests import chat_request, completion_request, echo_text, param_for, parse, tokenize_request
 from router.openai_api.responses import ResponseFormat
 from router.openai_api.run import GenerationResponse
 
@@ -257,7 +257,7 @@ class _Api:
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         response_id = prefix + (label or uuid.uuid4().hex)
         first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
-                               tokenizer=self.core.tokenizer)
+                               tokenizer=self.core.tokenizer, echo=None if chat else echo_text(req, self.core.tokenizer))
         fmts = [first] + [first.for_choice(i) for i in range(1, req.n)]
         return GenerationResponse(self.core, choices(msg, req.n), fmts, stream=req.stream,
                                   max_tokens_name=max_tokens_name)

@@ -155,7 +155,7 @@ def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
 
 
 def completion_request(req: CompletionRequest, label: str | None) -> pb.GenerateRequest:
-    _refuse(not req.echo, "echo", "echo is not supported")
+    _refuse(not (req.echo and req.stream), "echo", "is not supported with stream: true")
     _refuse(req.suffix is None, "suffix", "suffix is not supported")
     _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
     msg = _common(req, label)
@@ -172,7 +172,20 @@ def completion_request(req: CompletionRequest, label: str | None) -> pb.Generate
     if req.logprobs is not None:   # logprobs N: the sampled token's, and the N most likely
         msg.sampling.logprobs = True
         msg.sampling.top_logprobs = req.logprobs
+        if req.echo:   # the prompt's tokens are listed too, with their logprobs and N most likely
+            msg.sampling.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     return msg
+
+
+def echo_text(req: CompletionRequest, tokenizer) -> str | None:
+    """What ``echo`` puts before the completion: the prompt as sent, token ids decoded."""
+    if not req.echo:
+        return None
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
+        else req.prompt
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(list(prompt), skip_special_tokens=False) if tokenizer is not None else ""
 
 
 def _common(req, label: str | None) -> pb.GenerateRequest:

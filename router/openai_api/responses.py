@@ -63,6 +63,7 @@ class ResponseFormat:
     tokenizer: Any | None = None
     token_bytes: TokenBytes | None = None   # the tokenizer's; made from it when not given
     created: int = field(default_factory=lambda: int(time.time()))
+    echo: str | None = None   # completions' ``echo``: the prompt's text, put before the completion's
     _role_sent: bool = False
     _num_chars: int = 0   # characters the tokens so far complete (``text_offset``)
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
@@ -74,7 +75,7 @@ class ResponseFormat:
     def for_choice(self, index: int) -> ResponseFormat:
         """The same response's formatter for choice ``index``: its own role, text and offset state."""
         return ResponseFormat(self.chat, self.response_id, self.model, self.logprobs, index, self.include_usage,
-                              self.tokenizer, self.token_bytes, self.created)
+                              self.tokenizer, self.token_bytes, self.created, self.echo)
 
     @property
     def _object(self) -> str:
@@ -115,14 +116,16 @@ class ResponseFormat:
         lps = [lp for e in events for lp in (e.delta.logprobs or ())]
         tops = [top for e in events for top in (e.delta.top_logprobs or ())]
         choice: dict[str, Any] = {"index": self.index}
+        prompt = events[0].delta.prompt_logprobs
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(token_ids, lps, tops) if self.logprobs else None
+            choice["text"] = text if self.echo is None else self.echo + text
+        echoed = self._echoed_logprobs(prompt) if self.logprobs and self.echo is not None and prompt else None
+        output = self._logprobs(token_ids, lps, tops) if self.logprobs else None
+        choice["logprobs"] = output if echoed is None else {key: echoed[key] + output[key] for key in output}
         choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
         body = self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
-        prompt = events[0].delta.prompt_logprobs
         if prompt is not None:   # vLLM's place: the chat response's, each completion choice's
             (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return body
@@ -140,12 +143,23 @@ class ResponseFormat:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps,
                 "text_offset": self._text_offsets(token_ids, tokens)}
 
+    def _echoed_logprobs(self, prompt: PromptLogprobs) -> dict:
+        """Completions' ``echo`` with ``logprobs``: the prompt's tokens in OpenAI's shape, the
+        first with no logprob (null) and no top map, as the legacy API gives them."""
+        tokens = [self._token_text(t) for t in prompt.token_ids]
+        values = [_json_logprob(v) for v in prompt.logprobs]
+        tops = prompt.top or [()] * len(values)
+        top_maps = [{self._token_text(t): _json_logprob(v) for t, v in top} | {tok: lp}
+                    for tok, lp, top in zip(tokens[1:], values, tops)]
+        return {"tokens": tokens, "token_logprobs": [None, *values], "top_logprobs": [None, *top_maps],
+                "text_offset": self._text_offsets(prompt.token_ids, tokens)}
+
     def _prompt_logprobs(self, prompt: PromptLogprobs) -> list[dict | None]:
         """vLLM's shape: None for the first prompt token, then per token a map from token id to
         its logprob, rank and text: the prompt token's own entry, then the position's N most likely."""
         out: list[dict | None] = [None]
-        tops = prompt.top or [()] * len(prompt.token_ids)
-        for token_id, logprob, rank, top in zip(prompt.token_ids, prompt.logprobs, prompt.ranks, tops):
+        tops = prompt.top or [()] * len(prompt.logprobs)
+        for token_id, logprob, rank, top in zip(prompt.token_ids[1:], prompt.logprobs, prompt.ranks, tops):
             entries = {str(token_id): self._ranked(token_id, logprob, rank)}
             for i, (t, v) in enumerate(top):
                 entries.setdefault(str(t), self._ranked(t, v, i + 1))
