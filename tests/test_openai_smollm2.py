@@ -78,6 +78,32 @@ def test_emoji_stop_string_stops_and_logprob_bytes_rebuild_the_emoji(smol_cluste
     assert cluster_leaks(smol_cluster) == {}
 
 
+def test_echo_with_logprobs_scores_a_continuation_as_lm_eval_asks(smol_cluster):
+    """lm-evaluation-harness' loglikelihood request with the real tokenizer: the prompt's tokens
+    echoed with their logprobs; " Paris" after "The capital of France is" is the model's greedy
+    pick there (its logprob the position's highest), " London" is not; the text echoes the prompt."""
+    import json
+    import urllib.request
+
+    url = f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1/completions"
+
+    def score(text: str) -> dict:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": text, "max_tokens": 1, "logprobs": 1, "echo": True,
+                "temperature": 0}
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.load(response)["choices"][0]
+
+    for continuation, greedy in ((" Paris", True), (" London", False)):
+        choice = score("The capital of France is" + continuation)
+        assert choice["text"].startswith("The capital of France is" + continuation)
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and "".join(lp["tokens"][:-1]) == "The capital of France is" + continuation
+        last, top = lp["token_logprobs"][-2], lp["top_logprobs"][-2]   # the continuation's own token
+        assert (last == max(top.values())) == greedy, (continuation, last, top)
+    assert cluster_leaks(smol_cluster) == {}
+
+
 def test_tokenize_with_the_real_chat_template_and_detokenize(smol_cluster):
     """``/tokenize`` of the question through SmolLM2's chat template counts what the chat
     completion counts as its prompt and starts with the template's own special token; the text
