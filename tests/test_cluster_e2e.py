@@ -176,6 +176,38 @@ def test_cancel_a_prompt_logprobs_stream_frees_everything(request, fixture):
     assert cluster_leaks(cluster) == {}
 
 
+def test_a_burst_of_prompt_logprobs_requests_past_their_ttft_is_shed_and_the_rest_served(disagg, hf_reference):
+    """Overload: 24 prompt-logprobs requests at once with a TTFT no queue can meet: admission
+    refuses some (RESOURCE_EXHAUSTED naming TTFT), every one it admitted gets HF's prompt logprobs
+    and tokens, nothing is left behind, and the cluster serves the next request."""
+    from tests.test_prompt_logprobs import _assert_matches
+
+    prompts = [tuple(range(30 + i, 330 + i)) for i in range(24)]
+
+    async def burst():
+        async with AsyncPdserveClient(address(disagg)) as client:
+            async def one(prompt):
+                try:
+                    return await client.generate_text(token_ids=list(prompt), max_tokens=4, ignore_eos=True,
+                                                      prompt_logprobs=1, ttft_ms=15.0)
+                except grpc.aio.AioRpcError as exc:
+                    return exc
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert refused and all(r.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "TTFT" in r.details() for r in refused)
+    served = [(p, r) for p, r in zip(prompts, results) if not isinstance(r, grpc.aio.AioRpcError)]
+    assert served, "an idle pair is always given the first request"
+    for prompt, result in served:
+        _assert_matches(result.prompt_logprobs, hf_reference, prompt, 1)
+        assert list(result.token_ids) == hf_greedy(hf_reference, list(prompt), 4)
+    assert cluster_leaks(disagg) == {}
+    with PdserveClient(address(disagg)) as client:
+        assert list(client.generate_text(token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == \
+            hf_greedy(hf_reference, [5, 6, 7], 3)
+
+
 def test_the_stdlib_asyncio_loop_serves_the_same(ray_session, disagg, workload):
     """The router runs on uvloop by default (router/event_loop.py); asyncio's own loop, the
     fallback where uvloop is not installed, serves the same tokens and frees everything."""
