@@ -271,7 +271,7 @@ def test_echo_puts_the_prompt_before_the_completion_with_its_logprobs(cluster, m
     the prompt's tokens come first (the first with a null logprob and top map), each with HF's
     logprob and its N most likely, then the completion's as without echo. What lm-evaluation-
     harness sends to score a continuation (a one-prompt batch of ids, max_tokens 1, logprobs 1)
-    works. Not with stream: a 400 naming it."""
+    works. Streamed, the first chunk carries the prompt: the chunks join into the whole body's."""
     from tests.test_prompt_logprobs import _reference
 
     prompt = [9, 10, 11, 12, 40, 41, 7]
@@ -301,9 +301,15 @@ def test_echo_puts_the_prompt_before_the_completion_with_its_logprobs(cluster, m
     assert lp["tokens"][-1] == text_of(greedy) and lp["top_logprobs"][-1] == {text_of(greedy): lp["token_logprobs"][-1]}
     assert lp["text_offset"] == list(range(len(prompt) + 1))   # one character per token here
     assert body["choices"][0]["text"] == text + text_of(greedy)
-    status, err = _post(f"{base_url(cluster)}/completions", {"model": model_name, "prompt": prompt, "echo": True,
-                                                              "stream": True})
-    assert status == 400 and err["error"]["param"] == "echo", err
+    whole = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(model=model_name, prompt=prompt, max_tokens=4, echo=True,
+                                                              logprobs=2, stream=True, extra_body={"ignore_eos": True})]
+    assert "".join(c.text for c in chunks) == whole.text and chunks[0].text.startswith(text)
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for lp in streamed for t in lp.tokens] == whole.logprobs.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(whole.logprobs.token_logprobs)
+    assert [o for lp in streamed for o in lp.text_offset] == whole.logprobs.text_offset
     assert cluster_leaks(cluster) == {}
 
 

@@ -79,7 +79,6 @@ def test_the_developer_role_is_openais_new_name_for_system():
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "n": 17}, "n"),
-    ({"prompt": "x", "echo": True, "stream": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),

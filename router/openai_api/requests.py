@@ -155,7 +155,6 @@ def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
 
 
 def completion_request(req: CompletionRequest, label: str | None) -> pb.GenerateRequest:
-    _refuse(not (req.echo and req.stream), "echo", "is not supported with stream: true")
     _refuse(req.suffix is None, "suffix", "suffix is not supported")
     _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
     msg = _common(req, label)

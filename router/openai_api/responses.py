@@ -64,6 +64,7 @@ class ResponseFormat:
     token_bytes: TokenBytes | None = None   # the tokenizer's; made from it when not given
     created: int = field(default_factory=lambda: int(time.time()))
     echo: str | None = None   # completions' ``echo``: the prompt's text, put before the completion's
+    _echo_sent: bool = False
     _role_sent: bool = False
     _num_chars: int = 0   # characters the tokens so far complete (``text_offset``)
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
@@ -95,9 +96,11 @@ class ResponseFormat:
         if self.chat:
             choice["delta"] = {"content": event.text} if self._role_sent else {"role": "assistant", "content": event.text}
             self._role_sent = True
+            choice["logprobs"] = (self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
+                                  if self.logprobs else None)
         else:
-            choice["text"] = event.text
-        choice["logprobs"] = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs) if self.logprobs else None
+            choice["text"], choice["logprobs"] = self._completion(event.text, delta.prompt_logprobs, delta.token_ids,
+                                                                  delta.logprobs, delta.top_logprobs)
         choice["finish_reason"] = finish
         out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         if self.include_usage:
@@ -119,16 +122,27 @@ class ResponseFormat:
         prompt = events[0].delta.prompt_logprobs
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = self._logprobs(token_ids, lps, tops) if self.logprobs else None
         else:
-            choice["text"] = text if self.echo is None else self.echo + text
-        echoed = self._echoed_logprobs(prompt) if self.logprobs and self.echo is not None and prompt else None
-        output = self._logprobs(token_ids, lps, tops) if self.logprobs else None
-        choice["logprobs"] = output if echoed is None else {key: echoed[key] + output[key] for key in output}
+            choice["text"], choice["logprobs"] = self._completion(text, prompt, token_ids, lps, tops)
         choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
         body = self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
         if prompt is not None:   # vLLM's place: the chat response's, each completion choice's
             (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return body
+
+    def _completion(self, text: str, prompt: PromptLogprobs | None, token_ids: Sequence[int],
+                    logprobs: Sequence[float] | None, tops: Sequence[TopLogprobs] | None) -> tuple[str, dict | None]:
+        """A completion's text and ``logprobs``, the echoed prompt's before them the first time
+        (``echo``: the whole body, or a stream's first chunk)."""
+        echo = None
+        if self.echo is not None and not self._echo_sent:
+            echo, self._echo_sent = self.echo, True
+        echoed = self._echoed_logprobs(prompt) if echo is not None and self.logprobs and prompt else None
+        output = self._logprobs(token_ids, logprobs, tops) if self.logprobs else None
+        if echoed is not None:
+            output = {key: echoed[key] + output[key] for key in output}
+        return (text if echo is None else echo + text), output
 
     # ---- logprobs --------------------------------------------------------------------------
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float] | None,
