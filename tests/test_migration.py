@@ -145,23 +145,31 @@ def test_only_the_first_report_of_a_generation_takes_the_slot_down():
 # ---------------------------------------------------------------- the supervisor
 
 
-def test_supervisor_replaces_with_backoff_and_reports(monkeypatch):
-    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
-    registry = WorkerRegistry()
-    worker = WorkerHandle("d0", "decode", "actor-0", "n", "cpu")
-    registry.add(worker)
-    events, delays = [], []
+async def _spawn(w):
+    """A replacement actor at once (a name stands for it)."""
+    return f"actor-{w.generation + 1}", {"node_id": "n", "device": "cpu"}
 
-    async def spawn(w):
-        return f"actor-{w.generation + 1}", {"node_id": "n", "device": "cpu"}
+
+def _recorded_sleeps(monkeypatch) -> list[float]:
+    """The supervisor's backoff delays, recorded instead of slept."""
+    delays: list[float] = []
 
     async def fake_sleep(s):
         delays.append(s)
 
     monkeypatch.setattr(supervisor_module.asyncio, "sleep", fake_sleep)
+    return delays
+
+
+def test_supervisor_replaces_with_backoff_and_reports(monkeypatch):
+    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
+    registry = WorkerRegistry()
+    worker = WorkerHandle("d0", "decode", "actor-0", "n", "cpu")
+    registry.add(worker)
+    events, delays = [], _recorded_sleeps(monkeypatch)
 
     async def run():
-        sup = Supervisor(registry, spawn, on_down=lambda w: events.append(("down", w.generation)),
+        sup = Supervisor(registry, _spawn, on_down=lambda w: events.append(("down", w.generation)),
                          on_ready=lambda w: events.append(("ready", w.generation)))
         sup.watch = lambda w: None   # no real actor to hold a lifeline on
         for generation in range(3):
@@ -184,19 +192,11 @@ def test_a_worker_killed_after_a_stable_run_is_replaced_at_once_a_crash_loop_bac
     registry = WorkerRegistry()
     worker = WorkerHandle("p0", "prefill", "actor-0", "n", "cpu")
     registry.add(worker)
-    clock, delays = [1000.0], []
+    clock, delays = [1000.0], _recorded_sleeps(monkeypatch)
     monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: clock[0])
 
-    async def spawn(w):
-        return f"actor-{w.generation + 1}", {"node_id": "n", "device": "cpu"}
-
-    async def fake_sleep(s):
-        delays.append(s)
-
-    monkeypatch.setattr(supervisor_module.asyncio, "sleep", fake_sleep)
-
     async def run():
-        sup = Supervisor(registry, spawn, on_down=lambda w: None, on_ready=lambda w: None)
+        sup = Supervisor(registry, _spawn, on_down=lambda w: None, on_ready=lambda w: None)
         sup.watch = lambda w: sup._up_since.__setitem__(w.worker_id, clock[0])   # no lifeline on a fake actor
         sup.watch(worker)
         for up_s in (17.0, 17.0, 17.0, 2.0, 2.0, 2.0, supervisor_module.STABLE_S, 1.0):
