@@ -25,10 +25,9 @@ if TYPE_CHECKING:
 
 
 def owed(request: Request) -> bool:
-    """The request asked and has not had them: no output token yet, and not resumed from
-    tokens already streamed (a migrated request's first worker delivered them)."""
-    return (request.prompt_logprobs is not None and not request.output_token_ids
-            and request.spec.num_generated == 0)
+    """This engine owes them (``Request.prompt_logprobs`` is not None) and has not sent them:
+    no output token yet."""
+    return request.prompt_logprobs is not None and not request.output_token_ids
 
 
 def positions(request: Request, start: int, n: int) -> range:
@@ -41,12 +40,12 @@ def positions(request: Request, start: int, n: int) -> range:
 ROWS_AT_ONCE = 256   # rows at a time: a float32 copy of them stays ~50 MB at a 49k vocabulary
 
 
-def record(rows: list[tuple[Request, range]], logits: torch.Tensor) -> None:
-    """``logits``: one row per position of ``rows``, in order. Appends each position's logprob,
-    rank (and top N) to its request's lists unless already there."""
-    targets = torch.tensor([r.spec.prompt_token_ids[p + 1] for r, span in rows for p in span],
+def record(spans: list[tuple[Request, range]], logits: torch.Tensor) -> None:
+    """``logits``: one row per position of ``spans``, in order. Each position's logprob, rank
+    (and top N) goes to its request (``Request.add_prompt_logprob``)."""
+    targets = torch.tensor([r.spec.prompt_token_ids[p + 1] for r, span in spans for p in span],
                            dtype=torch.long, device=logits.device)
-    k = max(r.sampling.prompt_logprobs for r, _ in rows)
+    k = max(r.sampling.prompt_logprobs for r, _ in spans)
     chosen, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, logits.shape[0], ROWS_AT_ONCE):
         lp = torch.log_softmax(logits[start : start + ROWS_AT_ONCE].float(), dim=-1)
@@ -60,20 +59,17 @@ def record(rows: list[tuple[Request, range]], logits: torch.Tensor) -> None:
             top_values += torch.nan_to_num(values, nan=float("-inf")).tolist()
             top_ids += ids.tolist()
     i = 0
-    for request, span in rows:
+    for request, span in spans:
         n = request.sampling.prompt_logprobs
         for p in span:
-            if p == len(request.prompt_logprobs):
-                request.prompt_logprobs.append(chosen[i])
-                request.prompt_ranks.append(ranks[i])
-                if n:
-                    request.prompt_top_logprobs.append(tuple(zip(top_ids[i][:n], top_values[i][:n])))
+            top = tuple(zip(top_ids[i][:n], top_values[i][:n])) if n else None
+            request.add_prompt_logprob(p, chosen[i], ranks[i], top)
             i += 1
 
 
 def result(request: Request) -> PromptLogprobs | None:
     """What the request's first delta carries: None unless it asked and this engine computed them."""
-    if request.prompt_logprobs is None or request.spec.num_generated:
+    if request.prompt_logprobs is None:
         return None
     return PromptLogprobs(request.spec.prompt_token_ids, tuple(request.prompt_logprobs),
                           tuple(request.prompt_ranks), tuple(request.prompt_top_logprobs))

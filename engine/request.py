@@ -55,11 +55,23 @@ class Request:
         self.req_id = self.spec.req_id
         self.sampling = self.spec.sampling
         self.adjusts_logits = self.sampling.adjusts_logits
-        self.prompt_logprobs = [] if self.sampling.prompt_logprobs is not None else None
+        # A migrated request (tokens already streamed) had them from its first worker.
+        asked = self.sampling.prompt_logprobs is not None and self.spec.num_generated == 0
+        self.prompt_logprobs = [] if asked else None
 
     def forgo_prompt_logprobs(self) -> None:
         """Its prompt's KV comes from a prefill worker, which delivers them with the first token."""
         self.prompt_logprobs = None
+
+    def add_prompt_logprob(self, position: int, logprob: float, rank: int, top: TopLogprobs | None) -> None:
+        """Position ``position``'s entry (prompt token position + 1's), once: a retried step or a
+        chunk recomputed after preemption adds nothing twice."""
+        if position != len(self.prompt_logprobs):
+            return
+        self.prompt_logprobs.append(logprob)
+        self.prompt_ranks.append(rank)
+        if top is not None:
+            self.prompt_top_logprobs.append(top)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -215,8 +215,9 @@ class PrefillWorker(WorkerBase):
     def _first_token_of(self, done: PrefillDone, reserve_wait_s: float) -> FirstToken:
         run = self._running.get(done.req_id)
         return FirstToken(done.req_id, done.first_token_id, done.first_logprob, done.first_top_logprobs,
-                          prompt_logprobs=done.prompt_logprobs, received_s=run.received_s if run else 0.0, sent_s=time.time(),
-                          queue_s=done.queue_s, prefill_s=done.prefill_s, reserve_wait_s=reserve_wait_s)
+                          prompt_logprobs=done.prompt_logprobs, received_s=run.received_s if run else 0.0,
+                          sent_s=time.time(), queue_s=done.queue_s, prefill_s=done.prefill_s,
+                          reserve_wait_s=reserve_wait_s)
 
     def _reserved(self, req_id: str, reservation: asyncio.Task) -> None:
         run = self._running.get(req_id)

@@ -301,6 +301,7 @@ def test_echo_puts_the_prompt_before_the_completion_with_its_logprobs(cluster, m
     assert lp["tokens"][-1] == text_of(greedy) and lp["top_logprobs"][-1] == {text_of(greedy): lp["token_logprobs"][-1]}
     assert lp["text_offset"] == list(range(len(prompt) + 1))   # one character per token here
     assert body["choices"][0]["text"] == text + text_of(greedy)
+    assert "prompt_logprobs" not in body["choices"][0], "echo's logprobs, not vLLM's prompt_logprobs, unless asked"
     whole = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
                                       extra_body={"ignore_eos": True}).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(model=model_name, prompt=prompt, max_tokens=4, echo=True,

@@ -257,7 +257,8 @@ class _Api:
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         response_id = prefix + (label or uuid.uuid4().hex)
         first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
-                               tokenizer=self.core.tokenizer, echo=None if chat else echo_text(req, self.core.tokenizer))
+                               tokenizer=self.core.tokenizer, prompt_logprobs=req.prompt_logprobs is not None,
+                               echo=None if chat else echo_text(req, self.core.tokenizer))
         fmts = [first] + [first.for_choice(i) for i in range(1, req.n)]
         return GenerationResponse(self.core, choices(msg, req.n), fmts, stream=req.stream,
                                   max_tokens_name=max_tokens_name)

@@ -64,6 +64,7 @@ class ResponseFormat:
     token_bytes: TokenBytes | None = None   # the tokenizer's; made from it when not given
     created: int = field(default_factory=lambda: int(time.time()))
     echo: str | None = None   # completions' ``echo``: the prompt's text, put before the completion's
+    prompt_logprobs: bool = False   # vLLM's ``prompt_logprobs`` asked (echo asks the engine for them too)
     _echo_sent: bool = False
     _role_sent: bool = False
     _num_chars: int = 0   # characters the tokens so far complete (``text_offset``)
@@ -76,7 +77,7 @@ class ResponseFormat:
     def for_choice(self, index: int) -> ResponseFormat:
         """The same response's formatter for choice ``index``: its own role, text and offset state."""
         return ResponseFormat(self.chat, self.response_id, self.model, self.logprobs, index, self.include_usage,
-                              self.tokenizer, self.token_bytes, self.created, self.echo)
+                              self.tokenizer, self.token_bytes, self.created, self.echo, self.prompt_logprobs)
 
     @property
     def _object(self) -> str:
@@ -127,7 +128,7 @@ class ResponseFormat:
             choice["text"], choice["logprobs"] = self._completion(text, prompt, token_ids, lps, tops)
         choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
         body = self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
-        if prompt is not None:   # vLLM's place: the chat response's, each completion choice's
+        if self.prompt_logprobs and prompt is not None:   # vLLM's place: the chat response's, each choice's
             (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return body
 
