@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from engine import attention, skinny_linear  # noqa: E402
+from engine import attention, lean_cpu, skinny_linear  # noqa: E402
 
 BATCH, BLOCK = 64, 16
 
@@ -78,7 +78,11 @@ def main() -> None:
     engine = build_engine(args.ctx_min, args.ctx_max, args.steps + 2)
     engine.runner._forward = _labelled("pdserve::forward", engine.runner._forward)
     for name in ("skinny_linear", "panel_linear"):   # pybind calls: invisible to the profiler unless labelled
-        setattr(skinny_linear, name, _labelled(f"pdserve::{name}", getattr(skinny_linear, name)))
+        labelled = _labelled(f"pdserve::{name}", getattr(skinny_linear, name))
+        # The C++ layer stack (lean_cpu.NativeLayers) is told the kernel by a code looked up by function,
+        # and labels its own calls (decode_layers.cpp's RECORD_FUNCTION ranges, the same names).
+        lean_cpu._KERNEL_CODES[labelled] = lean_cpu._KERNEL_CODES[getattr(skinny_linear, name)]
+        setattr(skinny_linear, name, labelled)
     for _ in range(2):
         engine.step()
     t = time.perf_counter()
@@ -89,8 +93,11 @@ def main() -> None:
     wall = (time.perf_counter() - t) / args.steps
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
-    total = {e.key: e.cpu_time_total / args.steps / 1e3 for e in events}
-    self_ms = {e.key: e.self_cpu_time_total / args.steps / 1e3 for e in events}
+    total: dict[str, float] = {}
+    self_ms: dict[str, float] = {}
+    for e in events:   # a name can head two rows (a Python range and decode_layers.cpp's): summed
+        total[e.key] = total.get(e.key, 0.0) + e.cpu_time_total / args.steps / 1e3
+        self_ms[e.key] = self_ms.get(e.key, 0.0) + e.self_cpu_time_total / args.steps / 1e3
     step, fwd, attn = total["pdserve::step"], total["pdserve::forward"], total["pdserve::paged_attention"]
     gemm = sum(total.get(k, 0.0) for k in ("pdserve::skinny_linear", "pdserve::panel_linear")) + \
         sum(self_ms.get(k, 0.0) for k in ("aten::mm", "aten::addmm"))
@@ -99,6 +106,23 @@ def main() -> None:
           f"outside the forward {step - fwd:.1f}")
     rest = _rest_of_forward(prof.events(), args.steps)
     print("rest of the forward (ms per step): " + ", ".join(f"{name} {ms:.1f}" for name, ms in rest))
+    print(_bounds_line(engine, args.threads, step, attn))
+
+
+def _bounds_line(engine, threads: int, step_ms: float, attention_ms: float) -> str:
+    """The step and its attention against this run's machine peaks: the GEMM bound (what issue 14's
+    target 1 compares with) and the time to read the step's KV once at streaming bandwidth."""
+    from benchmarks.ceiling import ModelShape, decode_step_bound, measure_machine
+
+    config = engine.runner.model.config
+    kv_tokens = sum(r.num_computed_tokens + 1 for r in engine.scheduler.running)
+    peaks = measure_machine(config, num_threads=threads)
+    gemm_ms = decode_step_bound(config, len(engine.scheduler.running), peaks).gemm_s * 1e3
+    kv_read_ms = kv_tokens * ModelShape.from_config(config).kv_bytes_per_token() / peaks.read_bytes_s * 1e3
+    return (f"bounds (peaks measured now: {peaks.gemm_flops / 1e9:.0f} GFLOP/s, read {peaks.read_bytes_s / 1e9:.0f} GB/s; "
+            f"KV {kv_tokens:,} tokens): GEMM bound {gemm_ms:.1f} ms (step {step_ms / gemm_ms:.2f}x), KV read once "
+            f"{kv_read_ms:.1f} ms (attention {attention_ms / kv_read_ms:.2f}x), GEMM bound + KV read "
+            f"{gemm_ms + kv_read_ms:.1f} ms (step {step_ms / (gemm_ms + kv_read_ms):.2f}x)")
 
 
 def _rest_of_forward(events, steps: int) -> list[tuple[str, float]]:

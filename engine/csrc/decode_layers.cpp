@@ -18,8 +18,12 @@
 // [2 I, H]; down[l] [H, I], each with its bias or None (qkv_bias[l], ...); scales[l]; kv_cache [layers, 2, blocks, block_size, kv_heads, d] (layer l's
 // K and V at [l][0], [l][1]); cos, sin [T, d]; slots [T]; the decode group's block_tables [T, max_blocks]
 // and context_lens [T]. Bound to Python in module.cpp.
+//
+// The kernels are plain functions the profiler cannot see; each call is a RECORD_FUNCTION range
+// (named as benchmarks/profile_decode.py reads them; a no-op unless a profiler is on).
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <optional>
 #include <vector>
@@ -39,6 +43,7 @@ using Bias = std::optional<at::Tensor>;
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Bias& bias, int64_t kernel) {
   if (kernel == TORCH_LINEAR || bias.has_value()) return at::linear(x, weight, bias);
+  RECORD_FUNCTION(kernel == SKINNY ? "pdserve::skinny_linear" : "pdserve::panel_linear", c10::ArrayRef<const c10::IValue>{});
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   if (kernel == SKINNY)
     skinny_linear(out, x, weight);
@@ -75,9 +80,12 @@ at::Tensor decode_layers(at::Tensor hidden, std::vector<at::Tensor> norms, std::
     at::Tensor v = projected.narrow(1, q_width + kv_width, kv_width).view({T, kv_heads, head_dim});
     const at::Tensor k_cache = kv_cache.select(0, l).select(0, 0), v_cache = kv_cache.select(0, l).select(0, 1);
     at::Tensor rotated = at::empty({T, heads, head_dim}, hidden.options());
-    rope_write_kv(rotated, q, k, v, cos, sin, k_cache, v_cache, slots);
     at::Tensor attended = at::empty({T, heads, head_dim}, hidden.options());
-    paged_decode_attention(attended, rotated, k_cache, v_cache, block_tables, context_lens, scales[l], false);
+    {
+      RECORD_FUNCTION("pdserve::paged_attention", c10::ArrayRef<const c10::IValue>{});
+      rope_write_kv(rotated, q, k, v, cos, sin, k_cache, v_cache, slots);
+      paged_decode_attention(attended, rotated, k_cache, v_cache, block_tables, context_lens, scales[l], false);
+    }
     hidden = at::add(hidden, linear(attended.view({T, q_width}), o[l], o_bias[l], kernel));
     x = at::rms_norm(hidden, {H}, norms[2 * l + 1], eps[2 * l + 1]);
     at::Tensor gu = linear(x, gate_up[l], gate_up_bias[l], kernel);
