@@ -358,6 +358,12 @@ def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
     with pytest.raises(urllib.error.HTTPError) as bad:
         urllib.request.urlopen(request, timeout=10)
     assert bad.value.code == 400 and json.load(bad.value)["error"]["type"] == "invalid_request_error"
+    for path in ("/completions", "/chat/completions"):   # deeper than Python's parser recurses (found by test_openai_fuzz)
+        request = urllib.request.Request(base_url(cluster) + path, data=b"[" * 5000,
+                                         headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(request, timeout=10)
+        assert bad.value.code == 400 and "nested too deeply" in json.load(bad.value)["error"]["message"]
     # JSON's \\u escapes can spell a lone surrogate (no UTF-8 text holds one; the openai client cannot send it)
     request = urllib.request.Request(base_url(cluster) + "/completions", headers={"content-type": "application/json"},
                                      data=b'{"prompt": "a\\ud800", "max_tokens": 1}')

@@ -183,6 +183,8 @@ class _Api:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise self._bad("body", f"not valid JSON: {exc}") from None
+        except RecursionError:   # Python's parser recurses per level: '[' * 5000 would be a 500
+            raise self._bad("body", "JSON nested too deeply") from None
         req = self._checked(parse, model, data)
         if req.model is not None:
             self._check_model(req.model)
