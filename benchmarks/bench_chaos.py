@@ -14,7 +14,8 @@ What it does (one run, one cluster, defaults in brackets):
     migrations; per kill: time to the replacement being ready and to the first token the
     replacement served; TTFT/TPOT p50/p99 inside recovery windows (kill -> ready + 5 s) and
     outside them; goodput (requests meeting ``--slo`` TTFT,TPOT ms [6400,390]: the goodput
-    benchmark's run-7 SLO) per 30 s bucket;
+    benchmark's run-7 SLO) per 30 s bucket; whether every completed request's tokens equal the
+    in-process engine's greedy output on the same model (migrated ones included);
   - ends with the leak check (every block free, no request left) and /dev/shm: only the live
     workers' KV pools, no stale segment.
 Writes the report to ``--out`` [benchmarks/results/chaos.txt] and prints it.
@@ -63,6 +64,8 @@ class Outcome:
     tpot_s: float | None = None
     end_s: float | None = None
     migrations: int = 0
+    prompt: tuple[int, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
     decode_worker: str = ""
     prefill_worker: str = ""
     token_times: list[float] = field(default_factory=list)
@@ -111,6 +114,7 @@ async def one_request(client, req, out: Outcome, t0: float) -> None:
         async for msg in client.generate(token_ids=req.prompt_token_ids, max_tokens=req.output_len, ignore_eos=True):
             now = time.monotonic() - t0
             out.token_times.extend([now] * len(msg.token_ids))
+            out.token_ids.extend(msg.token_ids)
             if msg.HasField("timings"):
                 out.migrations = msg.timings.migrations
                 out.decode_worker, out.prefill_worker = msg.timings.decode_worker_id, msg.timings.prefill_worker_id
@@ -135,7 +139,7 @@ async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: li
         tasks = []
         for req, offset in zip(requests, offsets):
             await asyncio.sleep(max(0.0, offset - (time.monotonic() - t0)))
-            out = Outcome(sent_s=time.monotonic() - t0)
+            out = Outcome(sent_s=time.monotonic() - t0, prompt=tuple(req.prompt_token_ids))
             outcomes.append(out)
             tasks.append(asyncio.create_task(one_request(client, req, out, t0)))
         await asyncio.gather(*tasks)
@@ -173,7 +177,23 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale: list[str], wall_s: float) -> str:
+def mismatches(args, outcomes: list[Outcome]) -> list[Outcome]:
+    """The completed requests whose tokens differ from the in-process engine's greedy output on the
+    same model (the engine equals HF's generate: tests), a kill or a migration notwithstanding."""
+    from engine.engine import LLMEngine
+    from engine.model_loader import load_model, random_model
+    from engine.types import RequestSpec, SamplingParams
+
+    done = [o for o in outcomes if o.ok]
+    engine = LLMEngine(random_model(seed=0) if args.quick else load_model(None))
+    specs = [RequestSpec(f"ref{i}", o.prompt, SamplingParams(max_tokens=len(o.token_ids), ignore_eos=True))
+             for i, o in enumerate(done)]
+    reference = engine.generate(specs)
+    return [o for i, o in enumerate(done) if reference[f"ref{i}"] != o.token_ids]
+
+
+def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale: list[str], wall_s: float,
+           wrong: list[Outcome]) -> str:
     ttft_t, tpot_t = (float(x) / 1e3 for x in args.slo.split(","))
     windows = [(k.at_s, (k.ready_s or k.at_s) + RECOVERY_TAIL_S) for k in kills]
     for k in kills:   # the first token the replacement served: a request it finished, tokens after ready
@@ -198,6 +218,9 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
         f"requests: submitted {len(outcomes)}, completed {len(done)}, failed {len(failed)}, rejected by admission "
         f"at arrival {len(rejected)}, migrated {sum(1 for o in done if o.migrations)} "
         f"(migrations {sum(o.migrations for o in done)})",
+        f"tokens of the completed requests equal to the in-process engine's greedy output on the same model: "
+        f"{len(done) - len(wrong)} of {len(done)}"
+        + "".join(f"; DIFFERENT: sent at {o.sent_s:.1f} s, {o.migrations} migration(s)" for o in wrong[:5]),
     ]
     lines += [f"  failed: {o.status}" for o in failed[:10]]
     lines += ["", "kills:  worker      at (s)  ready after (s)  first token by the replacement after (s)"]
@@ -265,7 +288,7 @@ def main() -> None:
         stale = [p for p in glob.glob("/dev/shm/pdserve-*.kv") if _owner(p) in pids and not _owner_alive(p)]
     finally:
         cluster.stop()
-    text = report(args, outcomes, kills, leaks, stale, wall)
+    text = report(args, outcomes, kills, leaks, stale, wall, mismatches(args, outcomes))
     write_run(args.out, text)
     print(text)
 

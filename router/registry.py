@@ -89,6 +89,7 @@ class WorkerHandle:
     pid: int | None = None        # the actor's process (operators and failure tests)
     prefix: PrefixIndex = field(default_factory=PrefixIndex)   # prompt prefixes its cache probably holds
     promised_blocks: int = 0      # blocks reserved for (or soon asked of) this decode worker, not yet decoding
+    served: bool = False          # this generation ran engine steps: its model works (router.supervisor's backoff)
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
@@ -121,11 +122,13 @@ class WorkerHandle:
         self.num_prefill_tokens = 0
         self.promised_blocks = 0
         self.decoding.clear()
+        self.served = False
         self.state = WorkerState.READY
 
     def observe_stats(self, stats: WorkerStats | None) -> None:
         if stats is not None:
             self.stats = stats
+            self.served = self.served or bool(stats.recent_steps)   # steps are only recorded by real steps
 
     def observe_kv_events(self, events, generation: int) -> None:
         """Prefix-cache events from the actor of ``generation`` (an old one's are dropped: its

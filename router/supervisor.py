@@ -8,8 +8,9 @@ routes around it at once), reports it (``on_down``: health, metrics), and starts
 kill what is left of the old actor, unlink its /dev/shm KV pool, wait the backoff, start a
 fresh actor (fresh engine, fresh pool, via ``spawn``), install it as the next generation and
 report it (``on_ready``: its stream, health, queued requests). Repeated crashes back off
-exponentially (a slot that stayed up ``STABLE_S`` after it was ready starts over at no delay), so
-a worker that crashes on start cannot cause a restart storm; ``max_restarts`` (None: no limit) gives up on a
+exponentially, so a worker that crashes on start cannot cause a restart storm; a slot whose
+lost generation served (ran engine steps: its model loads and runs) or stayed up ``STABLE_S``
+after it was ready starts over at no delay; ``max_restarts`` (None: no limit) gives up on a
 slot, which then stays DEAD. Once ``stop`` began, a lost slot goes DEAD at once (no restart).
 """
 
@@ -30,10 +31,13 @@ logger = logging.getLogger(__name__)
 
 FIRST_RETRY_S = 1.0     # the second crash in a row waits this long, then doubling
 MAX_BACKOFF_S = 30.0
-# Up this long since it was ready: the next crash restarts at once. A crash loop (a worker dying
-# at start or seconds after) backs off; one that served this long and was then killed (OOM, a
-# node's preemption, kill -9) is not a loop. At 60 s, a kill every 17 s grew the delay to 16 s
-# and the requests waiting on that slot failed (benchmarks/results/chaos-every-17s.txt).
+# Up this long since it was ready, or served at all: the next crash restarts at once. A crash
+# loop (a worker dying at start, or at its first forward, before any step) backs off; one that
+# served and was then killed (OOM, a node's preemption, kill -9) is not a loop, however soon:
+# with the time rule alone, at 60 s a kill every 17 s grew the delay to 16 s
+# (benchmarks/results/chaos-every-17s.txt), and at 10 s a decode worker killed every 10 s waited
+# 1, 2, 4 ... 30 s while every request failed (benchmarks/results/chaos-every-5s.txt). A request
+# that kills every worker it runs on is ended by the orchestrator's migration limit.
 STABLE_S = 10.0
 
 Spawn = Callable[[WorkerHandle], Awaitable[tuple[object, dict]]]
@@ -79,7 +83,8 @@ class Supervisor:
         if worker.role != "colocated" and self.registry.dist_ready:
             self.registry.lose_kv_group()
         self._on_down(worker)
-        self._spawn_task(self._restart(worker, worker.actor, worker.shm_path), f"restart-{worker.worker_id}")
+        self._spawn_task(self._restart(worker, worker.actor, worker.shm_path, worker.served),
+                         f"restart-{worker.worker_id}")
 
     def _lost_while_stopping(self, lost: WorkerLost) -> None:
         """No replacement comes, but the slot must not read as serving: requests in flight would
@@ -91,7 +96,7 @@ class Supervisor:
             worker.mark_dead()
             self._on_down(worker)
 
-    async def _restart(self, worker: WorkerHandle, old_actor, old_shm: str | None) -> None:
+    async def _restart(self, worker: WorkerHandle, old_actor, old_shm: str | None, served: bool) -> None:
         _kill(old_actor)
         _unlink(old_shm)
         if self.max_restarts is not None and worker.restarts >= self.max_restarts:
@@ -99,7 +104,7 @@ class Supervisor:
             worker.mark_dead()
             self._on_down(worker)
             return
-        await asyncio.sleep(self._next_delay(worker.worker_id))
+        await asyncio.sleep(self._next_delay(worker.worker_id, served))
         while not self._stopping:
             started = time.monotonic()
             try:
@@ -118,9 +123,9 @@ class Supervisor:
         self.watch(worker)
         self._on_ready(worker)
 
-    def _next_delay(self, worker_id: str) -> float:
-        """0 after a stable run; then 1 s, 2 s, 4 s ... up to ``MAX_BACKOFF_S``."""
-        if time.monotonic() - self._up_since.get(worker_id, 0.0) >= STABLE_S:
+    def _next_delay(self, worker_id: str, served: bool = False) -> float:
+        """0 after a generation that served or ran ``STABLE_S``; then 1 s, 2 s, 4 s ... up to ``MAX_BACKOFF_S``."""
+        if served or time.monotonic() - self._up_since.get(worker_id, 0.0) >= STABLE_S:
             self._backoff.pop(worker_id, None)
         delay = self._backoff.get(worker_id, 0.0)
         self._backoff[worker_id] = min(MAX_BACKOFF_S, max(FIRST_RETRY_S, 2 * delay))

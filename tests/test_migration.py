@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.errors import KVTransferError, WorkerFailedError
 from engine.request import Request
-from engine.types import KVLayout, RequestSpec, SamplingParams, TokenDelta
+from engine.types import KVLayout, RequestSpec, SamplingParams, StepTiming, TokenDelta, WorkerStats
 from kvtransfer.handle import KVBlocksHandle
 from router import supervisor as supervisor_module
 from router.admission import Admission
@@ -206,6 +206,37 @@ def test_a_worker_killed_after_a_stable_run_is_replaced_at_once_a_crash_loop_bac
 
     asyncio.run(run())
     # 17 s runs: at once each time; then each quick crash doubles (1, 2, 4 s); a stable run: at once again.
+    assert delays == [0.0, 0.0, 0.0, 1.0, 2.0, 4.0, 0.0, 1.0]
+    assert worker.alive and worker.restarts == 8
+
+
+def test_a_worker_that_served_is_replaced_at_once_however_soon_it_dies(monkeypatch):
+    """A generation that ran engine steps (its model loads and runs) was killed, not crash-looping:
+    restarted at once even 3 s after it was ready; one that reported no step yet backs off. A
+    replacement starts unserved. (At a kill every 5 s, the time rule alone kept the decode slot
+    empty for up to 30 s: benchmarks/results/chaos-every-5s.txt.)"""
+    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
+    registry = WorkerRegistry()
+    worker = WorkerHandle("d0", "decode", "actor-0", "n", "cpu")
+    registry.add(worker)
+    clock, delays = [1000.0], _recorded_sleeps(monkeypatch)
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: clock[0])
+    stepped = WorkerStats("d0", "decode", 0, 1, 0, 10, 10, 16, recent_steps=(StepTiming(1, 1, 0, 8, 0.01),))
+    idle = WorkerStats("d0", "decode", 0, 0, 0, 10, 10, 16)
+
+    async def run():
+        sup = Supervisor(registry, _spawn, on_down=lambda w: None, on_ready=lambda w: None)
+        sup.watch = lambda w: sup._up_since.__setitem__(w.worker_id, clock[0])   # no lifeline on a fake actor
+        sup.watch(worker)
+        for stats in (stepped, stepped, stepped, idle, None, idle, stepped, None):
+            clock[0] += 3.0
+            worker.observe_stats(stats)
+            sup.worker_lost(WorkerLost(worker, worker.generation, "killed"))
+            await asyncio.gather(*sup._tasks)
+            assert not worker.served   # each replacement starts unproven
+
+    asyncio.run(run())
+    # served: at once (three times); no step yet, 3 s after ready: 1, 2, 4 s; served: at once; unserved: 1 s.
     assert delays == [0.0, 0.0, 0.0, 1.0, 2.0, 4.0, 0.0, 1.0]
     assert worker.alive and worker.restarts == 8
 
