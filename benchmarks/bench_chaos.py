@@ -1,14 +1,14 @@
 """Chaos benchmark: Poisson load on a live cluster while its workers are killed with SIGKILL.
 
 What it does (one run, one cluster, defaults in brackets):
-  - starts pdserve (1 prefill + 1 decode worker, the embedded SmolLM2-135M; ``--quick``: a tiny
+  - starts pdserve (``--workers`` prefill,decode [1,1], the embedded SmolLM2-135M; ``--quick``: a tiny
     random model) and sends seeded requests (dataset ``random``: prompt ``--input-len`` [192]
     and output ``--output-len`` [48] tokens, +-50%, EOS ignored, greedy) as Poisson arrivals at
     ``--rate`` req/s [0.6, ~70% of this machine's capacity at the goodput benchmark's SLO] for
     ``--duration`` seconds [330], through SLO admission as a deployment runs (``--no-admission``:
     everything admitted);
   - every ``--kill-every`` seconds [60] it sends SIGKILL to a worker's process, alternating decode
-    and prefill (decode first);
+    and prefill (decode first), round the workers (decode-0, prefill-0, decode-1, ...);
   - records, per request: submitted / completed / failed (and the gRPC status) / refused by
     admission at arrival (load shedding, not a lost request), TTFT, TPOT,
     migrations; per kill: time to the replacement being ready and to the first token the
@@ -91,6 +91,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slo", default="6400,390", help="TTFT,TPOT targets in ms for the goodput figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny random model (no SmolLM2)")
+    p.add_argument("--workers", default="1,1", help="prefill,decode workers; kills go round them (decode-0, "
+                   "prefill-0, decode-1, prefill-1, ...)")
     p.add_argument("--no-admission", action="store_true",
                    help="admit everything (default: SLO admission at --slo, as a deployment runs)")
     p.add_argument("--out", default="benchmarks/results/chaos.txt")
@@ -98,7 +100,9 @@ def parse() -> argparse.Namespace:
 
 
 def start(args) -> ClusterThread:
-    config = ClusterConfig(mode="disaggregated", num_prefill=1, num_decode=1, cpus_per_worker=1.0, threads_per_worker=1,
+    num_prefill, num_decode = (int(n) for n in args.workers.split(","))
+    config = ClusterConfig(mode="disaggregated", num_prefill=num_prefill, num_decode=num_decode,
+                           cpus_per_worker=2.0 / (num_prefill + num_decode), threads_per_worker=1,
                            random_model={"seed": 0} if args.quick else None, port=0,
                            prefill_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
                            decode_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
@@ -147,13 +151,15 @@ async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: li
 
 
 def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> None:
-    """Kills (SIGKILL) alternately the decode and the prefill worker; waits for each replacement."""
+    """Kills (SIGKILL) the workers in turn, decode and prefill alternately; waits for each replacement."""
     registry = cluster.cluster.registry
-    roles = ["decode-0", "prefill-0"]
+    num_prefill, num_decode = (int(n) for n in args.workers.split(","))
+    roles = [f"{role}-{i}" for i in range(max(num_prefill, num_decode)) for role, n in (("decode", num_decode),
+                                                                                      ("prefill", num_prefill)) if i < n]
     at = args.kill_every
     while at < args.duration:
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
-        worker = registry.get(roles[len(kills) % 2])
+        worker = registry.get(roles[len(kills) % len(roles)])
         kill = Kill(time.monotonic() - t0, worker.worker_id, worker.generation, worker.pid)
         os.kill(worker.pid, signal.SIGKILL)
         kills.append(kill)
@@ -208,8 +214,9 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
     outside = [o for o in done if o not in inside]
     met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
     lines = [
-        f"# bench_chaos: {'tiny random model' if args.quick else 'SmolLM2-135M-Instruct'}, 1 prefill + 1 decode worker "
-        f"(1 CPU, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
+        f"# bench_chaos: {'tiny random model' if args.quick else 'SmolLM2-135M-Instruct'}, "
+        f"{args.workers.replace(',', ' prefill + ')} decode worker(s) "
+        f"(2 CPUs shared, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
         f"output {args.output_len} tokens +-50%, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
         f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
         f"TPOT <= {tpot_t * 1e3:.0f} ms, admission {'off' if args.no_admission else 'on'}, "
