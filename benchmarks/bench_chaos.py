@@ -3,7 +3,8 @@
 What it does (one run, one cluster, defaults in brackets):
   - starts pdserve (``--workers`` prefill,decode [1,1], the embedded SmolLM2-135M; ``--quick``: a tiny
     random model) and sends seeded requests (dataset ``random``: prompt ``--input-len`` [192]
-    and output ``--output-len`` [48] tokens, +-50%, EOS ignored, greedy) as Poisson arrivals at
+    and output ``--output-len`` [48] tokens, +-50%, EOS ignored, greedy; ``--shared-prefix N``: each
+    prompt opens with one of 4 shared N-token prefixes) as Poisson arrivals at
     ``--rate`` req/s [0.6, ~70% of this machine's capacity at the goodput benchmark's SLO] for
     ``--duration`` seconds [330], through SLO admission as a deployment runs (``--no-admission``:
     everything admitted);
@@ -31,6 +32,7 @@ import asyncio
 import glob
 import logging
 import os
+import random
 import signal
 import statistics
 import sys
@@ -91,6 +93,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slo", default="6400,390", help="TTFT,TPOT targets in ms for the goodput figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny random model (no SmolLM2)")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt opens with one of 4 shared N-token prefixes (prefix caching under kills)")
     p.add_argument("--workers", default="1,1", help="prefill,decode workers; kills go round them (decode-0, "
                    "prefill-0, decode-1, prefill-1, ...)")
     p.add_argument("--no-admission", action="store_true",
@@ -134,8 +138,14 @@ async def one_request(client, req, out: Outcome, t0: float) -> None:
 
 async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: list[Kill], t0: float) -> None:
     num = int(args.rate * args.duration) + 1
+    vocab = (3, 500) if args.quick else (1000, 40000)
     requests = make_requests("random", num, args.input_len, args.output_len, range_ratio=0.5, seed=args.seed,
-                             vocab=(3, 500) if args.quick else (1000, 40000))
+                             vocab=vocab)
+    if args.shared_prefix:   # 4 system prompts, each request opening with one: prefix-cache hits on every worker
+        rng = random.Random(args.seed)
+        prefixes = [[rng.randrange(*vocab) for _ in range(args.shared_prefix)] for _ in range(4)]
+        for i, req in enumerate(requests):
+            req.prompt_token_ids[:0] = prefixes[i % 4]
     offsets = [o for o in arrival_offsets(num, args.rate, seed=args.seed) if o < args.duration]
     killer = threading.Thread(target=kill_loop, args=(args, cluster, kills, t0), daemon=True)
     killer.start()
@@ -213,11 +223,12 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
     inside = [o for o in done if any(_overlaps(o, a, b) for a, b in windows)]
     outside = [o for o in done if o not in inside]
     met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
+    shared = f" after one of 4 shared {args.shared_prefix}-token prefixes" if args.shared_prefix else ""
     lines = [
         f"# bench_chaos: {'tiny random model' if args.quick else 'SmolLM2-135M-Instruct'}, "
         f"{args.workers.replace(',', ' prefill + ')} decode worker(s) "
         f"(2 CPUs shared, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
-        f"output {args.output_len} tokens +-50%, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
+        f"output {args.output_len} tokens +-50%{shared}, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
         f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
         f"TPOT <= {tpot_t * 1e3:.0f} ms, admission {'off' if args.no_admission else 'on'}, "
         f"load average at start {args.load_at_start:.1f}",
