@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import itertools
 import logging
 import os
 import random
@@ -95,6 +96,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny random model (no SmolLM2)")
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="every prompt opens with one of 4 shared N-token prefixes (prefix caching under kills)")
+    p.add_argument("--mode", default="disaggregated", choices=("disaggregated", "colocated"),
+                   help="colocated: --workers' decode count of colocated workers (no prefill worker)")
     p.add_argument("--workers", default="1,1", help="prefill,decode workers; kills go round them (decode-0, "
                    "prefill-0, decode-1, prefill-1, ...)")
     p.add_argument("--no-admission", action="store_true",
@@ -105,7 +108,9 @@ def parse() -> argparse.Namespace:
 
 def start(args) -> ClusterThread:
     num_prefill, num_decode = (int(n) for n in args.workers.split(","))
-    config = ClusterConfig(mode="disaggregated", num_prefill=num_prefill, num_decode=num_decode,
+    if args.mode == "colocated":
+        num_prefill = 0
+    config = ClusterConfig(mode=args.mode, num_prefill=num_prefill, num_decode=num_decode,
                            cpus_per_worker=2.0 / (num_prefill + num_decode), threads_per_worker=1,
                            random_model={"seed": 0} if args.quick else None, port=0,
                            prefill_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
@@ -163,9 +168,9 @@ async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: li
 def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> None:
     """Kills (SIGKILL) the workers in turn, decode and prefill alternately; waits for each replacement."""
     registry = cluster.cluster.registry
-    num_prefill, num_decode = (int(n) for n in args.workers.split(","))
-    roles = [f"{role}-{i}" for i in range(max(num_prefill, num_decode)) for role, n in (("decode", num_decode),
-                                                                                      ("prefill", num_prefill)) if i < n]
+    decoding = [w.worker_id for w in registry.all if w.role != "prefill"]
+    prefilling = [w.worker_id for w in registry.all if w.role == "prefill"]
+    roles = [w for pair in itertools.zip_longest(decoding, prefilling) for w in pair if w is not None]
     at = args.kill_every
     while at < args.duration:
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
@@ -224,9 +229,11 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
     outside = [o for o in done if o not in inside]
     met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
     shared = f" after one of 4 shared {args.shared_prefix}-token prefixes" if args.shared_prefix else ""
+    num_prefill, num_decode = args.workers.split(",")
+    workers = f"{num_prefill} prefill + {num_decode} decode" if args.mode == "disaggregated" else f"{num_decode} colocated"
     lines = [
         f"# bench_chaos: {'tiny random model' if args.quick else 'SmolLM2-135M-Instruct'}, "
-        f"{args.workers.replace(',', ' prefill + ')} decode worker(s) "
+        f"{workers} worker(s) "
         f"(2 CPUs shared, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
         f"output {args.output_len} tokens +-50%{shared}, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
         f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
