@@ -161,6 +161,25 @@ def _recorded_sleeps(monkeypatch) -> list[float]:
     return delays
 
 
+def _supervised_on_a_clock(monkeypatch, role: str):
+    """A worker slot, a settable clock, the recorded backoff delays, and a maker of the supervisor
+    watching the slot (call it inside the event loop) with the clock as its time."""
+    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
+    registry = WorkerRegistry()
+    worker = WorkerHandle("w0", role, "actor-0", "n", "cpu")
+    registry.add(worker)
+    clock, delays = [1000.0], _recorded_sleeps(monkeypatch)
+    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: clock[0])
+
+    def supervisor() -> Supervisor:
+        sup = Supervisor(registry, _spawn, on_down=lambda w: None, on_ready=lambda w: None)
+        sup.watch = lambda w: sup._up_since.__setitem__(w.worker_id, clock[0])   # no lifeline on a fake actor
+        sup.watch(worker)
+        return sup
+
+    return worker, clock, delays, supervisor
+
+
 def test_supervisor_replaces_with_backoff_and_reports(monkeypatch):
     monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
     registry = WorkerRegistry()
@@ -188,17 +207,10 @@ def test_a_worker_killed_after_a_stable_run_is_replaced_at_once_a_crash_loop_bac
     """Kills spaced wider than STABLE_S (an OOM killer, kill -9 every 17 s) restart at once every
     time; crashes sooner than that after the replacement was ready back off, and one stable run
     clears the backoff."""
-    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
-    registry = WorkerRegistry()
-    worker = WorkerHandle("p0", "prefill", "actor-0", "n", "cpu")
-    registry.add(worker)
-    clock, delays = [1000.0], _recorded_sleeps(monkeypatch)
-    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: clock[0])
+    worker, clock, delays, supervisor = _supervised_on_a_clock(monkeypatch, "prefill")
 
     async def run():
-        sup = Supervisor(registry, _spawn, on_down=lambda w: None, on_ready=lambda w: None)
-        sup.watch = lambda w: sup._up_since.__setitem__(w.worker_id, clock[0])   # no lifeline on a fake actor
-        sup.watch(worker)
+        sup = supervisor()
         for up_s in (17.0, 17.0, 17.0, 2.0, 2.0, 2.0, supervisor_module.STABLE_S, 1.0):
             clock[0] += up_s
             sup.worker_lost(WorkerLost(worker, worker.generation, "killed"))
@@ -215,19 +227,12 @@ def test_a_worker_that_served_is_replaced_at_once_however_soon_it_dies(monkeypat
     restarted at once even 3 s after it was ready; one that reported no step yet backs off. A
     replacement starts unserved. (At a kill every 5 s, the time rule alone kept the decode slot
     empty for up to 30 s: benchmarks/results/chaos-every-5s.txt.)"""
-    monkeypatch.setattr(supervisor_module, "_kill", lambda actor: None)
-    registry = WorkerRegistry()
-    worker = WorkerHandle("d0", "decode", "actor-0", "n", "cpu")
-    registry.add(worker)
-    clock, delays = [1000.0], _recorded_sleeps(monkeypatch)
-    monkeypatch.setattr(supervisor_module.time, "monotonic", lambda: clock[0])
-    stepped = WorkerStats("d0", "decode", 0, 1, 0, 10, 10, 16, recent_steps=(StepTiming(1, 1, 0, 8, 0.01),))
-    idle = WorkerStats("d0", "decode", 0, 0, 0, 10, 10, 16)
+    worker, clock, delays, supervisor = _supervised_on_a_clock(monkeypatch, "decode")
+    stepped = WorkerStats("w0", "decode", 0, 1, 0, 10, 10, 16, recent_steps=(StepTiming(1, 1, 0, 8, 0.01),))
+    idle = WorkerStats("w0", "decode", 0, 0, 0, 10, 10, 16)
 
     async def run():
-        sup = Supervisor(registry, _spawn, on_down=lambda w: None, on_ready=lambda w: None)
-        sup.watch = lambda w: sup._up_since.__setitem__(w.worker_id, clock[0])   # no lifeline on a fake actor
-        sup.watch(worker)
+        sup = supervisor()
         for stats in (stepped, stepped, stepped, idle, None, idle, stepped, None):
             clock[0] += 3.0
             worker.observe_stats(stats)
