@@ -314,6 +314,37 @@ def test_echo_puts_the_prompt_before_the_completion_with_its_logprobs(cluster, m
     assert cluster_leaks(cluster) == {}
 
 
+def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(cluster, model_name, hf_reference):
+    """A completions ``prompt`` that is a list of prompts (texts or token-id lists, as OpenAI and
+    vLLM take it; lm-evaluation-harness sends its requests so): choice ``index`` = prompt x n +
+    choice, each the greedy HF continuation of its own prompt, with its own ``echo``; usage counts
+    every prompt once and every choice's tokens; streamed the same. A bad prompt in the batch fails
+    the whole request, and nothing is left running (leak check)."""
+    prompts = [[7, 8, 9], [30, 31, 32, 33], [5]]
+    refs = [hf_greedy(hf_reference, p, 5) for p in prompts]
+    client = client_for(cluster)
+    extra = {"ignore_eos": True}
+    whole = client.completions.create(model=model_name, prompt=prompts, n=2, max_tokens=5, temperature=0,
+                                      extra_body=extra)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [ids_of(c.text) for c in whole.choices] == [refs[i // 2] for i in range(6)]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (3 + 4 + 1, 6 * 5)
+    texts = ["".join(map(text_of, p)) for p in prompts]
+    streamed = ["", "", ""]
+    usage = None
+    for chunk in client.completions.create(model=model_name, prompt=texts, max_tokens=5, echo=True, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=extra):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+        usage = chunk.usage or usage
+    plain = client.completions.create(model=model_name, prompt=texts[1], max_tokens=5, extra_body=extra)
+    assert streamed[1] == texts[1] + plain.choices[0].text and all(s.startswith(t) for s, t in zip(streamed, texts))
+    assert usage.completion_tokens == 15 and usage.prompt_tokens > 0
+    err = _error(lambda: client.completions.create(model=model_name, prompt=[[7, 8], [7, 10**7]], max_tokens=2))
+    assert err.status_code == 400 and err.body["param"] == "prompt"
+    assert cluster_leaks(cluster) == {}
+
+
 def _error(call) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as err:
         call()
@@ -347,8 +378,8 @@ def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
     client = client_for(cluster)
     err = _error(lambda: client.completions.create(model=model_name, prompt=[7, 10**7], max_tokens=2))
     assert err.status_code == 400 and err.body["param"] == "prompt"
-    err = _error(lambda: client.completions.create(model=model_name, prompt=["a", "b"], max_tokens=2))
-    assert err.status_code == 400 and "batch" in err.body["message"]
+    err = _error(lambda: client.completions.create(model=model_name, prompt=["a"] * 17, n=4, max_tokens=2))
+    assert err.status_code == 400 and err.body["param"] == "prompt" and "at most 64" in err.body["message"]
     err = _error(lambda: client.completions.create(model=model_name, prompt="x", logprobs=21))
     assert err.status_code == 400 and err.body["param"] == "logprobs"
     err = _error(lambda: client.completions.create(model="gpt-4o", prompt="x"))

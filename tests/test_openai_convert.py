@@ -17,8 +17,14 @@ from router.generation import GenerationEvent
 from router.identity import DuplicateRequestError
 from router.openai_api import errors
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai_api.requests import chat_request, completion_request, param_for, parse
+from router.openai_api.requests import MAX_GENERATIONS, chat_request, completion_requests, param_for, parse
 from router.openai_api.responses import ResponseFormat
+
+
+def completion_request(req, label):
+    """The one request of a one-prompt body."""
+    [msg] = completion_requests(req, label)
+    return msg
 
 
 def test_chat_body_becomes_the_generate_request_grpc_would_send():
@@ -83,11 +89,11 @@ def test_the_developer_role_is_openais_new_name_for_system():
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 1.0, "05": 2.0}}, "logit_bias"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a"] * 17, "n": 4}, "prompt"),   # a batch's prompts x n past MAX_GENERATIONS
 ])
 def test_unsupported_completion_parameters_are_named(body, param):
     with pytest.raises(InvalidRequestError) as err:
-        completion_request(parse(CompletionRequest, body), None)
+        completion_requests(parse(CompletionRequest, body), None)
     assert err.value.field == param
 
 
@@ -402,3 +408,16 @@ def test_choices_copy_the_request_with_their_own_label_and_seed():
     assert all(m.text == "x" and m.sampling.temperature == 1.0 for m in out)
     unseeded = choices(completion_request(parse(CompletionRequest, {"prompt": "x"}), None), 2)
     assert not any(m.sampling.HasField("seed") for m in unseeded)
+
+
+def test_a_batch_of_prompts_is_one_request_each_the_first_labelled():
+    body = {"prompt": ["one", "two", "three"], "max_tokens": 3, "seed": 5, "logprobs": 1, "echo": True}
+    msgs = completion_requests(parse(CompletionRequest, body), "label-1")
+    assert [m.text for m in msgs] == ["one", "two", "three"]
+    assert [m.request_id for m in msgs] == ["label-1", "", ""]
+    assert all(m.sampling.max_tokens == 3 and m.sampling.seed == 5 and m.sampling.prompt_logprobs == 1 for m in msgs)
+    ids = completion_requests(parse(CompletionRequest, {"prompt": [[1, 2], [3]]}), None)
+    assert [list(m.token_ids.ids) for m in ids] == [[1, 2], [3]]
+    with pytest.raises(InvalidRequestError) as too_many:
+        completion_requests(parse(CompletionRequest, {"prompt": ["a"] * (MAX_GENERATIONS // 4 + 1), "n": 4}), None)
+    assert too_many.value.field == "prompt" and str(MAX_GENERATIONS) in too_many.value.message

@@ -40,7 +40,7 @@ from router.openai_api import errors
 from router.openai_api.errors import ApiError
 from router.openai_api.fan_in import choices
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.openai_api.requests import chat_request, completion_request, echo_text, param_for, parse, tokenize_request
+from router.openai_api.requests import chat_request, completion_requests, echo_texts, param_for, parse, tokenize_request
 from router.openai_api.responses import ResponseFormat
 from router.openai_api.run import GenerationResponse
 
@@ -136,12 +136,13 @@ class _Api:
         req, label = await self._parse(request, ChatCompletionRequest)
         msg = self._checked(chat_request, req, label)
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return self._response(msg, req, label, chat=True, logprobs=req.logprobs, max_tokens_name=name)
+        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, max_tokens_name=name)
 
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)
-        msg = self._checked(completion_request, req, label)
-        return self._response(msg, req, label, chat=False, logprobs=req.logprobs is not None)
+        msgs = self._checked(completion_requests, req, label)
+        return self._response(msgs, echo_texts(req, self.core.tokenizer), req, label, chat=False,
+                              logprobs=req.logprobs is not None)
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/tokenize``: the ids a generation request with this prompt (or these messages,
@@ -253,14 +254,16 @@ class _Api:
         code, _ = self.core.failure(InvalidRequestError(param, message), None)   # counted as invalid
         return ApiError(400, f"{param}: {message}", "invalid_request_error", param, code.name.lower())
 
-    def _response(self, msg, req, label: str | None, *, chat: bool, logprobs: bool,
+    def _response(self, msgs: list, echoes: list[str | None], req, label: str | None, *, chat: bool, logprobs: bool,
                   max_tokens_name: str = "max_tokens") -> GenerationResponse:
+        """One response over every prompt's (``msgs``, each with its ``echoes`` text) ``n`` choices."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         response_id = prefix + (label or uuid.uuid4().hex)
         first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
                                tokenizer=self.core.tokenizer, prompt_logprobs=req.prompt_logprobs is not None,
-                               echo=None if chat else echo_text(req, self.core.tokenizer))
-        fmts = [first] + [first.for_choice(i) for i in range(1, req.n)]
-        return GenerationResponse(self.core, choices(msg, req.n), fmts, stream=req.stream,
-                                  max_tokens_name=max_tokens_name)
+                               echo=echoes[0])
+        requests = [choice for msg in msgs for choice in choices(msg, req.n)]
+        fmts = [first] + [first.for_choice(i, echoes[i // req.n]) for i in range(1, len(requests))]
+        return GenerationResponse(self.core, requests, fmts, stream=req.stream, max_tokens_name=max_tokens_name,
+                                  choices_per_prompt=req.n)

@@ -1,5 +1,6 @@
-"""An OpenAI request with ``n`` > 1: its choices run as n generations side by side, and their events
-come back as one stream of (choice index, event), in the order they arrive.
+"""An OpenAI request with ``n`` > 1 (or a completions batch of prompts, each with its n): its
+choices run as generations side by side, and their events come back as one stream of (choice
+index, event), in the order they arrive.
 
 Why a request per choice: each choice is a whole generation (its own sampling, KV, admission);
 sharing the prompt costs nothing extra where prefix caching is on (the later choices find the

@@ -2,10 +2,13 @@
 a gRPC request does (``router.limits``, ``router.convert``); and the other way for error
 messages: a field path of the ``GenerateRequest`` -> the OpenAI parameter the client wrote.
 
+A completions ``prompt`` may be a batch (a list of texts or of token-id lists): one generation
+per prompt and choice, ``index`` = prompt x n + choice, as OpenAI and vLLM number them.
 What is refused here (a 400 naming the parameter): ``n`` outside [1, ``MAX_CHOICES``] (each
-choice is a generation of its own: ``fan_in.py``), ``best_of`` > 1, ``echo``,
+choice is a generation of its own: ``fan_in.py``), more than ``MAX_GENERATIONS`` prompts x n,
+``best_of`` > 1, chat's ``echo``,
 ``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, a ``response_format`` other than
-text, a batch of prompts, content parts that are not text, and vLLM's extensions this server
+text, content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
 ``guided_json`` or ``bad_words`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
@@ -34,6 +37,7 @@ _UNLESS_OFF = ("presence_penalty", "frequency_penalty", "repetition_penalty", "m
                "include_stop_str_in_output")
 _OFF = SamplingParams()
 MAX_CHOICES = 16   # n: each choice is a live request (max_concurrent_streams counts it too)
+MAX_GENERATIONS = 64   # a completions batch: prompts x n live requests from one body
 VLLM_ALL_TOKENS = -1   # vLLM's top_k for "no top-k" beside 0; its clients send it as their default
 _TOP = ("ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
@@ -154,37 +158,52 @@ def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
     return pb.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=content or "")
 
 
-def completion_request(req: CompletionRequest, label: str | None) -> pb.GenerateRequest:
+def completion_requests(req: CompletionRequest, label: str | None) -> list[pb.GenerateRequest]:
+    """One ``GenerateRequest`` per prompt of the body (a batch: a list of texts or of token-id
+    lists, as OpenAI's and vLLM's completions take it); only the first carries the client's label
+    (one live request per label: the router labels the others)."""
     _refuse(req.suffix is None, "suffix", "suffix is not supported")
     _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
-    msg = _common(req, label)
+    prompts = prompts_of(req)
+    _refuse(len(prompts) * req.n <= MAX_GENERATIONS, "prompt", f"{len(prompts)} prompts x n = {req.n} make "
+            f"{len(prompts) * req.n} generations; at most {MAX_GENERATIONS} in one request")
+    template = _common(req, label)
+    if req.max_tokens is not None:
+        template.sampling.max_tokens = req.max_tokens
+    if req.logprobs is not None:   # logprobs N: the sampled token's, and the N most likely
+        template.sampling.logprobs = True
+        template.sampling.top_logprobs = req.logprobs
+        if req.echo:   # the prompt's tokens are listed too, with their logprobs and N most likely
+            template.sampling.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
+    msgs = []
+    for index, prompt in enumerate(prompts):
+        msg = pb.GenerateRequest()
+        msg.CopyFrom(template)
+        if index:
+            msg.ClearField("request_id")
+        if isinstance(prompt, str):
+            msg.text = prompt
+        else:
+            msg.token_ids.ids.extend(prompt)
+        msgs.append(msg)
+    return msgs
+
+
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The body's prompts: one text or token-id list, or a batch of either."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        _refuse(len(prompt) == 1, "prompt", "a batch of prompts is not supported: send one prompt per request")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        msg.text = prompt
-    else:
-        msg.token_ids.ids.extend(prompt)
-    if req.max_tokens is not None:
-        msg.sampling.max_tokens = req.max_tokens
-    if req.logprobs is not None:   # logprobs N: the sampled token's, and the N most likely
-        msg.sampling.logprobs = True
-        msg.sampling.top_logprobs = req.logprobs
-        if req.echo:   # the prompt's tokens are listed too, with their logprobs and N most likely
-            msg.sampling.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
-    return msg
+        return list(prompt)
+    return [prompt]
 
 
-def echo_text(req: CompletionRequest, tokenizer) -> str | None:
-    """What ``echo`` puts before the completion: the prompt as sent, token ids decoded."""
+def echo_texts(req: CompletionRequest, tokenizer) -> list[str | None]:
+    """What ``echo`` puts before each prompt's completions: the prompt as sent, token ids decoded."""
     if not req.echo:
-        return None
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int) \
-        else req.prompt
-    if isinstance(prompt, str):
-        return prompt
-    return tokenizer.decode(list(prompt), skip_special_tokens=False) if tokenizer is not None else ""
+        return [None] * len(prompts_of(req))
+    return [prompt if isinstance(prompt, str) else
+            tokenizer.decode(list(prompt), skip_special_tokens=False) if tokenizer is not None else ""
+            for prompt in prompts_of(req)]
 
 
 def _common(req, label: str | None) -> pb.GenerateRequest:

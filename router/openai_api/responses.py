@@ -30,17 +30,22 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
            FinishReason.ERROR: "error"}
 
 
-def usage_total(usages: Sequence[Usage | None]) -> Usage | None:
-    """One request's usage over its choices: the prompt once, every choice's completion tokens."""
-    known = [u for u in usages if u is not None]
-    if not known:
+def usage_total(usages: Sequence[Usage | None], choices_per_prompt: int = 1) -> Usage | None:
+    """One request's usage over its choices (in index order, ``choices_per_prompt`` for each prompt
+    of a batch; None: a choice with none yet): each prompt's tokens once, every choice's completion tokens."""
+    if all(u is None for u in usages):
         return None
-    return Usage(known[0].prompt_tokens, sum(u.completion_tokens for u in known))
+    prompt_tokens = 0
+    for start in range(0, len(usages), choices_per_prompt):
+        known = [u for u in usages[start:start + choices_per_prompt] if u is not None]
+        prompt_tokens += known[0].prompt_tokens if known else 0
+    return Usage(prompt_tokens, sum(u.completion_tokens for u in usages if u is not None))
 
 
-def whole_of_choices(wholes: Sequence[dict], usages: Sequence[Usage | None]) -> dict:
+def whole_of_choices(wholes: Sequence[dict], usages: Sequence[Usage | None], choices_per_prompt: int = 1) -> dict:
     """Each choice's ``ResponseFormat.whole`` as one body: their choices in order, the total usage."""
-    return wholes[0] | {"choices": [w["choices"][0] for w in wholes], "usage": usage_json(usage_total(usages))}
+    usage = usage_total(usages, choices_per_prompt)
+    return wholes[0] | {"choices": [w["choices"][0] for w in wholes], "usage": usage_json(usage)}
 
 
 def usage_json(usage: Usage | None) -> dict | None:
@@ -74,10 +79,11 @@ class ResponseFormat:
         if self.logprobs and self.token_bytes is None:
             self.token_bytes = TokenBytes(self.tokenizer)
 
-    def for_choice(self, index: int) -> ResponseFormat:
-        """The same response's formatter for choice ``index``: its own role, text and offset state."""
+    def for_choice(self, index: int, echo: str | None) -> ResponseFormat:
+        """The same response's formatter for choice ``index`` (its prompt's ``echo``): its own role,
+        text and offset state."""
         return ResponseFormat(self.chat, self.response_id, self.model, self.logprobs, index, self.include_usage,
-                              self.tokenizer, self.token_bytes, self.created, self.echo, self.prompt_logprobs)
+                              self.tokenizer, self.token_bytes, self.created, echo, self.prompt_logprobs)
 
     @property
     def _object(self) -> str:

@@ -50,10 +50,11 @@ def sse(data: dict | str) -> bytes:
 
 class GenerationResponse(Response):
     def __init__(self, core: GenerationCore, requests: list[pb.GenerateRequest], fmts: list[ResponseFormat], *,
-                 stream: bool, max_tokens_name: str = "max_tokens") -> None:
-        """One request per choice (``fan_in.choices``) and one format each."""
+                 stream: bool, max_tokens_name: str = "max_tokens", choices_per_prompt: int = 1) -> None:
+        """One request per choice (``fan_in.choices``; a batch: each prompt's n in turn) and one format each."""
         super().__init__(status_code=200)
         self.core, self.requests, self.fmts, self.stream = core, requests, fmts, stream
+        self.choices_per_prompt = choices_per_prompt
         self.fmt = fmts[0]
         self._max_tokens_name = max_tokens_name
         self._started = False     # a status line went out: errors are events from now on
@@ -107,7 +108,7 @@ class GenerationResponse(Response):
                 async for index, event in events:
                     by_choice[index].append(event)
                 body = whole_of_choices([f.whole(e) for f, e in zip(self.fmts, by_choice)],
-                                        [e[-1].usage for e in by_choice])
+                                        [e[-1].usage for e in by_choice], self.choices_per_prompt)
                 await self._send_whole(200, json.dumps(body).encode(), send)
 
     async def _stream(self, events, send) -> None:
@@ -120,7 +121,7 @@ class GenerationResponse(Response):
             if chunk is not None:
                 await send({"type": "http.response.body", "body": sse(chunk), "more_body": True})
             last[index] = event
-        usage = usage_total([e.usage for e in last if e is not None])
+        usage = usage_total([e.usage if e is not None else None for e in last], self.choices_per_prompt)
         tail = sse(self.fmt.usage_chunk(usage)) if self.fmt.include_usage and any(last) else b""
         self._done = True
         await send({"type": "http.response.body", "body": tail + sse("[DONE]"), "more_body": False})
