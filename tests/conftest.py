@@ -147,9 +147,12 @@ class ByteTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(97 + t % 26) for t in token_ids)
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=True, **kwargs):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation) + "assistant: "
-        return self.encode(text)
+    def apply_chat_template(self, conversation, add_generation_prompt=True, tokenize=True,
+                            continue_final_message=False, **kwargs):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
+        if continue_final_message:
+            text = text.removesuffix("\n")
+        return self.encode(text + ("assistant: " if add_generation_prompt else ""))
 
     def convert_ids_to_tokens(self, ids):
         """Like Hugging Face's: one id gives one piece, a list a list."""

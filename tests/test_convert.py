@@ -178,6 +178,43 @@ def test_chat_prompt_uses_chat_template_with_generation_prompt(tokenizer):
     assert tokenizer.decode(ids) == "<system>be brief<user>hi<assistant>"
 
 
+def test_chat_template_options_reach_the_template(tokenizer):
+    """add_generation_prompt false closes no turn; continue_final_message leaves the last message
+    open (transformers cuts the render after its content); template variables are the template's."""
+    chat = [("user", "hi"), ("assistant", "hel")]
+    closed = build_request(chat=chat)
+    closed.chat.add_generation_prompt = False
+    assert tokenizer.decode(prompt_from_proto(closed, tokenizer)) == "<user>hi<assistant>hel"
+    cont = build_request(chat=chat)
+    cont.chat.continue_final_message = True   # add_generation_prompt unset: off with it
+    assert tokenizer.decode(prompt_from_proto(cont, tokenizer)) == "<user>hi<assistant>hel"
+    shouting = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>",
+                                   chat_template=CHAT_TEMPLATE + "{% if shout %}!{% endif %}")
+    loud = build_request(chat=[("user", "hi")])
+    loud.chat.template_kwargs_json = '{"shout": true}'
+    assert shouting.decode(prompt_from_proto(loud, shouting)) == "<user>hi<assistant>!"
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"add_generation_prompt": True, "continue_final_message": True}, "chat.continue_final_message"),
+    ({"template_kwargs_json": "[1, 2]"}, "chat.template_kwargs_json"),
+    ({"template_kwargs_json": "{not json"}, "chat.template_kwargs_json"),
+    ({"template_kwargs_json": "[" * 5000}, "chat.template_kwargs_json"),
+    ({"template_kwargs_json": '{"add_generation_prompt": true}'}, "chat.template_kwargs_json"),
+    ({"template_kwargs_json": '{"messages": []}'}, "chat.template_kwargs_json"),
+    ({"template_kwargs_json": '{"shout": {"a": 1}}'}, "chat"),   # a variable the template cannot use
+])
+def test_bad_chat_template_options_are_invalid_naming_the_field(tokenizer, options, field):
+    template = CHAT_TEMPLATE + "{% if shout %}{{ shout + 1 }}{% endif %}"
+    strict = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<eos>", chat_template=template)
+    req = build_request(chat=[("user", "hi"), ("assistant", "x")])
+    for name, value in options.items():
+        setattr(req.chat, name, value)
+    with pytest.raises(InvalidRequestError) as info:
+        prompt_from_proto(req, strict)
+    assert info.value.field == field
+
+
 def test_chat_without_template_is_invalid(tokenizer):
     bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer)
     with pytest.raises(InvalidRequestError) as info:

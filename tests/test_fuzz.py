@@ -64,6 +64,11 @@ def requests(draw) -> pb.GenerateRequest:
     elif kind == "chat":
         req.chat.SetInParent()
         req.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in draw(chat))
+        if draw(st.booleans()):   # the chat template's options, sense and nonsense
+            req.chat.add_generation_prompt = draw(st.booleans())
+            req.chat.continue_final_message = draw(st.booleans())
+            req.chat.template_kwargs_json = draw(st.one_of(texts, st.sampled_from(
+                ['{"enable_thinking": false}', '{"tokenize": false}', "[]", "{", "[" * 3000, '{"x": [1, {"y": null}]}'])))
     elif kind == "token_ids":
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(draw(token_lists))

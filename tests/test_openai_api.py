@@ -580,6 +580,12 @@ def test_tokenize_gives_the_ids_generation_feeds_the_model(cluster, model_name):
     assert chat["token_strs"] == [f"<{t}>" for t in chat["tokens"]]
     done = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
     assert done.usage.prompt_tokens == chat["count"]
+    for options in ({"add_generation_prompt": False}, {"continue_final_message": True}):   # vLLM's template options
+        status, other = _post(root + "/tokenize", {"messages": messages, **options})
+        rendered = ExactTokenizer().apply_chat_template(messages, **{"add_generation_prompt": False, **options})
+        assert status == 200 and other["tokens"] == rendered
+        done = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1, extra_body=options)
+        assert done.usage.prompt_tokens == other["count"] < chat["count"]
     status, text = _post(root + "/detokenize", {"model": model_name, "tokens": [5, 6, 7]})
     assert status == 200 and text == {"prompt": "".join(text_of(t) for t in (5, 6, 7))}
 
@@ -589,8 +595,10 @@ def test_tokenize_gives_the_ids_generation_feeds_the_model(cluster, model_name):
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),   # both
     ("/tokenize", {"prompt": ""}, "prompt"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
-     "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
+     "chat_template_kwargs"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ("/tokenize", {"prompt": 5}, "prompt"),

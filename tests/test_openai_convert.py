@@ -4,6 +4,7 @@ body, and events -> OpenAI's response shapes."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
@@ -336,10 +337,8 @@ def test_stop_strings_are_trimmed_from_streamed_text():
     (CompletionRequest, {"prompt": "x", "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}, "guided_choice"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                             "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False},
-     "add_generation_prompt"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     "chat_template"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
 ])
@@ -421,3 +420,20 @@ def test_a_batch_of_prompts_is_one_request_each_the_first_labelled():
     with pytest.raises(InvalidRequestError) as too_many:
         completion_requests(parse(CompletionRequest, {"prompt": ["a"] * (MAX_GENERATIONS // 4 + 1), "n": 4}), None)
     assert too_many.value.field == "prompt" and str(MAX_GENERATIONS) in too_many.value.message
+
+
+def test_chat_template_options_become_the_chat_fields():
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs: sent as the
+    gRPC chat's options (add_generation_prompt only where it differs from what unset means)."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}]
+    chat = chat_request(parse(ChatCompletionRequest, {"messages": messages, "continue_final_message": True,
+                                                      "chat_template_kwargs": {"enable_thinking": False}}), None).chat
+    assert chat.continue_final_message and not chat.HasField("add_generation_prompt")
+    assert json.loads(chat.template_kwargs_json) == {"enable_thinking": False}
+    closed = chat_request(parse(ChatCompletionRequest, {"messages": messages, "add_generation_prompt": False}), None)
+    assert closed.chat.HasField("add_generation_prompt") and not closed.chat.add_generation_prompt
+    both = chat_request(parse(ChatCompletionRequest, {"messages": messages, "add_generation_prompt": True,
+                                                      "continue_final_message": True}), None)
+    assert both.chat.add_generation_prompt and both.chat.continue_final_message   # refused by the shared checks
+    assert param_for("chat.template_kwargs_json", chat=True) == "chat_template_kwargs"
+    assert param_for("chat.continue_final_message", chat=True) == "continue_final_message"

@@ -79,9 +79,10 @@ messages = st.lists(st.fixed_dictionaries(
 CHAT = {"messages": st.one_of(messages, any_json), "max_completion_tokens": odd_numbers, "logprobs": st.booleans(),
         "top_logprobs": odd_numbers, "tools": st.one_of(st.just([]), any_json),
         "response_format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), any_json),
-        "add_generation_prompt": st.booleans(), "chat_template_kwargs": any_json}
+        "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "chat_template_kwargs": any_json}
 TOKENIZE = {"prompt": odd_text, "messages": messages, "add_special_tokens": st.booleans(),
-            "add_generation_prompt": st.booleans(), "return_token_strs": st.booleans(), "tokens": token_ids}
+            "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+            "chat_template_kwargs": any_json, "return_token_strs": st.booleans(), "tokens": token_ids}
 
 
 @st.composite

@@ -123,3 +123,29 @@ def test_tokenize_with_the_real_chat_template_and_detokenize(smol_cluster):
     assert status == 200 and _post(root + "/detokenize", {"tokens": prompt["tokens"]})[1] == {
         "prompt": "The capital of France is"}
     assert cluster_leaks(smol_cluster) == {}
+
+
+def test_continue_final_message_continues_the_assistants_words(smol_cluster):
+    """vLLM's ``continue_final_message`` with SmolLM2's real chat template: the assistant's last
+    message is left open and the model goes on from its words (its tokens equal the in-template
+    prompt's greedy continuation over gRPC); ``add_generation_prompt: false`` renders no new turn,
+    and a template variable the template does not use changes nothing."""
+    from tests.test_openai_api import _post
+
+    root = f"http://127.0.0.1:{smol_cluster.cluster.http_port}"
+    client = openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    status, open_turn = _post(root + "/tokenize", {"messages": messages, "continue_final_message": True})
+    assert status == 200
+    status, text = _post(root + "/detokenize", {"tokens": open_turn["tokens"]})
+    assert text["prompt"].endswith("<|im_start|>assistant\nThe capital of France is")
+    done = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=4,
+                                          temperature=0, extra_body={"continue_final_message": True,
+                                                                     "chat_template_kwargs": {"unused": 1}})
+    assert done.choices[0].message.content.startswith(" Paris")
+    with PdserveClient(f"127.0.0.1:{smol_cluster.cluster.port}") as grpc_client:
+        same = grpc_client.generate_text(token_ids=open_turn["tokens"], max_tokens=4, temperature=0.0)
+    assert same.text == done.choices[0].message.content
+    status, closed = _post(root + "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and closed["count"] > open_turn["count"]   # the assistant's turn closed (<|im_end|>)
+    assert cluster_leaks(smol_cluster) == {}

@@ -5,7 +5,7 @@ nothing here), as vLLM does; a field sent as ``null`` is a field left out (OpenA
 every optional parameter nullable, and many clients write unset fields as null); known fields
 this server cannot honour are refused by ``requests.py`` with a 400 that names them, never
 silently dropped: OpenAI's, and vLLM's extensions that would change the output (guided
-decoding, chat-template options, ...), which the request models
+decoding, a custom chat template, ...), which the request models
 keep among their extra fields for ``requests.py`` to look at. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
@@ -99,7 +99,18 @@ class _Sampling(_Body):
     priority: Int32 | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class _ChatTemplateOptions(_Body):
+    """vLLM's chat-template options: open the assistant's turn (default) or continue the last
+    message, and more variables for the template (e.g. ``{"enable_thinking": false}``)."""
+
+    add_generation_prompt: bool | None = None   # None: true unless continue_final_message
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
+    model_config = ConfigDict(extra="allow")   # _Sampling's (the mixin's base would ignore them)
+
     messages: list[ChatMessage]
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
@@ -116,7 +127,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateOptions):
     """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages`` (then through the
     chat template), tokenized as a generation request would be."""
 
@@ -124,7 +135,6 @@ class TokenizeRequest(_Body):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None    # vLLM's default: True for a prompt, False for messages
-    add_generation_prompt: bool = True         # messages only
     return_token_strs: bool = False
 
 

@@ -21,6 +21,7 @@ server's ``--default-max-tokens``), so the same request gives the same tokens on
 
 from __future__ import annotations
 
+import json
 import re
 
 from pydantic import ValidationError
@@ -53,8 +54,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's, and OpenAI's tool_choice): the prompt, the reply's shape
-    "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-    "chat_template_kwargs": ({},), "documents": (), "tool_choice": ("none", "auto"),
+    "echo": (False,), "chat_template": (), "documents": (), "tool_choice": ("none", "auto"),
 }
 
 
@@ -112,7 +112,7 @@ def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRe
     fmt = (req.response_format or {}).get("type", "text")
     _refuse(fmt == "text", "response_format", f"only type 'text' is supported, got {fmt!r}")
     msg = _common(req, label)
-    _set_chat(msg, req.messages)
+    _set_chat(msg, req.messages, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:
         msg.sampling.max_tokens = max_tokens
@@ -137,15 +137,20 @@ def tokenize_request(req: TokenizeRequest) -> pb.GenerateRequest:
         return msg
     _refuse(req.add_special_tokens in (None, False), "add_special_tokens",
             "only false is supported for messages (the chat template places the special tokens)")
-    _refuse(req.add_generation_prompt, "add_generation_prompt", "only true is supported (as generation uses it)")
-    _set_chat(msg, req.messages)
+    _set_chat(msg, req.messages, req)
     return msg
 
 
-def _set_chat(msg: pb.GenerateRequest, messages: list[ChatMessage]) -> None:
+def _set_chat(msg: pb.GenerateRequest, messages: list[ChatMessage], options) -> None:
+    """The messages, and vLLM's chat-template options of ``options`` (a chat or tokenize body)."""
     msg.chat.messages.extend(_message(m, i) for i, m in enumerate(messages))
-    if not messages:
-        msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
+    msg.chat.SetInParent()   # an empty list is the client's mistake: convert names it
+    # Sent only where it differs from what unset means (a client filling in defaults sends the same request).
+    if options.add_generation_prompt is not None and options.add_generation_prompt == options.continue_final_message:
+        msg.chat.add_generation_prompt = options.add_generation_prompt
+    msg.chat.continue_final_message = options.continue_final_message
+    if options.chat_template_kwargs:
+        msg.chat.template_kwargs_json = json.dumps(options.chat_template_kwargs)
 
 
 def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
@@ -249,6 +254,11 @@ def _token_id(key: str) -> int:
 # ---------------------------------------------------------------- field paths, back
 
 
+_CHAT_OPTIONS = {"chat.add_generation_prompt": "add_generation_prompt",
+                 "chat.continue_final_message": "continue_final_message",
+                 "chat.template_kwargs_json": "chat_template_kwargs"}
+
+
 def param_for(field: str, *, chat: bool, max_tokens_name: str = "max_tokens") -> str:
     """The OpenAI parameter a ``GenerateRequest`` field path stands for (``sampling.top_p`` ->
     ``top_p``, ``chat.messages[1].role`` -> ``messages[1].role``, ``text`` -> ``prompt``);
@@ -259,6 +269,8 @@ def param_for(field: str, *, chat: bool, max_tokens_name: str = "max_tokens") ->
         return "logprobs"   # completions' logprobs N is the top-N count
     if field.startswith("sampling."):
         return field.removeprefix("sampling.")
+    if field in _CHAT_OPTIONS:
+        return _CHAT_OPTIONS[field]
     if field == "chat" or field.startswith("chat."):
         return "messages" + field.removeprefix("chat").removeprefix(".messages")
     if field in ("text", "token_ids"):
