@@ -1,8 +1,9 @@
 """A request's logit adjustments before its token is chosen (greedy or sampled): vLLM's
-``allowed_token_ids`` (every other token at -inf) and ``min_tokens`` (EOS and the stop token ids
+``allowed_token_ids`` (every other token at -inf), ``bad_words`` (their tokens at -inf where the
+output would complete one) and ``min_tokens`` (EOS and the stop token ids
 held at -inf until that many tokens are out), OpenAI's ``logit_bias``, ``frequency_penalty`` and
 ``presence_penalty``, and the ``repetition_penalty`` of Hugging Face and vLLM, in vLLM's order:
-the allowed set, the hold and the bias first, then the repetition penalty (every
+the allowed set, the bad words, the hold and the bias first, then the repetition penalty (every
 token in the prompt or the output: a positive logit divided by it, a negative one multiplied),
 then the frequency penalty (times the token's count in the output) and the presence penalty
 (once per token in the output), each subtracted.
@@ -68,6 +69,8 @@ def adjust(rows: torch.Tensor, requests: Sequence[Request], eos_token_ids: froze
         kept = flat[idx]
         rows[[i for i, _ in limited]] = float("-inf")
         flat[idx] = kept
+    banned = at((i, _banned(r)) for i, r in enumerate(requests) if r.sampling.bad_words_token_ids)
+    flat[banned] = float("-inf")
     held = at((i, _held(r, eos_token_ids)) for i, r in enumerate(requests) if r.num_generated < r.sampling.min_tokens)
     flat[held] = float("-inf")
     biased = [(i, r.sampling.logit_bias) for i, r in enumerate(requests) if r.sampling.logit_bias]
@@ -90,6 +93,17 @@ def adjust(rows: torch.Tensor, requests: Sequence[Request], eos_token_ids: froze
         flat[idx] -= frequency[row_of] * counts.to(rows.dtype)
         flat[idx] -= presence[row_of]
     return rows
+
+
+def _banned(request: Request) -> list[int]:
+    """vLLM's bad words now: a one-token word's token; a longer word's last token where the output
+    (not the prompt, as vLLM: a migrated request's streamed tokens count) ends with its others."""
+    banned = set()
+    for word in request.sampling.bad_words_token_ids:
+        before = len(word) - 1
+        if before <= request.num_generated and (not before or tuple(request.generated_tail(before)) == word[:-1]):
+            banned.add(word[-1])
+    return sorted(banned)
 
 
 def _held(request: Request, eos_token_ids: frozenset[int]) -> list[int]:

@@ -65,7 +65,7 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
                 raise SamplingError("the forward produced no finite logit for this request")
             chosen_from = adjusted.get(row, logits[row])
             if row in adjusted and not bool(torch.isfinite(chosen_from).any()):
-                raise SamplingError("every token is ruled out (allowed_token_ids all held back by min_tokens)")
+                raise SamplingError("every token is ruled out (allowed_token_ids all held back by min_tokens or bad_words)")
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
                 tokens[row] = _sample_row(chosen_from, request, seed % (2**63))

@@ -54,6 +54,9 @@ class SamplingParams:
     presence_penalty: float = 0.0      # [-2, 2]: subtracted once from every token in the output
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to its logit
     allowed_token_ids: tuple[int, ...] = ()          # non-empty: only these can be chosen (vLLM's)
+    # vLLM's bad words as token ids: a one-token word is never chosen; a longer one's last token is
+    # not chosen where the output ends with the word's other tokens (the router tokenizes them).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -62,14 +65,15 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or bool(self.allowed_token_ids))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words_token_ids))
 
     @classmethod
     def from_plain(cls, fields: dict) -> SamplingParams:
         """From ``dataclasses.asdict``'s output after a JSON round trip (lists back to tuples)."""
         return cls(**{**fields, "stop": tuple(fields["stop"]), "stop_token_ids": tuple(fields["stop_token_ids"]),
                       "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"]),
-                      "allowed_token_ids": tuple(fields["allowed_token_ids"])})
+                      "allowed_token_ids": tuple(fields["allowed_token_ids"]),
+                      "bad_words_token_ids": tuple(tuple(w) for w in fields["bad_words_token_ids"])})
 
 
 @dataclass(frozen=True, slots=True)

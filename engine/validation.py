@@ -44,6 +44,7 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
     require(s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS, prefix + "prompt_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.prompt_logprobs}")
     require(all(s.stop), prefix + "stop", "stop strings must not be empty")
+    require(all(s.bad_words_token_ids), prefix + "bad_words", "a bad word must have at least one token")
     require(0 <= s.min_tokens <= s.max_tokens, prefix + "min_tokens",
             f"must be in [0, max_tokens ({s.max_tokens})], got {s.min_tokens}")
     require(not (s.min_tokens and s.stop), prefix + "min_tokens",
@@ -51,6 +52,9 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
     held = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
     require(not (s.min_tokens and s.allowed_token_ids and set(s.allowed_token_ids) <= held),
             prefix + "allowed_token_ids", "every allowed token is EOS or a stop token id, which min_tokens holds back")
+    banned_always = {word[0] for word in s.bad_words_token_ids if len(word) == 1}
+    require(not (s.allowed_token_ids and set(s.allowed_token_ids) <= banned_always), prefix + "bad_words",
+            "bans every one of allowed_token_ids")
     require(math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0, prefix + "repetition_penalty",
             f"must be a finite number > 0 (1 = off), got {s.repetition_penalty}")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -64,6 +68,8 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
             "names a token id twice")
     if vocab_size is not None:
         check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")
+        for word in s.bad_words_token_ids:
+            check_token_ids(word, vocab_size, prefix + "bad_words")
         require(len(s.allowed_token_ids) <= vocab_size, prefix + "allowed_token_ids",
                 f"{len(s.allowed_token_ids)} ids; at most the vocabulary's {vocab_size}")
         check_token_ids(s.allowed_token_ids, vocab_size, prefix + "allowed_token_ids")

@@ -44,7 +44,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequ
 class Tokenizer(Protocol):
     """The slice of a Hugging Face tokenizer the router uses."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
@@ -242,10 +242,27 @@ def _prompt_field(request: pb.GenerateRequest) -> str:
     return request.WhichOneof("prompt") or "prompt"
 
 
+def bad_words_from_proto(sampling: pb.SamplingParams, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad words as token ids (its rule): each word, leading spaces stripped, as the tokenizer
+    encodes it alone; and with one leading space where that gives a different first token in as
+    many tokens (a word mid-sentence)."""
+    words = []
+    for i, word in enumerate(sampling.bad_words):
+        require(word.strip(), f"sampling.bad_words[{i}]", "must not be empty or only spaces")
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        words.append(alone)
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+            words.append(spaced)
+    return tuple(words)
+
+
 def spec_from_proto(
-    request: pb.GenerateRequest, prompt_token_ids: Sequence[int], defaults: ServerDefaults, req_id: str
+    request: pb.GenerateRequest, prompt_token_ids: Sequence[int], defaults: ServerDefaults, req_id: str,
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
 ) -> RequestSpec:
-    """Validate the request and fill every default: the one place a ``RequestSpec`` is made."""
+    """Validate the request and fill every default: the one place a ``RequestSpec`` is made.
+    ``bad_words_token_ids``: ``bad_words_from_proto``'s (it needs the tokenizer)."""
     field, limit = _prompt_field(request), defaults.max_model_len
     n = len(prompt_token_ids)
     require(n, field, "empty prompt")
@@ -255,6 +272,8 @@ def spec_from_proto(
     prompt = tuple(int(t) for t in prompt_token_ids)
     check_token_ids(prompt, defaults.vocab_size, field)
     sampling = sampling_from_proto(request.sampling, defaults)
+    if bad_words_token_ids:
+        sampling = dataclasses.replace(sampling, bad_words_token_ids=bad_words_token_ids)
     room = limit - len(prompt)
     if request.sampling.HasField("max_tokens"):
         # An explicit value is a promise we could not keep: refuse rather than silently cut it.

@@ -199,18 +199,21 @@ class GenerationCore:
 
     def _needs_tokenizer(self, request: pb.GenerateRequest) -> bool:
         """A text or chat prompt (checked for one here: malformed messages are named before
-        anything else); token ids need none."""
+        anything else), or bad words; token ids need none."""
         kind = request.WhichOneof("prompt")
         if kind == "chat":
             convert.chat_from_proto(request.chat)
         if kind in ("text", "chat") and self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
-        return kind in ("text", "chat")
+        if request.sampling.bad_words and self.tokenizer is None:
+            raise InvalidRequestError("sampling.bad_words", "this model has no tokenizer to turn words into tokens")
+        return kind in ("text", "chat") or bool(request.sampling.bad_words)
 
     def _tokenized_spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
         """On the tokenizer pool: tokenize, then validate the ids there too (per-token work)."""
         prompt = convert.prompt_from_proto(request, self.tokenizer)
-        return convert.spec_from_proto(request, prompt, self.defaults, req_id)
+        bad_words = convert.bad_words_from_proto(request.sampling, self.tokenizer)
+        return convert.spec_from_proto(request, prompt, self.defaults, req_id, bad_words)
 
     def _detokenizer(self, request, spec: RequestSpec) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

@@ -89,7 +89,7 @@ _COUNTS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "m
 
 def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
     """The limits a message can be checked against before tokenizing: prompt bytes, chat length,
-    stop strings and stop token ids. Raises InvalidRequestError naming the field."""
+    stop strings, bad words and stop token ids. Raises InvalidRequestError naming the field."""
     kind = request.WhichOneof("prompt")
     if kind == "text":
         _check_bytes("text", len(request.text.encode("utf-8")), limits)
@@ -106,11 +106,14 @@ def _check_bytes(field: str, size: int, limits: ServerLimits) -> None:
 
 
 def _check_stops(sampling: pb.SamplingParams, limits: ServerLimits) -> None:
-    n = len(sampling.stop)
-    require(n <= limits.max_stop_strings, "sampling.stop", f"{n} stop strings; at most {limits.max_stop_strings}")
-    for i, s in enumerate(sampling.stop):
-        require(len(s) <= limits.max_stop_string_chars, f"sampling.stop[{i}]",
-                 f"{len(s)} characters; at most {limits.max_stop_string_chars}")
+    """Stop strings, and bad words (strings the engine matches against the output too), by one rule."""
+    for name in ("stop", "bad_words"):
+        strings = getattr(sampling, name)
+        n = len(strings)
+        require(n <= limits.max_stop_strings, f"sampling.{name}", f"{n} strings; at most {limits.max_stop_strings}")
+        for i, s in enumerate(strings):
+            require(len(s) <= limits.max_stop_string_chars, f"sampling.{name}[{i}]",
+                     f"{len(s)} characters; at most {limits.max_stop_string_chars}")
     n = len(sampling.stop_token_ids)
     require(n <= limits.max_stop_token_ids, "sampling.stop_token_ids",
              f"{n} stop token ids; at most {limits.max_stop_token_ids}")

@@ -141,7 +141,7 @@ class ByteTokenizer:
     3.. so they stay inside its vocabulary; a chat renders ``role: content`` lines. Enough to
     drive the router's text and chat paths in tests."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [3 + b for b in text.encode("utf-8")]
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:

@@ -89,6 +89,8 @@ def requests(draw) -> pb.GenerateRequest:
     for token, bias in draw(st.dictionaries(st.one_of(st.integers(-3, 520), st.just(2**62)), weird_floats, max_size=8)).items():
         s.logit_bias[token] = bias
     s.stop.extend(draw(st.lists(st.text(max_size=300), max_size=20)))
+    s.bad_words.extend(draw(st.lists(st.one_of(st.text(max_size=30), st.sampled_from(["", " ", "\x00", "é"])),
+                                     max_size=5)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=70)))
     s.allowed_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=8)))
     if draw(st.booleans()):   # a small pool, so concurrent duplicates are common
@@ -136,6 +138,8 @@ def valid_requests(draw) -> pb.GenerateRequest:
     else:
         s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=3)))
+    s.bad_words.extend(draw(st.lists(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1,
+                                             max_size=3), max_size=2)))
     if draw(st.booleans()):
         s.repetition_penalty = draw(st.sampled_from([1e-30, 0.5, 1.0, 2.0, 1e30]))
         s.frequency_penalty = draw(st.sampled_from([-2.0, 0.0, 0.7, 2.0]))

@@ -49,6 +49,10 @@ AT_AND_PAST = [
     # (limit, request at the limit, request just past it, field named)
     ("max_stop_strings", dict(stop=["a", "b", "c"]), dict(stop=["a", "b", "c", "d"]), "sampling.stop"),
     ("max_stop_string_chars", dict(stop=["x" * 8]), dict(stop=["ok", "x" * 9]), "sampling.stop[1]"),
+    ("max_stop_strings (bad words)", dict(bad_words=["a", "b", "c"]), dict(bad_words=["a", "b", "c", "d"]),
+     "sampling.bad_words"),
+    ("max_stop_string_chars (bad words)", dict(bad_words=["x" * 8]), dict(bad_words=["ok", "x" * 9]),
+     "sampling.bad_words[1]"),
     ("max_stop_token_ids", dict(stop_token_ids=[1, 2, 3, 4]), dict(stop_token_ids=[1, 2, 3, 4, 5]),
      "sampling.stop_token_ids"),
     ("max_prompt_bytes", dict(text="é" * 100), dict(text="é" * 100 + "a"), "text"),

@@ -215,6 +215,9 @@ def test_min_tokens_after_a_migration_counts_the_tokens_streamed_before(tiny_mod
     (dict(min_tokens=2, stop=("x",)), "min_tokens"),
     (dict(allowed_token_ids=(3, VOCAB)), "allowed_token_ids"),
     (dict(allowed_token_ids=(0,) * (VOCAB + 1)), "allowed_token_ids"),
+    (dict(bad_words_token_ids=((5,), ())), "bad_words"),
+    (dict(bad_words_token_ids=((5, VOCAB),)), "bad_words"),
+    (dict(allowed_token_ids=(5, 6), bad_words_token_ids=((6,), (5,), (5, 6))), "bad_words"),
 ])
 def test_bad_values_are_named(fields, name):
     with pytest.raises(InvalidRequestError) as err:
@@ -251,7 +254,8 @@ def test_a_request_whose_adjustment_fails_fails_alone():
 def test_the_adjustments_survive_the_direct_submissions_json():
     """A prefill worker on the router's node gets the request over a socket as JSON
     (``PrefillSubmission``): the first token it chooses needs the same adjustments."""
-    spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, stop=("x",), stop_token_ids=(9,), **ADJUSTMENTS[-1]))
+    spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, stop=("x",), stop_token_ids=(9,),
+                                                      bad_words_token_ids=((4,), (8, 3)), **ADJUSTMENTS[-1]))
     assert PrefillSubmission.from_json(PrefillSubmission(spec, "shm", "d0", None).to_json()).spec == spec
 
 
@@ -300,3 +304,51 @@ def test_allowed_token_ids_all_held_back_are_refused_and_at_worst_fail_alone():
         assert err.value.field == "allowed_token_ids"
     validate_sampling(SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=(2,), ignore_eos=True), VOCAB,
                       eos_token_ids=(2,))   # an ignored EOS is not held back: allowed
+
+
+
+@pytest.mark.parametrize("name", ["default", "chunked", "preempt"])
+def test_bad_words_as_hf_bad_words_ids(tiny_model, hf_reference, name):
+    """vLLM's bad words, greedy, equal to HF's ``generate(bad_words_ids=...)``: a one-token word
+    is never chosen; a two- and a three-token word taken from the plain greedy output lose their
+    last token where the output ends with the others (so the output changes there), whatever the
+    batch, chunking or preemption. HF also matches the words' leading tokens against the prompt's
+    end, vLLM (and pdserve) the output only: the prompts here end with none of them (asserted)."""
+    rng = random.Random(31)
+    specs, refs = [], []
+    for i in range(6):
+        prompt = [rng.randrange(3, 40) for _ in range(rng.randint(3, 30))]
+        plain = hf_greedy(hf_reference, prompt, 24)
+        words = [[plain[2]], plain[6:8], plain[12:15]]
+        assert all(prompt[-(len(w) - 1):] != w[:-1] for w in words if len(w) > 1)
+        out = hf_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                    bad_words_ids=words)
+        refs.append(out[0, len(prompt):].tolist())
+        assert refs[-1] != plain and plain[2] not in refs[-1]
+        params = SamplingParams(max_tokens=24, ignore_eos=True, bad_words_token_ids=tuple(map(tuple, words)),
+                                **(ADJUSTMENTS[i] if i % 3 == 2 else {}))
+        specs.append(RequestSpec(f"b{i}", tuple(prompt), params))
+        if i % 3 == 2:   # with penalties and a bias on top: HF's processors then the bad words
+            refs[-1] = hf_reference.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=24,
+                do_sample=False, eos_token_id=None, pad_token_id=0, bad_words_ids=words,
+                logits_processor=LogitsProcessorList([OpenAIAdjustments(len(prompt), params)]))[0, len(prompt):].tolist()
+    engine = LLMEngine(tiny_model, CONFIGS[name])
+    got = run_staggered(engine, [[5, 6, 7]], [20], specs)
+    for spec, ref in zip(specs, refs):
+        assert got[spec.req_id] == ref, f"{spec.req_id} under {name}"
+    if name == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_bad_words_count_a_migrated_requests_streamed_tokens():
+    """A word's leading tokens may have been streamed by the worker a request left: they count."""
+    from engine.logit_adjust import _banned
+
+    spec = RequestSpec("m", (1, 2, 9, 8), SamplingParams(bad_words_token_ids=((9, 8, 7), (8, 6), (4,))),
+                       num_generated=2)   # 9, 8 were streamed before the move
+    assert _banned(Request(spec)) == [4, 6, 7]
+    fresh = RequestSpec("f", (1, 2, 9, 8), SamplingParams(bad_words_token_ids=((9, 8, 7), (8, 6), (4,))))
+    assert _banned(Request(fresh)) == [4]   # the prompt's own tokens never complete a word

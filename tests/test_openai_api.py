@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 
 import openai
+import torch
 import pytest
 
 from engine import tracing
@@ -159,6 +160,28 @@ def test_chat_stream_and_whole_agree_with_grpc_and_carry_usage(cluster, model_na
     assert ids_of(text) == via_grpc
     assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens == len(ExactTokenizer().apply_chat_template(messages))
     assert chunks[-2].choices[0].finish_reason == "length"
+    assert cluster_leaks(cluster) == {}
+
+
+def test_bad_words_equal_hf_bad_words_ids_over_http_and_grpc(cluster, model_name, hf_reference):
+    """vLLM's ``bad_words``: the router tokenizes each word (here one byte, one token) and the
+    token is never chosen, the first token too (chosen on the prefill worker): HF's greedy with
+    ``bad_words_ids``, on both doors. A word of only spaces is a 400 naming it."""
+    prompt = next(p for p in ([i, i + 1, i + 2, 9] for i in range(3, 200)) if 36 <= hf_greedy(hf_reference, p, 1)[0] < 130)
+    plain = hf_greedy(hf_reference, prompt, 10)
+    banned = plain[0]   # ExactTokenizer's encode: a byte b is token 3 + b
+    out = hf_reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                bad_words_ids=[[banned]])
+    ref = out[0, len(prompt):].tolist()
+    assert banned not in ref and ref != plain
+    body = dict(model=model_name, prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True,
+                                                                           "bad_words": [chr(banned - 3)]})
+    assert ids_of(client_for(cluster).completions.create(**body).choices[0].text) == ref
+    assert grpc_ids(cluster, token_ids=prompt, max_tokens=10, ignore_eos=True, bad_words=[chr(banned - 3)]) == ref
+    err = _error(lambda: client_for(cluster).completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                                                extra_body={"bad_words": ["ok", "  "]}))
+    assert err.status_code == 400 and err.body["param"] == "bad_words[1]"
     assert cluster_leaks(cluster) == {}
 
 

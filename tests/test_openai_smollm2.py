@@ -149,3 +149,16 @@ def test_continue_final_message_continues_the_assistants_words(smol_cluster):
     status, closed = _post(root + "/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert status == 200 and closed["count"] > open_turn["count"]   # the assistant's turn closed (<|im_end|>)
     assert cluster_leaks(smol_cluster) == {}
+
+
+def test_bad_words_with_the_real_tokenizer_ban_the_word_mid_sentence(smol_cluster):
+    """vLLM's ``bad_words`` through SmolLM2's tokenizer: "Paris" is banned as it would follow a
+    space too (" Paris", one token of its own): the greedy answer after "The capital of France is"
+    stops being " Paris"."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    body = dict(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert client.completions.create(**body).choices[0].text.startswith(" Paris")
+    banned = client.completions.create(**body, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert "Paris" not in banned and banned.strip(), banned
+    assert cluster_leaks(smol_cluster) == {}

@@ -10,7 +10,7 @@ choice is a generation of its own: ``fan_in.py``), more than ``MAX_GENERATIONS``
 ``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, a ``response_format`` other than
 text, content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
-``guided_json`` or ``bad_words`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
+``guided_json`` or ``use_beam_search`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
 OpenAI defines them: chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
 logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
@@ -49,7 +49,7 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 # vLLM's request extensions that would change what is generated, with the values that change
 # nothing (sent by clients that fill in every default). Any other value is refused by name.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
+    "use_beam_search": (False,), "length_penalty": (1.0,),
     "logits_processors": (), "truncate_prompt_tokens": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
@@ -236,6 +236,7 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     msg.sampling.stop.extend(stops)
     msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
     msg.sampling.allowed_token_ids.extend(req.allowed_token_ids or [])
+    msg.sampling.bad_words.extend(req.bad_words or [])
     if req.prompt_logprobs is not None:
         # vLLM's rule too: the whole body carries them, a stream's chunks have no place for them.
         _refuse(not req.stream, "prompt_logprobs", "is not supported with stream: true")
