@@ -264,6 +264,7 @@ def spec_from_proto(
     """Validate the request and fill every default: the one place a ``RequestSpec`` is made.
     ``bad_words_token_ids``: ``bad_words_from_proto``'s (it needs the tokenizer)."""
     field, limit = _prompt_field(request), defaults.max_model_len
+    prompt_token_ids = _truncated(request.sampling, prompt_token_ids, limit)
     n = len(prompt_token_ids)
     require(n, field, "empty prompt")
     # Length first: a huge prompt is refused before any per-token work (that work runs on the
@@ -289,6 +290,18 @@ def spec_from_proto(
     # the engine would refuse is refused now, before it is queued, whatever either side adds.
     validate_spec(spec, max_model_len=limit, vocab_size=defaults.vocab_size, eos_token_ids=defaults.eos_token_ids)
     return spec
+
+
+def _truncated(sampling: pb.SamplingParams, prompt_token_ids: Sequence[int], limit: int) -> Sequence[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens (-1: ``max_model_len``), kept
+    before the length check, so a long prompt is cut rather than refused."""
+    if not sampling.HasField("truncate_prompt_tokens"):
+        return prompt_token_ids
+    keep = sampling.truncate_prompt_tokens
+    keep = limit if keep == -1 else keep
+    require(1 <= keep <= limit, "sampling.truncate_prompt_tokens",
+            f"must be -1 (max_model_len) or in [1, {limit}], got {sampling.truncate_prompt_tokens}")
+    return prompt_token_ids[-keep:]
 
 
 def skip_special_tokens_from_proto(request: pb.GenerateRequest) -> bool:

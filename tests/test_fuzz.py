@@ -82,6 +82,7 @@ def requests(draw) -> pb.GenerateRequest:
         "prompt_logprobs": st.one_of(st.integers(-2, 22), st.just(2**31 - 1), st.just(-2**31)),
         "repetition_penalty": weird_floats, "frequency_penalty": weird_floats, "presence_penalty": weird_floats,
         "min_p": weird_floats, "min_tokens": st.one_of(st.integers(-2, 9), st.just(2**31 - 1)),
+        "truncate_prompt_tokens": st.one_of(st.integers(-3, 70), st.just(2**31 - 1), st.just(-2**31)),
     }
     for name, strategy in optional.items():
         if draw(st.booleans()):

@@ -185,6 +185,31 @@ def test_bad_words_equal_hf_bad_words_ids_over_http_and_grpc(cluster, model_name
     assert cluster_leaks(cluster) == {}
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(cluster, model_name, hf_reference):
+    """vLLM's ``truncate_prompt_tokens`` N: the model sees the prompt's last N tokens (-1: up to
+    max_model_len), so a prompt longer than the model takes is cut rather than refused; usage
+    counts what the model saw. Over HTTP and gRPC; bad values and echo with it are 400s."""
+    prompt = list(range(10, 40))
+    ref = hf_greedy(hf_reference, prompt[-8:], 6)
+    body = dict(model=model_name, prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 8})
+    done = client_for(cluster).completions.create(**body)
+    assert ids_of(done.choices[0].text) == ref and done.usage.prompt_tokens == 8
+    assert grpc_ids(cluster, token_ids=prompt, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=8) == ref
+    with PdserveClient(address(cluster)) as client:
+        limit = client.server_info().limits.max_prompt_tokens + 1   # max_model_len
+        long = [5 + i % 400 for i in range(limit + 50)]   # past max_model_len: refused unless cut
+        cut = client.generate_text(token_ids=long, max_tokens=1, truncate_prompt_tokens=limit - 1)
+    assert cut.usage.prompt_tokens == limit - 1
+    for value in (0, -2, limit + 1):
+        err = _error(lambda v=value: client_for(cluster).completions.create(
+            model=model_name, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": v}))
+        assert err.status_code == 400 and err.body["param"] == "truncate_prompt_tokens", value
+    err = _error(lambda: client_for(cluster).completions.create(model=model_name, prompt=prompt, max_tokens=2,
+                                                                echo=True, extra_body={"truncate_prompt_tokens": 4}))
+    assert err.status_code == 400 and err.body["param"] == "truncate_prompt_tokens"
+    assert cluster_leaks(cluster) == {}
+
+
 def test_seed_reproduces_sampling_and_stop_token_ids_stop(cluster, model_name):
     client = client_for(cluster)
 

@@ -9,7 +9,7 @@ decoding, a custom chat template, ...), which the request models
 keep among their extra fields for ``requests.py`` to look at. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
 
 Every integer and string that becomes a ``GenerateRequest`` field is typed with that field's
@@ -93,6 +93,7 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[Text] | None = None
+    truncate_prompt_tokens: Int32 | None = None
     prompt_logprobs: Int32 | None = None   # the prompt's logprobs and top N (not with stream)
     # pdserve's SLO hints (as in GenerateRequest)
     ttft_ms: float | None = None

@@ -50,7 +50,7 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 # nothing (sent by clients that fill in every default). Any other value is refused by name.
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1.0,),
-    "logits_processors": (), "truncate_prompt_tokens": (),
+    "logits_processors": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's, and OpenAI's tool_choice): the prompt, the reply's shape
@@ -169,6 +169,8 @@ def completion_requests(req: CompletionRequest, label: str | None) -> list[pb.Ge
     (one live request per label: the router labels the others)."""
     _refuse(req.suffix is None, "suffix", "suffix is not supported")
     _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
+    _refuse(not (req.echo and req.truncate_prompt_tokens is not None), "truncate_prompt_tokens",
+            "cannot be combined with echo (the echoed prompt would not be the one the model saw)")
     prompts = prompts_of(req)
     _refuse(len(prompts) * req.n <= MAX_GENERATIONS, "prompt", f"{len(prompts)} prompts x n = {req.n} make "
             f"{len(prompts) * req.n} generations; at most {MAX_GENERATIONS} in one request")
@@ -237,6 +239,8 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
     msg.sampling.allowed_token_ids.extend(req.allowed_token_ids or [])
     msg.sampling.bad_words.extend(req.bad_words or [])
+    if req.truncate_prompt_tokens is not None:
+        msg.sampling.truncate_prompt_tokens = req.truncate_prompt_tokens
     if req.prompt_logprobs is not None:
         # vLLM's rule too: the whole body carries them, a stream's chunks have no place for them.
         _refuse(not req.stream, "prompt_logprobs", "is not supported with stream: true")
