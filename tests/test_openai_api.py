@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+import aiohttp
 import openai
 import torch
 import pytest
@@ -391,6 +392,57 @@ def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(cluster, model_na
     err = _error(lambda: client.completions.create(model=model_name, prompt=[[7, 8], [7, 10**7]], max_tokens=2))
     assert err.status_code == 400 and err.body["param"] == "prompt"
     assert cluster_leaks(cluster) == {}
+
+
+def test_a_streamed_batch_survives_a_decode_workers_death_and_a_disconnect_frees_it(cluster, model_name, hf_reference):
+    """A batch of 4 prompts x n=2 with bad words, streamed: the decode worker is killed once every
+    choice has tokens; each of the 8 streams still gives HF's greedy tokens (bad words applied
+    after the move too). Then a batch whose client leaves mid-stream: every choice is aborted and
+    its KV freed (leak check)."""
+    from tests.test_failures import _kill, _wait_ready
+
+    base = base_url(cluster)
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(4)]
+    banned = 3 + ord("q")   # ExactTokenizer's encode: byte b is token 3 + b
+    refs = [hf_reference.generate(torch.tensor([p]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                                  max_new_tokens=120, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  bad_words_ids=[[banned]])[0, 3:].tolist() for p in prompts]
+    decode = cluster.cluster.registry.get("decode-0")
+    restarts = decode.restarts
+
+    async def killed_mid_batch() -> list[str]:
+        body = {"model": model_name, "prompt": prompts, "n": 2, "max_tokens": 120, "temperature": 0,
+                "ignore_eos": True, "stream": True, "bad_words": ["q"]}
+        text, killed = [""] * 8, False
+        async with aiohttp.ClientSession() as session, session.post(base + "/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                event = line.decode().strip().removeprefix("data: ")
+                if not event or event == "[DONE]":
+                    continue
+                for choice in json.loads(event)["choices"]:
+                    text[choice["index"]] += choice["text"]
+                if not killed and all(len(t) > 5 for t in text):
+                    _kill(decode.pid)
+                    killed = True
+        return text
+
+    text = asyncio.run(killed_mid_batch())
+    assert [ids_of(t) for t in text] == [refs[i // 2] for i in range(8)]
+    _wait_ready(cluster, "decode-0", restarts + 1)
+
+    async def leaves_mid_batch() -> None:
+        body = {"model": model_name, "prompt": [[5, 6], [7, 8], [9, 10]], "n": 3, "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        lines = 0
+        async with aiohttp.ClientSession() as session, session.post(base + "/completions", json=body) as resp:
+            async for _ in resp.content:
+                lines += 1
+                if lines == 30:   # then gone, mid-stream
+                    break
+
+    asyncio.run(leaves_mid_batch())
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
 
 
 def _error(call) -> openai.APIStatusError:
