@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -28,7 +31,7 @@ LIMITS = ServerLimits(max_stop_strings=3, max_stop_string_chars=8, max_stop_toke
 
 @pytest.fixture(scope="module")
 def limited(ray_session):
-    cluster = start_cluster("disaggregated", defaults={"limits": LIMITS})
+    cluster = start_cluster("disaggregated", defaults={"limits": LIMITS}, http_port=0)
     cluster.cluster.servicer.tokenizer = ByteTokenizer()
     yield cluster
     cluster.stop()
@@ -120,6 +123,27 @@ def test_max_concurrent_streams(limited):
     assert past.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_streams" in past.details()
     assert served.usage.completion_tokens == 1
     assert _refusals(limited, "max_streams") == (before[0] + 1, before[1] + 1), "the refusal is counted"
+    assert cluster_leaks(limited) == {}
+
+
+def test_a_completions_batch_is_live_requests_counted_against_max_concurrent_streams(limited):
+    """Overload by one body: a batch of prompts x n is that many live requests. Within
+    max_concurrent_streams (4) it is served; past it the whole body is a 429 naming the limit,
+    nothing of it runs, and nothing is held (leak check)."""
+    url = f"http://127.0.0.1:{limited.cluster.http_port}/v1/completions"
+
+    def post(body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as err:
+            return err.code, json.load(err)
+
+    status, body = post({"prompt": [[5, 6], [7, 8]], "n": 2, "max_tokens": 2, "ignore_eos": True})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    status, body = post({"prompt": [[5, 6], [7, 8], [9]], "n": 2, "max_tokens": 2, "ignore_eos": True})
+    assert status == 429 and "max_concurrent_streams" in body["error"]["message"], body
     assert cluster_leaks(limited) == {}
 
 
