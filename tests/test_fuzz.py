@@ -37,6 +37,19 @@ CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXIST
 LIMITS = ServerLimits(max_ttft_ms=2000.0, max_tpot_ms=2000.0, max_prompt_bytes=4096)
 
 
+def fuzzed(num_batches: int, fuzz_seed: int):
+    """hypothesis' settings for a fuzz through a live cluster (this one and test_openai_fuzz's):
+    the printed seed, ``num_batches`` examples, no deadline (a batch waits on real workers), no
+    example database, and no health check that a slow or large batch would trip."""
+    def wrap(test):
+        return seed(fuzz_seed)(settings(
+            max_examples=num_batches, deadline=None, database=None, derandomize=False,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+        )(test))
+
+    return wrap
+
+
 @pytest.fixture(scope="module")
 def fuzz_cluster(ray_session):
     cluster = start_cluster("disaggregated", defaults={"max_tokens": 6, "limits": LIMITS})
@@ -182,9 +195,7 @@ def test_fuzzed_requests_get_client_errors_or_results_and_leave_the_server_healt
     addr = address(fuzz_cluster)
     seen: dict[grpc.StatusCode, int] = {}
 
-    @seed(FUZZ_SEED)
-    @settings(max_examples=NUM_BATCHES, deadline=None, database=None, derandomize=False,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @fuzzed(NUM_BATCHES, FUZZ_SEED)
     @given(st.lists(st.one_of(valid_requests(), requests()), min_size=8, max_size=16))
     def run(batch):
         codes = asyncio.run(_batch(addr, batch))

@@ -24,11 +24,12 @@ import random
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import cluster_leaks, hf_greedy
 from tests.test_cluster_e2e import start_cluster
+from tests.test_fuzz import fuzzed
 from tests.test_openai_api import SERVED_NAME, ExactTokenizer, ids_of
 
 FUZZ_SEED = int(os.environ.get("PDSERVE_FUZZ_SEED", random.randrange(2**32)))
@@ -164,9 +165,7 @@ def test_fuzzed_http_bodies_get_client_errors_or_results_and_leave_the_server_he
     base = f"http://127.0.0.1:{http_cluster.cluster.http_port}"
     seen: dict[int, int] = {}
 
-    @seed(FUZZ_SEED)
-    @settings(max_examples=NUM_BATCHES, deadline=None, database=None, derandomize=False,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @fuzzed(NUM_BATCHES, FUZZ_SEED)
     @given(st.lists(st.one_of(valid_bodies(), odd_bodies()), min_size=8, max_size=16))
     def run(batch):
         results = asyncio.run(_batch(base, batch))

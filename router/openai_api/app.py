@@ -141,8 +141,10 @@ class _Api:
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)
         msgs = self._checked(completion_requests, req, label)
-        return self._response(msgs, echo_texts(req, self.core.tokenizer), req, label, chat=False,
-                              logprobs=req.logprobs is not None)
+        # Decoding a batch of token-id prompts is tokenizer work: off the event loop that streams.
+        echoes = await self.core.on_tokenizer_pool(echo_texts, req, self.core.tokenizer) if req.echo \
+            else [None] * len(msgs)
+        return self._response(msgs, echoes, req, label, chat=False, logprobs=req.logprobs is not None)
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/tokenize``: the ids a generation request with this prompt (or these messages,

@@ -204,10 +204,9 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
     return [prompt]
 
 
-def echo_texts(req: CompletionRequest, tokenizer) -> list[str | None]:
-    """What ``echo`` puts before each prompt's completions: the prompt as sent, token ids decoded."""
-    if not req.echo:
-        return [None] * len(prompts_of(req))
+def echo_texts(req: CompletionRequest, tokenizer) -> list[str]:
+    """What ``echo`` puts before each prompt's completions: the prompt as sent, token ids decoded
+    (tokenizer work: the caller runs it on the tokenizer pool)."""
     return [prompt if isinstance(prompt, str) else
             tokenizer.decode(list(prompt), skip_special_tokens=False) if tokenizer is not None else ""
             for prompt in prompts_of(req)]
