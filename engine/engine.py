@@ -35,6 +35,7 @@ from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.prefix_hash import HashFn, default_block_hash
 from engine.request import Request
+from engine.grammar import Grammars
 from engine.sampler import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop import StopChecker
@@ -110,6 +111,7 @@ class LLMEngine:
         model_support.probe(self.runner, self.layout)
         self._seeds: dict[str, int] = {}
         self.eos_token_ids = frozenset(loaded.eos_token_ids)   # what min_tokens holds back
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, loaded.eos_token_ids)
         self._last_num_kv_tokens = 0
         self.recent_steps: deque[StepTiming] = deque(maxlen=config.num_recent_steps)
         graphs = self.runner.graphs
@@ -131,13 +133,15 @@ class LLMEngine:
         """``reserve``, also returning how many leading prompt tokens' KV this engine holds
         already (a cached prefix, whole blocks): the hand-off moves only the rest."""
         self._validate(spec)
+        request = self._new_request(spec)   # before the lookup: it may refuse, holding nothing
         prompt = spec.prompt_token_ids
         cached = self.kv.find_cached(spec.req_id, prompt)
         if not self.kv.can_admit(spec.req_id, cached, len(prompt)):
             needed = -(-len(prompt) // self.config.block_size) - len(cached)
             self.kv.free(spec.req_id)   # forget the lookup's state
+            self._seeds.pop(spec.req_id, None)
             raise CapacityError(f"{needed} KV blocks needed, {self.kv.num_free_blocks} free")
-        blocks = self.scheduler.park(self._new_request(spec), cached)
+        blocks = self.scheduler.park(request, cached)
         return blocks, len(cached) * self.config.block_size
 
     def commit_kv(self, req_id: str, first_token_id: int) -> TokenDelta | None:
@@ -291,8 +295,11 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{spec.req_id!r} is already in flight")
 
     def _new_request(self, spec: RequestSpec) -> Request:
+        request = Request(spec)
+        if spec.sampling.structured_output is not None:   # before anything is held: it may refuse
+            request.grammar = self.grammars.matcher(spec.sampling.structured_output)
         self._seeds[spec.req_id] = spec.sampling.seed if spec.sampling.seed is not None else random.getrandbits(62)
-        return Request(spec)
+        return request
 
     def stats(self, worker_id: str = "engine") -> WorkerStats:
         s = self.scheduler

@@ -1,15 +1,17 @@
-"""A request's logit adjustments before its token is chosen (greedy or sampled): vLLM's
+"""A request's logit adjustments before its token is chosen (greedy or sampled): its structured
+output's grammar (every token that would leave it at -inf: ``engine.grammar``), vLLM's
 ``allowed_token_ids`` (every other token at -inf), ``bad_words`` (their tokens at -inf where the
 output would complete one) and ``min_tokens`` (EOS and the stop token ids
 held at -inf until that many tokens are out), OpenAI's ``logit_bias``, ``frequency_penalty`` and
 ``presence_penalty``, and the ``repetition_penalty`` of Hugging Face and vLLM, in vLLM's order:
-the allowed set, the bad words, the hold and the bias first, then the repetition penalty (every
+the grammar, the allowed set, the bad words, the hold and the bias first, then the repetition penalty (every
 token in the prompt or the output: a positive logit divided by it, a negative one multiplied),
 then the frequency penalty (times the token's count in the output) and the presence penalty
 (once per token in the output), each subtracted.
 
 Stateless: every step reads the request's tokens as they stand (``Request.all_token_ids``, and
-its output, which reaches back into the prompt of a migrated request), so a request recomputed
+its output, which reaches back into the prompt of a migrated request; a grammar's matcher is a
+cache of that output), so a request recomputed
 after preemption, resumed on another worker, or whose first token a prefill worker chose gets
 the same adjustments it would have had on one engine. The arithmetic is Hugging Face's
 processors' (the same float32 operations on the same values), so greedy output with them equals
@@ -63,6 +65,11 @@ def adjust(rows: torch.Tensor, requests: Sequence[Request], eos_token_ids: froze
     def per_row(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=rows.dtype, device=rows.device)
 
+    guided = [(i, r) for i, r in enumerate(requests) if r.grammar is not None]
+    if guided:   # what the grammar does not allow after the output so far to -inf
+        allowed = np.stack([r.grammar.allowed(r.generated_tail(r.num_generated)) for _, r in guided])
+        idx = [i for i, _ in guided]
+        rows[idx] = rows[idx].masked_fill(~torch.from_numpy(allowed).to(rows.device), float("-inf"))
     limited = [(i, r.sampling.allowed_token_ids) for i, r in enumerate(requests) if r.sampling.allowed_token_ids]
     if limited:   # every other token of those rows to -inf
         idx = at(limited)

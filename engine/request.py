@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.grammar import GrammarMatcher
 from engine.types import FinishReason, RequestSpec, SamplingParams, TopLogprobs
 
 
@@ -49,6 +50,9 @@ class Request:
     req_id: str = field(init=False)
     sampling: SamplingParams = field(init=False)
     adjusts_logits: bool = field(init=False)   # the sampler's per-row check, every step
+    # With sampling.structured_output: its matcher (engine/grammar.py), attached by the engine on
+    # add; a cache of the output tokens, so preemption and migration need nothing of it.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.spec.prompt_token_ids)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar import GrammarError
 from engine.greedy_argmax import argmax_if_finite
 from engine import logit_adjust
 from engine.request import Request
@@ -65,7 +66,7 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
                 raise SamplingError("the forward produced no finite logit for this request")
             chosen_from = adjusted.get(row, logits[row])
             if row in adjusted and not bool(torch.isfinite(chosen_from).any()):
-                raise SamplingError("every token is ruled out (allowed_token_ids all held back by min_tokens or bad_words)")
+                raise SamplingError("every token is ruled out (by allowed_token_ids, structured_output, bad_words and min_tokens together)")
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
                 tokens[row] = _sample_row(chosen_from, request, seed % (2**63))
@@ -101,7 +102,8 @@ def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids:
                 adjusted[i] = logit_adjust.adjust(logits[[i]], [requests[i]], eos_token_ids)[0]
             except Exception as exc:
                 logger.warning("adjusting the logits of %s failed: %s", requests[i].req_id, exc)
-                failed[i] = f"sampling failed: {type(exc).__name__}"
+                # A grammar's reason is the client's to read; anything else is ours (the log has it).
+                failed[i] = f"sampling failed: {exc if isinstance(exc, GrammarError) else type(exc).__name__}"
         return adjusted
 
 

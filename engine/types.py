@@ -26,6 +26,25 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 MAX_TOP_LOGPROBS = 20   # OpenAI's bound on top_logprobs
+
+
+class GuideKind(str, enum.Enum):
+    """What a structured output's ``spec`` is (vLLM's ``structured_outputs`` keys)."""
+
+    JSON = "json"                 # a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"   # any JSON object (OpenAI's response_format json_object); spec ""
+    REGEX = "regex"               # the whole output matches this regular expression
+    CHOICE = "choice"             # the output is one of these strings (spec: a JSON list of them)
+    GRAMMAR = "grammar"           # a context-free grammar in Lark or GBNF syntax (llguidance's)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the whole output (engine/grammar.py turns it into llguidance's grammar):
+    every token chosen keeps the output a prefix of a match; EOS only where it is a whole one."""
+
+    kind: GuideKind
+    spec: str = ""
 TopLogprobs = tuple[tuple[int, float], ...]   # one position's (token id, logprob), most likely first
 
 
@@ -57,6 +76,7 @@ class SamplingParams:
     # vLLM's bad words as token ids: a one-token word is never chosen; a longer one's last token is
     # not chosen where the output ends with the word's other tokens (the router tokenizes them).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_output: StructuredOutput | None = None   # None: free text
 
     @property
     def greedy(self) -> bool:
@@ -65,7 +85,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words_token_ids))
+                or bool(self.logit_bias) or bool(self.allowed_token_ids) or bool(self.bad_words_token_ids)
+                or self.structured_output is not None)
 
     @classmethod
     def from_plain(cls, fields: dict) -> SamplingParams:
@@ -73,7 +94,9 @@ class SamplingParams:
         return cls(**{**fields, "stop": tuple(fields["stop"]), "stop_token_ids": tuple(fields["stop_token_ids"]),
                       "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"]),
                       "allowed_token_ids": tuple(fields["allowed_token_ids"]),
-                      "bad_words_token_ids": tuple(tuple(w) for w in fields["bad_words_token_ids"])})
+                      "bad_words_token_ids": tuple(tuple(w) for w in fields["bad_words_token_ids"]),
+                      "structured_output": fields["structured_output"] and StructuredOutput(
+                          GuideKind(fields["structured_output"]["kind"]), fields["structured_output"]["spec"])})
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,35 @@ def tiny_model():
     return random_model(seed=0)
 
 
+def byte_level_tokenizer():
+    """A real Hugging Face fast tokenizer for the tiny random model: byte-level BPE without merges,
+    token id 3 + b for byte b (as ``ByteTokenizer`` encodes), 0-2 pad / BOS / EOS. What
+    structured output needs on the workers (llguidance reads a fast tokenizer's vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    others = [b for b in range(256) if b not in printable]   # GPT-2's byte-to-character table
+    chars = {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chars[b]: 3 + b for b in range(256)}}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny random model (``tiny_model``'s weights, a fresh copy: engines patch theirs) saved
+    as a Hugging Face directory with ``byte_level_tokenizer``: a source workers load like any other."""
+    from engine.model_loader import random_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-bytes")
+    random_model(seed=0).model.save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
     """Hugging Face ``generate`` greedy reference (EOS ignored unless given)."""
     out = model.generate(

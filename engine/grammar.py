@@ -1,0 +1,137 @@
+"""Structured output (vLLM's ``structured_outputs``, OpenAI's ``response_format``) on llguidance:
+a request's ``StructuredOutput`` made into llguidance's grammar, checked, and matched token by
+token against what the request has output, giving the set of tokens allowed next.
+
+Torch-free (the router checks grammars at its edge with the same rule as the engine). The
+engine's ``Grammars`` holds the model's tokenizer in llguidance's form (built on the first
+structured request, ~0.3 s for a 49,152-token vocabulary) and makes each request's
+``GrammarMatcher`` when the request is added. A matcher is a cache of the request's tokens, not
+state of its own: before each mask it consumes the output tokens it has not seen, so the first
+token a prefill worker chose, the tokens a migrated request streamed before it moved and a
+request recomputed after preemption all land it where one engine would have; tokens it holds
+but the request no longer does (never, today) reset it. It dies with its ``Request``.
+
+Life cycle of a constrained request: the router checks the grammar (``check``) -> the engine
+checks it again on ``add_request`` and attaches a matcher -> every step that samples the
+request, ``allowed`` gives the bitmask (EOS only where the output is a whole match; only EOS once
+the grammar can take nothing more) -> the request finishes on EOS, a stop, its length or a
+failure like any other.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from engine.errors import InvalidRequestError
+from engine.types import GuideKind, StructuredOutput
+
+FIELD = "structured_output"
+
+
+class GrammarError(RuntimeError):
+    """A request's output cannot go on in its grammar; the message is for its client."""
+
+
+def grammar_of(output: StructuredOutput, field: str = FIELD) -> str:
+    """llguidance's grammar for ``output``; InvalidRequestError naming ``field`` with llguidance's
+    own message where the schema, regex, choices or grammar cannot be compiled."""
+    try:
+        grammar = _compile(output)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RuntimeError) as exc:   # llguidance's for text it cannot parse
+        error = str(exc)
+    if error:
+        raise InvalidRequestError(field, f"{output.kind.value}: {error.strip()}")
+    return grammar
+
+
+def check(output: StructuredOutput, field: str = FIELD) -> None:
+    """The one validity rule, router and engine alike."""
+    grammar_of(output, field)
+
+
+def _compile(output: StructuredOutput) -> str:
+    if output.kind is GuideKind.JSON_OBJECT:
+        if output.spec:
+            raise ValueError("takes no spec")
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if not output.spec:
+        raise ValueError("the spec is empty")
+    if output.kind is GuideKind.JSON:
+        schema = json.loads(output.spec)
+        if not isinstance(schema, dict | bool):
+            raise ValueError("a JSON schema is an object (or true / false)")
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    if output.kind is GuideKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(output.spec)
+    if output.kind is GuideKind.CHOICE:
+        choices = json.loads(output.spec)
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise ValueError("choices are a non-empty list of non-empty strings")
+        return llguidance.grammar_from("choice", choices)
+    return llguidance.grammar_from("grammar", output.spec)   # Lark, or GBNF converted to Lark
+
+
+def choices_spec(choices: Sequence[str]) -> str:
+    """A CHOICE spec from its strings (how the router and tests write one)."""
+    return json.dumps(list(choices))
+
+
+class GrammarMatcher:
+    """One request's position in its grammar, synced to the request's output tokens."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._consumed = 0   # output tokens the matcher has taken
+
+    def allowed(self, output_token_ids: Sequence[int]) -> np.ndarray:
+        """The tokens allowed after ``output_token_ids`` (the request's whole output so far), as a
+        bool array over the model's vocabulary. Raises GrammarError where the output left the
+        grammar (a token chosen without this mask) or llguidance gave up (its parser limits)."""
+        if self._consumed > len(output_token_ids):
+            self._matcher.reset()
+            self._consumed = 0
+        new = list(output_token_ids[self._consumed:])
+        if new and not self._matcher.consume_tokens(new):
+            raise GrammarError(f"the output left its grammar: {self._error()}")
+        self._consumed = len(output_token_ids)
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar cannot go on: {self._error()}")
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(bits, bitorder="little")[: self._vocab_size].view(bool)
+
+    def _error(self) -> str:
+        return self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "unknown"
+
+
+class Grammars:
+    """The model's tokenizer as llguidance reads it, and a matcher for each constrained request."""
+
+    def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    def matcher(self, output: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start (``check`` passed)."""
+        if self._tokenizer is None:
+            raise InvalidRequestError(FIELD, "this model has no tokenizer to match a grammar's text against")
+        matcher = llguidance.LLMatcher(self._tokenizer_for_llguidance(), grammar_of(output), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(FIELD, matcher.get_error().splitlines()[0])
+        return GrammarMatcher(matcher, self._vocab_size)
+
+    def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:
+            import llguidance.hf   # transformers: only where a structured request arrives
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                              eos_token=self._eos_token_ids or None)
+        return self._ll_tokenizer

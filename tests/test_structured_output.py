@@ -1,0 +1,202 @@
+"""Structured output in the engine (``engine/grammar.py``, applied by ``engine/logit_adjust.py``):
+greedy output under a JSON schema, any JSON object, a regex, a list of choices, a Lark and a GBNF
+grammar equals Hugging Face ``generate`` with the same grammar's mask as a logits processor,
+token for token, under the default, chunked-prefill and preemption configs; sampled output ends
+in whole matches; a migrated request continues its grammar where it was; a bad grammar, a model
+without a tokenizer and an output that left its grammar are refused or failed alone, with the
+leak check after each.
+
+The tiny random model is loaded from a directory with a real byte-level fast tokenizer
+(``tiny_model_dir``): one token per byte, so a grammar constrains every character.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.errors import InvalidRequestError
+from engine.grammar import choices_spec, grammar_of
+from engine.types import FinishReason, GuideKind, RequestSpec, SamplingParams, StructuredOutput
+from tests.conftest import assert_no_leaks
+from tests.test_engine_exact import CONFIGS
+
+EOS = 2
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+GUIDES = {
+    "json": StructuredOutput(GuideKind.JSON, json.dumps(SCHEMA)),
+    "json_object": StructuredOutput(GuideKind.JSON_OBJECT),
+    "regex": StructuredOutput(GuideKind.REGEX, r"[a-z]{2,5}@[a-z]{3}\.(com|org)"),
+    "choice": StructuredOutput(GuideKind.CHOICE, choices_spec(["yes", "no", "maybe not"])),
+    "lark": StructuredOutput(GuideKind.GRAMMAR, 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'),
+    "gbnf": StructuredOutput(GuideKind.GRAMMAR, 'root ::= "a" [b-d]+ "e"'),
+}
+WHOLE = {   # what a finished (EOS) output must be, as text
+    "json": lambda t: set(json.loads(t)) == {"name", "n"},
+    "json_object": lambda t: isinstance(json.loads(t), dict),
+    "regex": lambda t: re.fullmatch(r"[a-z]{2,5}@[a-z]{3}\.(com|org)", t) is not None,
+    "choice": lambda t: t in ("yes", "no", "maybe not"),
+    "lark": lambda t: re.fullmatch(r"\([0-9]{1,3}(\+[0-9]{1,3})*\)", t) is not None,
+    "gbnf": lambda t: re.fullmatch(r"a[b-d]+e", t) is not None,
+}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    from engine.model_loader import load_model
+
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer(loaded):
+    return llguidance.hf.from_tokenizer(loaded.tokenizer, n_vocab=loaded.model.config.vocab_size, eos_token=[EOS])
+
+
+class GrammarReference(LogitsProcessor):
+    """HF's side: llguidance's mask after the tokens generated so far, written independently of
+    the engine's matcher (only the grammar's compilation is shared)."""
+
+    def __init__(self, ll_tokenizer, guide: StructuredOutput, prompt_len: int) -> None:
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(guide), log_level=0)
+        self.prompt_len, self.seen = prompt_len, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[0, self.prompt_len:].tolist()
+        assert self.matcher.consume_tokens(out[self.seen:])
+        self.seen = len(out)
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        return scores.masked_fill(torch.from_numpy(bits[: scores.shape[-1]] == 0), float("-inf"))
+
+
+def hf_guided(model, ll_tokenizer, prompt: list[int], guide: StructuredOutput, max_new_tokens: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0,
+                         logits_processor=LogitsProcessorList([GrammarReference(ll_tokenizer, guide, len(prompt))]))
+    return out[0, len(prompt):].tolist()
+
+
+def run(engine: LLMEngine, specs: list[RequestSpec]) -> dict[str, tuple[list[int], FinishReason, str | None]]:
+    """Requests arriving one every other step; each one's tokens, finish reason and error."""
+    specs, got, step = list(specs), {}, 0
+    while specs or engine.has_work():
+        if specs and step % 2 == 0:
+            spec = specs.pop(0)
+            engine.add_request(spec)
+            got[spec.req_id] = ([], None, None)
+        for d in engine.step().deltas:
+            tokens, _, _ = got[d.req_id]
+            got[d.req_id] = (tokens + list(d.token_ids), d.finish_reason, d.error)
+        step += 1
+    return got
+
+
+def text(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode([t for t in tokens if t != EOS])
+
+
+@pytest.mark.parametrize("config", ["default", "chunked", "preempt"])
+def test_every_kind_of_guide_equals_hf_with_the_same_grammar(loaded, hf_reference, ll_tokenizer, config):
+    rng = random.Random(7)
+    specs, refs = [], {}
+    for i, (name, guide) in enumerate(list(GUIDES.items()) * 2):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(2, 40))]
+        spec = RequestSpec(f"{name}-{i}", tuple(prompt), SamplingParams(max_tokens=30, structured_output=guide))
+        specs.append(spec)
+        refs[spec.req_id] = hf_guided(hf_reference, ll_tokenizer, prompt, guide, 30)
+    engine = LLMEngine(loaded, CONFIGS[config])
+    got = run(engine, specs)
+    for spec in specs:
+        tokens, reason, error = got[spec.req_id]
+        assert error is None and tokens == refs[spec.req_id], f"{spec.req_id} under {config}"
+        name = spec.req_id.rsplit("-", 1)[0]
+        if reason is FinishReason.STOP:   # ended on EOS: the grammar allowed it, so a whole match
+            assert tokens[-1] == EOS and WHOLE[name](text(loaded.tokenizer, tokens)), spec.req_id
+    assert sum(got[s.req_id][1] is FinishReason.STOP for s in specs) >= 6   # most guides end on their own
+    if config == "preempt":
+        assert engine.scheduler.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_sampled_outputs_end_in_whole_matches(loaded):
+    """Temperature 1.5, 40 seeds a guide: whatever is drawn, an output that ends ends whole."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=256))
+    names = ["choice", "regex", "gbnf", "lark"]
+    specs = [RequestSpec(f"{name}-{seed}", (5, 6, 7), SamplingParams(max_tokens=40, temperature=1.5, seed=seed,
+                                                                     structured_output=GUIDES[name]))
+             for name in names for seed in range(40)]
+    got = run(engine, specs)
+    ended = [(s.req_id, got[s.req_id][0]) for s in specs if got[s.req_id][1] is FinishReason.STOP]
+    assert len(ended) >= 100 and {rid.rsplit("-", 1)[0] for rid, _ in ended} == set(names)
+    for req_id, tokens in ended:
+        assert WHOLE[req_id.rsplit("-", 1)[0]](text(loaded.tokenizer, tokens)), (req_id, tokens)
+    assert len({tuple(got[f"choice-{seed}"][0]) for seed in range(40)}) == 3   # sampling still samples
+    assert_no_leaks(engine)
+
+
+def test_a_migrated_request_continues_its_grammar(loaded, hf_reference, ll_tokenizer):
+    """Resumed elsewhere with its streamed tokens appended to its prompt (``num_generated``), a
+    request's matcher takes them first: the rest is what it would have output unmoved."""
+    guide, prompt = GUIDES["json"], [9, 40, 41, 42]
+    ref = hf_guided(hf_reference, ll_tokenizer, prompt, guide, 30)
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
+    for moved in (1, 5, 11):
+        spec = RequestSpec(f"m{moved}", tuple(prompt + ref[:moved]),
+                           SamplingParams(max_tokens=30 - moved, structured_output=guide), num_generated=moved)
+        assert run(engine, [spec])[spec.req_id][0] == ref[moved:]
+    assert_no_leaks(engine)
+
+
+def test_an_output_that_left_its_grammar_fails_alone(loaded):
+    """Streamed tokens the grammar never allowed (here forged; never made by a worker, whose masks
+    keep them inside) fail that request with a message; its batch goes on."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
+    forged = RequestSpec("forged", (5, 6, 3 + ord("x")), SamplingParams(max_tokens=8, structured_output=GUIDES["choice"]),
+                         num_generated=1)
+    fine = RequestSpec("fine", (5, 6), SamplingParams(max_tokens=8, structured_output=GUIDES["choice"]))
+    got = run(engine, [forged, fine])
+    assert got["forged"][1] is FinishReason.ERROR and "grammar" in got["forged"][2]
+    assert got["fine"][1] is FinishReason.STOP and text(loaded.tokenizer, got["fine"][0]) in ("yes", "no", "maybe not")
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("guide, says", [
+    (StructuredOutput(GuideKind.JSON, '{"type": "objectx"}'), "objectx"),
+    (StructuredOutput(GuideKind.JSON, "not json"), "json"),
+    (StructuredOutput(GuideKind.JSON, "[1, 2]"), "object"),
+    (StructuredOutput(GuideKind.JSON, ""), "empty"),
+    (StructuredOutput(GuideKind.JSON_OBJECT, "{}"), "no spec"),
+    (StructuredOutput(GuideKind.REGEX, "a(b"), "unclosed group"),
+    (StructuredOutput(GuideKind.CHOICE, "[]"), "choices"),
+    (StructuredOutput(GuideKind.CHOICE, '["a", ""]'), "choices"),
+    (StructuredOutput(GuideKind.CHOICE, '"a"'), "choices"),
+    (StructuredOutput(GuideKind.GRAMMAR, "start: foo"), "foo"),
+    (StructuredOutput(GuideKind.GRAMMAR, "root ::= ["), "grammar"),
+])
+def test_a_bad_guide_is_refused_naming_the_field_with_llguidances_reason(loaded, guide, says):
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=16))
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request(RequestSpec("bad", (5, 6), SamplingParams(structured_output=guide)))
+    assert err.value.field == "structured_output" and says in str(err.value).lower()
+    assert_no_leaks(engine)
+
+
+def test_a_model_without_a_tokenizer_refuses_a_guide(tiny_model):
+    engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=16))
+    for call in (engine.add_request, engine.reserve):
+        with pytest.raises(InvalidRequestError) as err:
+            call(RequestSpec("g", (5, 6), SamplingParams(structured_output=GUIDES["regex"])))
+        assert err.value.field == "structured_output" and "tokenizer" in str(err.value)
+    assert_no_leaks(engine)
+    assert not engine._seeds
