@@ -46,7 +46,7 @@ def grammar_of(output: StructuredOutput, field: str = FIELD) -> str:
     except (ValueError, TypeError, RuntimeError) as exc:   # llguidance's for text it cannot parse
         error = str(exc)
     if error:
-        raise InvalidRequestError(field, f"{output.kind.value}: {error.strip()}")
+        raise InvalidRequestError(field, f"{output.kind.value}: {error.strip()[:1000]}")
     return grammar
 
 

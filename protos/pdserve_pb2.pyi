@@ -76,7 +76,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_tokens", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "structured_output", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class SamplingParams(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
@@ -122,11 +123,32 @@ class SamplingParams(_message.Message):
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     truncate_prompt_tokens: int
+    structured_output: StructuredOutput
     logit_bias: _containers.ScalarMap[int, float]
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json", "json_object", "regex", "choice", "grammar")
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    json_object: bool
+    regex: str
+    choice: Choices
+    grammar: str
+    def __init__(self, json: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "chat", "token_ids", "sampling", "ttft_ms", "tpot_ms", "priority", "skip_special_tokens")
@@ -293,7 +315,7 @@ class Range(_message.Message):
     def __init__(self, min: _Optional[float] = ..., max: _Optional[float] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens", "ttft_ms_range", "tpot_ms_range", "scheduling_policy", "min_priority", "max_priority", "stream_interval")
+    __slots__ = ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens", "ttft_ms_range", "tpot_ms_range", "scheduling_policy", "min_priority", "max_priority", "stream_interval", "max_structured_output_chars")
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +334,7 @@ class Limits(_message.Message):
     MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MAX_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    MAX_STRUCTURED_OUTPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
     max_prompt_tokens: int
     max_tokens: int
     default_max_tokens: int
@@ -330,7 +353,8 @@ class Limits(_message.Message):
     min_priority: int
     max_priority: int
     stream_interval: int
-    def __init__(self, max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., max_chat_messages: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_pending_tokens: _Optional[int] = ..., ttft_ms_range: _Optional[_Union[Range, _Mapping]] = ..., tpot_ms_range: _Optional[_Union[Range, _Mapping]] = ..., scheduling_policy: _Optional[_Union[SchedulingPolicy, str]] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    max_structured_output_chars: int
+    def __init__(self, max_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., max_chat_messages: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., max_pending_tokens: _Optional[int] = ..., ttft_ms_range: _Optional[_Union[Range, _Mapping]] = ..., tpot_ms_range: _Optional[_Union[Range, _Mapping]] = ..., scheduling_policy: _Optional[_Union[SchedulingPolicy, str]] = ..., min_priority: _Optional[int] = ..., max_priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., max_structured_output_chars: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
     __slots__ = ("model", "max_model_len", "vocab_size", "block_size", "mode", "workers", "default_slo", "limits")

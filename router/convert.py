@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError, require
-from engine.types import FinishReason, RequestSpec, SamplingParams, SLOTarget, TokenDelta, TopLogprobs, WorkerStats
+from engine.grammar import choices_spec
+from engine.types import (FinishReason, GuideKind, RequestSpec, SamplingParams, SLOTarget, StructuredOutput, TokenDelta,
+                          TopLogprobs, WorkerStats)
 from engine.validation import check_token_ids, validate_sampling, validate_spec
 from protos import pdserve_pb2 as pb
 from router.limits import ServerLimits, clamp_hint_ms, limits_to_proto, priority_for
@@ -226,10 +228,23 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         stop_token_ids=tuple(msg.stop_token_ids),
         logit_bias=tuple(sorted(msg.logit_bias.items())),   # a map's order is not the wire's: sorted, one spec
         allowed_token_ids=tuple(msg.allowed_token_ids),
+        structured_output=structured_output_from_proto(msg.structured_output) if msg.HasField("structured_output") else None,
         **{name: getattr(msg, name) for name in _SAMPLING_AS_IS if msg.HasField(name)},
     )
     validate_sampling(sp, defaults.vocab_size, prefix="sampling.", eos_token_ids=defaults.eos_token_ids)
     return sp
+
+
+def structured_output_from_proto(msg: pb.StructuredOutput) -> StructuredOutput:
+    """The proto's kind names are ``GuideKind``'s values; choices travel as one JSON list."""
+    kind = msg.WhichOneof("kind")
+    require(kind is not None, "sampling.structured_output", "set one of json, json_object, regex, choice, grammar")
+    if kind == "json_object":
+        require(msg.json_object, "sampling.structured_output.json_object", "must be true when set")
+        return StructuredOutput(GuideKind.JSON_OBJECT)
+    if kind == "choice":
+        return StructuredOutput(GuideKind.CHOICE, choices_spec(msg.choice.choices))
+    return StructuredOutput(GuideKind(kind), getattr(msg, kind))
 
 
 def _slo_hint(request: pb.GenerateRequest, name: str, defaults: ServerDefaults) -> float | None:

@@ -199,7 +199,8 @@ class GenerationCore:
 
     def _needs_tokenizer(self, request: pb.GenerateRequest) -> bool:
         """A text or chat prompt (checked for one here: malformed messages are named before
-        anything else), or bad words; token ids need none."""
+        anything else), bad words, or a structured output (its grammar is compiled to be checked:
+        milliseconds, not the event loop's); token ids need none."""
         kind = request.WhichOneof("prompt")
         if kind == "chat":
             convert.chat_from_proto(request.chat)
@@ -207,7 +208,10 @@ class GenerationCore:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
         if request.sampling.bad_words and self.tokenizer is None:
             raise InvalidRequestError("sampling.bad_words", "this model has no tokenizer to turn words into tokens")
-        return kind in ("text", "chat") or bool(request.sampling.bad_words)
+        guided = request.sampling.HasField("structured_output")
+        if guided and self.tokenizer is None:
+            raise InvalidRequestError("sampling.structured_output", "this model has no tokenizer to match a grammar against")
+        return kind in ("text", "chat") or bool(request.sampling.bad_words) or guided
 
     def _tokenized_spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:
         """On the tokenizer pool: tokenize, then validate the ids there too (per-token work)."""

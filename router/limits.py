@@ -44,6 +44,8 @@ class ServerLimits:
     max_stop_token_ids: int = _limit(64, "stop token ids per request")
     max_prompt_bytes: int = _limit(MIB, "UTF-8 bytes of a text or chat prompt, checked before tokenizing")
     max_chat_messages: int = _limit(512, "messages per chat prompt")
+    max_structured_output_chars: int = _limit(
+        65_536, "characters of a structured output's JSON schema, regex, grammar or choices (all together)")
     # gRPC's own cap on one incoming message: room for a max_prompt_bytes prompt plus its
     # framing, and for token_ids prompts (an id is up to 10 bytes on the wire).
     max_receive_message_bytes: int = _limit(4 * MIB, "gRPC's cap on one incoming message")
@@ -84,7 +86,7 @@ class ServerLimits:
 
 # Limits that count something: none of them can be 0 (or less) and leave a usable server.
 _COUNTS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages",
-           "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens")
+           "max_structured_output_chars", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens")
 
 
 def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
@@ -99,6 +101,16 @@ def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
         size = sum(len(m.content.encode("utf-8")) for m in request.chat.messages)   # roles are a fixed set
         _check_bytes("chat", size, limits)
     _check_stops(request.sampling, limits)
+    _check_structured_output(request.sampling.structured_output, limits)
+
+
+def _check_structured_output(guide: pb.StructuredOutput, limits: ServerLimits) -> None:
+    """Its text's size, before llguidance compiles it (a compile's time grows with it)."""
+    kind = guide.WhichOneof("kind")
+    size = sum(map(len, guide.choice.choices)) if kind == "choice" else len(getattr(guide, kind)) \
+        if kind in ("json", "regex", "grammar") else 0
+    require(size <= limits.max_structured_output_chars, f"sampling.structured_output.{kind}",
+            f"{size} characters; at most {limits.max_structured_output_chars}")
 
 
 def _check_bytes(field: str, size: int, limits: ServerLimits) -> None:
@@ -150,7 +162,8 @@ def limits_to_proto(limits: ServerLimits) -> dict:
     return dict(
         max_stop_strings=limits.max_stop_strings, max_stop_string_chars=limits.max_stop_string_chars,
         max_stop_token_ids=limits.max_stop_token_ids, max_prompt_bytes=limits.max_prompt_bytes,
-        max_chat_messages=limits.max_chat_messages, max_receive_message_bytes=limits.max_receive_message_bytes,
+        max_chat_messages=limits.max_chat_messages, max_structured_output_chars=limits.max_structured_output_chars,
+        max_receive_message_bytes=limits.max_receive_message_bytes,
         max_concurrent_streams=limits.max_concurrent_streams, max_queued_requests=limits.max_queued_requests,
         max_pending_tokens=limits.max_pending_tokens, stream_interval=limits.stream_interval,
         ttft_ms_range=pb.Range(min=limits.min_ttft_ms, max=limits.max_ttft_ms),

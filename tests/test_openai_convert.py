@@ -12,13 +12,14 @@ import pytest
 
 from engine.errors import CapacityError, InvalidRequestError, WorkerFailedError
 from engine.types import FinishReason, TokenDelta
+from protos import pdserve_pb2 as pb
 from router.convert import ServerDefaults, Usage, sampling_from_proto
 from router.errors import status_for
 from router.generation import GenerationEvent
 from router.identity import DuplicateRequestError
 from router.openai_api import errors
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai_api.requests import MAX_GENERATIONS, chat_request, completion_requests, param_for, parse
+from router.openai_api.requests import MAX_GENERATIONS, chat_request, completion_requests, param_for, parse, sent_as
 from router.openai_api.responses import ResponseFormat
 
 
@@ -151,7 +152,7 @@ def test_values_at_the_proto_bounds_still_convert():
 
 def test_field_paths_map_back_to_openai_parameters():
     assert param_for("sampling.top_p", chat=True) == "top_p"
-    assert param_for("sampling.max_tokens", chat=True, max_tokens_name="max_completion_tokens") == "max_completion_tokens"
+    assert param_for("sampling.max_tokens", chat=True, sent_as={"sampling.max_tokens": "max_completion_tokens"}) == "max_completion_tokens"
     assert param_for("chat.messages[1].role", chat=True) == "messages[1].role"
     assert param_for("chat", chat=True) == param_for("chat.messages", chat=True) == "messages"
     assert param_for("text", chat=False) == param_for("token_ids", chat=False) == "prompt"
@@ -333,9 +334,12 @@ def test_stop_strings_are_trimmed_from_streamed_text():
 
 
 @pytest.mark.parametrize("model, body, param", [
-    (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    (CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}, "guided_whitespace_pattern": " *"},
+     "guided_whitespace_pattern"),
     (CompletionRequest, {"prompt": "x", "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", "b"]}, "guided_choice"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                             "structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
      "chat_template"),
@@ -437,3 +441,59 @@ def test_chat_template_options_become_the_chat_fields():
     assert both.chat.add_generation_prompt and both.chat.continue_final_message   # refused by the shared checks
     assert param_for("chat.template_kwargs_json", chat=True) == "chat_template_kwargs"
     assert param_for("chat.continue_final_message", chat=True) == "continue_final_message"
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({"response_format": {"type": "json_object"}}, pb.StructuredOutput(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     pb.StructuredOutput(json=json.dumps(SCHEMA))),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"json": SCHEMA}}, pb.StructuredOutput(json=json.dumps(SCHEMA))),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, pb.StructuredOutput(json='{"type": "string"}')),
+    ({"structured_outputs": {"json_object": True}}, pb.StructuredOutput(json_object=True)),
+    ({"structured_outputs": {"regex": "[a-z]+", "json_object": False, "disable_fallback": False}},
+     pb.StructuredOutput(regex="[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"]))),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, pb.StructuredOutput(grammar='root ::= "a"')),
+    ({"guided_json": SCHEMA}, pb.StructuredOutput(json=json.dumps(SCHEMA))),
+    ({"guided_regex": "x+"}, pb.StructuredOutput(regex="x+")),
+    ({"guided_choice": ["a"]}, pb.StructuredOutput(choice=pb.Choices(choices=["a"]))),
+    ({"guided_grammar": 'start: "a"'}, pb.StructuredOutput(grammar='start: "a"')),
+])
+def test_every_way_to_ask_for_structured_output_becomes_the_one_grpc_field(extra, want):
+    """OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields, on both
+    endpoints: one ``sampling.structured_output``."""
+    for msg in (completion_request(parse(CompletionRequest, {"prompt": "x", **extra}), None),
+                chat_request(parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **extra}), None)):
+        assert (msg.sampling.structured_output if msg.sampling.HasField("structured_output") else None) == want
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"guided_choice": "a"}, "guided_choice"),
+])
+def test_structured_output_asked_twice_or_malformed_is_refused_naming_the_parameter(extra, param):
+    with pytest.raises(InvalidRequestError) as err:
+        completion_request(parse(CompletionRequest, {"prompt": "x", **extra}), None)
+    assert err.value.field == param
+
+
+def test_a_structured_outputs_error_is_named_as_the_client_sent_it():
+    """The router names ``sampling.structured_output`` (and a size limit its kind); the HTTP
+    answer names the parameter the body used."""
+    for extra, name in [({"guided_regex": "a("}, "guided_regex"), ({"response_format": {"type": "json_object"}},
+                                                                   "response_format"),
+                        ({"structured_outputs": {"choice": []}}, "structured_outputs")]:
+        req = parse(CompletionRequest, {"prompt": "x", **extra})
+        names = sent_as(req, chat=False)
+        assert param_for("sampling.structured_output", chat=False, sent_as=names) == name
+        assert param_for("sampling.structured_output.regex", chat=False, sent_as=names) == name
+        assert param_for("sampling.top_p", chat=False, sent_as=names) == "top_p"

@@ -40,7 +40,8 @@ from router.openai_api import errors
 from router.openai_api.errors import ApiError
 from router.openai_api.fan_in import choices
 from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.openai_api.requests import chat_request, completion_requests, echo_texts, param_for, parse, tokenize_request
+from router.openai_api.requests import (chat_request, completion_requests, echo_texts, param_for, parse, sent_as,
+                                        tokenize_request)
 from router.openai_api.responses import ResponseFormat
 from router.openai_api.run import GenerationResponse
 
@@ -135,8 +136,7 @@ class _Api:
     async def chat(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, ChatCompletionRequest)
         msg = self._checked(chat_request, req, label)
-        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, max_tokens_name=name)
+        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs)
 
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)
@@ -256,8 +256,8 @@ class _Api:
         code, _ = self.core.failure(InvalidRequestError(param, message), None)   # counted as invalid
         return ApiError(400, f"{param}: {message}", "invalid_request_error", param, code.name.lower())
 
-    def _response(self, msgs: list, echoes: list[str | None], req, label: str | None, *, chat: bool, logprobs: bool,
-                  max_tokens_name: str = "max_tokens") -> GenerationResponse:
+    def _response(self, msgs: list, echoes: list[str | None], req, label: str | None, *, chat: bool,
+                  logprobs: bool) -> GenerationResponse:
         """One response over every prompt's (``msgs``, each with its ``echoes`` text) ``n`` choices."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -267,5 +267,5 @@ class _Api:
                                echo=echoes[0])
         requests = [choice for msg in msgs for choice in choices(msg, req.n)]
         fmts = [first] + [first.for_choice(i, echoes[i // req.n]) for i in range(1, len(requests))]
-        return GenerationResponse(self.core, requests, fmts, stream=req.stream, max_tokens_name=max_tokens_name,
+        return GenerationResponse(self.core, requests, fmts, stream=req.stream, sent_as=sent_as(req, chat=chat),
                                   choices_per_prompt=req.n)

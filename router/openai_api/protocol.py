@@ -9,7 +9,9 @@ decoding, a custom chat template, ...), which the request models
 keep among their extra fields for ``requests.py`` to look at. Beside OpenAI's fields,
 vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``,
 ``skip_special_tokens``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``: the ``extra_body`` of the ``openai`` client) and pdserve's SLO hints
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
+``structured_outputs`` and its older ``guided_*`` names: the ``extra_body`` of the ``openai``
+client) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
 
 Every integer and string that becomes a ``GenerateRequest`` field is typed with that field's
@@ -21,7 +23,7 @@ within max_model_len, a token id in the vocabulary) is the shared validation's q
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -67,6 +69,36 @@ class ChatMessage(_Body):
     content: Text | list[ContentPart] | None = None
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: the schema constrains the output; name,
+    description and strict are the client's labels (the output always follows the schema)."""
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: one of a JSON schema, any JSON object, a regex, a list of
+    choices or a grammar (Lark or GBNF). Its other options are refused by ``requests.py``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    json_: dict[str, Any] | Text | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+
+
 class _Sampling(_Body):
     model_config = ConfigDict(extra="allow")   # kept in ``model_extra``: requests.py refuses vLLM's unimplemented ones
 
@@ -95,6 +127,13 @@ class _Sampling(_Body):
     bad_words: list[Text] | None = None
     truncate_prompt_tokens: Int32 | None = None
     prompt_logprobs: Int32 | None = None   # the prompt's logprobs and top N (not with stream)
+    # Structured output, at most one of: OpenAI's, vLLM's, and vLLM's older names of the same
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | bool | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     # pdserve's SLO hints (as in GenerateRequest)
     ttft_ms: float | None = None
     tpot_ms: float | None = None
@@ -118,7 +157,6 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     logprobs: bool = False
     top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -7,10 +7,11 @@ per prompt and choice, ``index`` = prompt x n + choice, as OpenAI and vLLM numbe
 What is refused here (a 400 naming the parameter): ``n`` outside [1, ``MAX_CHOICES``] (each
 choice is a generation of its own: ``fan_in.py``), more than ``MAX_GENERATIONS`` prompts x n,
 ``best_of`` > 1, chat's ``echo``,
-``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, a ``response_format`` other than
-text, content parts that are not text, and vLLM's extensions this server
+``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, more than one structured
+output (``response_format``, vLLM's ``structured_outputs`` or its ``guided_*`` fields: each becomes
+``sampling.structured_output``), content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
-``guided_json`` or ``use_beam_search`` gets an error, not an answer generated without them. The ``developer`` role (OpenAI's
+``use_beam_search`` gets an error, not an answer generated without it. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
 OpenAI defines them: chat ``logprobs`` with ``top_logprobs`` N, completions ``logprobs`` N (the sampled token's
 logprob, plus the N most likely tokens at each position; N <= 20, checked with the gRPC
@@ -51,8 +52,10 @@ _TYPE_MISMATCH = re.compile(r"\w+_(type|parsing)|string_unicode")   # pydantic's
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1.0,),
     "logits_processors": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "guided_whitespace_pattern": (),
 }
+# vLLM's structured output kinds, as its structured_outputs names them (its guided_* fields add the prefix).
+_GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's, and OpenAI's tool_choice): the prompt, the reply's shape
     "echo": (False,), "chat_template": (), "documents": (), "tool_choice": ("none", "auto"),
 }
@@ -109,8 +112,6 @@ def _loc(loc: tuple) -> str:
 def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRequest:
     _refuse(not req.tools, "tools", "tool calling is not supported")
     _refuse_extensions(req, CHAT_NOT_IMPLEMENTED)
-    fmt = (req.response_format or {}).get("type", "text")
-    _refuse(fmt == "text", "response_format", f"only type 'text' is supported, got {fmt!r}")
     msg = _common(req, label)
     _set_chat(msg, req.messages, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -240,11 +241,50 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     msg.sampling.bad_words.extend(req.bad_words or [])
     if req.truncate_prompt_tokens is not None:
         msg.sampling.truncate_prompt_tokens = req.truncate_prompt_tokens
+    guides = _structured_outputs(req)
+    _refuse(len(guides) <= 1, guides[-1][0] if guides else "", "one structured output per request, got "
+            + ", ".join(param for param, _ in guides))
+    if guides:
+        msg.sampling.structured_output.CopyFrom(guides[0][1])
     if req.prompt_logprobs is not None:
         # vLLM's rule too: the whole body carries them, a stream's chunks have no place for them.
         _refuse(not req.stream, "prompt_logprobs", "is not supported with stream: true")
         msg.sampling.prompt_logprobs = req.prompt_logprobs
     return msg
+
+
+def _structured_outputs(req) -> list[tuple[str, pb.StructuredOutput]]:
+    """Each structured output the body asks for, with the parameter it came in: OpenAI's
+    ``response_format`` (json_object, json_schema), vLLM's ``structured_outputs`` and its older
+    ``guided_*`` fields. More than one is the client's mistake (``_common`` refuses it)."""
+    found = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", pb.StructuredOutput(json_object=True)))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        _refuse(schema is not None, "response_format.json_schema.schema", "a json_schema response format needs its schema")
+        found.append(("response_format", _guide("json", schema)))
+    options = req.structured_outputs
+    if options is not None:
+        for key, value in (options.model_extra or {}).items():
+            _refuse(_is_one_of(value, (False,)), f"structured_outputs.{key}", "is not supported by this server; leave it out")
+        values = dict(zip(_GUIDE_KINDS, (options.json_, options.json_object, options.regex, options.choice, options.grammar)))
+        found += [("structured_outputs", _guide(kind, value)) for kind, value in values.items()
+                  if value is not None and value is not False]
+    for kind in ("json", "regex", "choice", "grammar"):
+        if (value := getattr(req, f"guided_{kind}")) is not None:
+            found.append((f"guided_{kind}", _guide(kind, value)))
+    return found
+
+
+def _guide(kind: str, value) -> pb.StructuredOutput:
+    """One kind's value as the proto carries it: a schema as JSON text, choices as a list."""
+    if kind == "json":
+        return pb.StructuredOutput(json=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=value))
+    return pb.StructuredOutput(**{kind: value})
 
 
 def _token_id(key: str) -> int:
@@ -263,12 +303,24 @@ _CHAT_OPTIONS = {"chat.add_generation_prompt": "add_generation_prompt",
                  "chat.template_kwargs_json": "chat_template_kwargs"}
 
 
-def param_for(field: str, *, chat: bool, max_tokens_name: str = "max_tokens") -> str:
+def sent_as(req, *, chat: bool) -> dict[str, str]:
+    """Field paths this body sent under a name of its choice (``param_for``'s rule would guess
+    another): chat's ``max_completion_tokens``, and the parameter of its structured output."""
+    names = {}
+    if chat and req.max_completion_tokens is not None:
+        names["sampling.max_tokens"] = "max_completion_tokens"
+    if guides := _structured_outputs(req):
+        names["sampling.structured_output"] = guides[0][0]
+    return names
+
+
+def param_for(field: str, *, chat: bool, sent_as: dict[str, str] | None = None) -> str:
     """The OpenAI parameter a ``GenerateRequest`` field path stands for (``sampling.top_p`` ->
     ``top_p``, ``chat.messages[1].role`` -> ``messages[1].role``, ``text`` -> ``prompt``);
-    a name that is already OpenAI's stays as it is."""
-    if field == "sampling.max_tokens":
-        return max_tokens_name
+    a name that is already OpenAI's stays as it is. ``sent_as``: ``sent_as``'s, for the body."""
+    for path, name in (sent_as or {}).items():
+        if field == path or field.startswith(path + "."):
+            return name
     if field == "sampling.top_logprobs" and not chat:
         return "logprobs"   # completions' logprobs N is the top-N count
     if field.startswith("sampling."):

@@ -50,13 +50,13 @@ def sse(data: dict | str) -> bytes:
 
 class GenerationResponse(Response):
     def __init__(self, core: GenerationCore, requests: list[pb.GenerateRequest], fmts: list[ResponseFormat], *,
-                 stream: bool, max_tokens_name: str = "max_tokens", choices_per_prompt: int = 1) -> None:
+                 stream: bool, sent_as: dict[str, str] | None = None, choices_per_prompt: int = 1) -> None:
         """One request per choice (``fan_in.choices``; a batch: each prompt's n in turn) and one format each."""
         super().__init__(status_code=200)
         self.core, self.requests, self.fmts, self.stream = core, requests, fmts, stream
         self.choices_per_prompt = choices_per_prompt
         self.fmt = fmts[0]
-        self._max_tokens_name = max_tokens_name
+        self._sent_as = sent_as   # field paths -> the parameter names this body used (param_for)
         self._started = False     # a status line went out: errors are events from now on
         self._done = False        # the last body went out: a disconnect now means nothing
 
@@ -138,7 +138,7 @@ class GenerationResponse(Response):
         code, message = self.core.failure(exc, identity)
         chat = self.fmt.chat
         return errors.from_status(code, message, exc,
-                                  lambda f: param_for(f, chat=chat, max_tokens_name=self._max_tokens_name))
+                                  lambda f: param_for(f, chat=chat, sent_as=self._sent_as))
 
     async def _send_whole(self, status: int, body: bytes, send) -> None:
         self._done = True
