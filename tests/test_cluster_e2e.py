@@ -24,9 +24,9 @@ def start_cluster(mode: str, **overrides) -> ClusterThread:
     overrides.setdefault("standby_workers", False)
     overrides.setdefault("prefill_engine", EngineConfig(num_kv_blocks=96, max_num_batched_tokens=64))
     overrides.setdefault("decode_engine", EngineConfig(num_kv_blocks=160, block_size=16))
+    overrides.setdefault("random_model", None if overrides.get("model") else MODEL)
     config = ClusterConfig(
-        mode=mode, random_model=MODEL, port=0, cpus_per_worker=0.5, threads_per_worker=1,
-        allow_fault_injection=True, **overrides,
+        mode=mode, port=0, cpus_per_worker=0.5, threads_per_worker=1, allow_fault_injection=True, **overrides,
     )
     cluster = ClusterThread(config)
     cluster.start()

@@ -1,0 +1,196 @@
+"""Structured output over a real cluster (tiny random Llama with a real byte-level tokenizer on
+disk, so workers and router load it as any model; real Ray actors, gRPC and HTTP): every way to
+ask (gRPC's ``structured_output``, OpenAI's ``response_format``, vLLM's ``structured_outputs``
+and ``guided_*``) gives Hugging Face's tokens under the same grammar, the first token chosen on
+the prefill worker included; guided streams survive their decode worker's death with the same
+tokens; a client that leaves frees its request; a bad or oversized grammar is a 400 /
+INVALID_ARGUMENT naming the parameter; a burst past ``max_concurrent_streams`` is refused, not
+queued without bound. Every test ends with the cluster-wide leak check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import llguidance.hf
+import openai
+import pytest
+
+from engine.grammar import choices_spec
+from engine.types import GuideKind, StructuredOutput
+from protos import pdserve_pb2 as pb
+from router.client import AsyncPdserveClient, PdserveClient
+from router.limits import ServerLimits
+from tests.conftest import byte_level_tokenizer, cluster_leaks
+from tests.test_cluster_e2e import address, start_cluster
+from tests.test_openai_api import wait_for
+from tests.test_structured_output import EOS, SCHEMA, hf_guided
+
+MAX_STREAMS = 6
+LONG = {   # outputs of 40+ tokens whatever the random model prefers: time to kill a worker mid-stream
+    "regex": StructuredOutput(GuideKind.REGEX, "[a-z]{40,60}"),
+    "lark": StructuredOutput(GuideKind.GRAMMAR, 'start: /[0-9]{50}/ "!"'),
+    "json": StructuredOutput(GuideKind.JSON, json.dumps({
+        "type": "object", "properties": {"s": {"type": "string", "minLength": 40, "maxLength": 50}},
+        "required": ["s"], "additionalProperties": False})),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_model_dir):
+    limits = ServerLimits(max_concurrent_streams=MAX_STREAMS, max_structured_output_chars=2000)
+    cluster = start_cluster("disaggregated", model=str(tiny_model_dir), http_port=0, defaults={"limits": limits})
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer():
+    return llguidance.hf.from_tokenizer(byte_level_tokenizer(), n_vocab=512, eos_token=[EOS])
+
+
+@pytest.fixture(scope="module")
+def model(cluster) -> str:
+    return http(cluster).models.list().data[0].id
+
+
+def http(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.cluster.http_port}/v1", api_key="unused",
+                         max_retries=0, timeout=120)
+
+
+def ids(text: str) -> list[int]:
+    return byte_level_tokenizer().encode(text, add_special_tokens=False)
+
+
+def as_proto(guide: StructuredOutput) -> pb.StructuredOutput:
+    if guide.kind is GuideKind.JSON_OBJECT:
+        return pb.StructuredOutput(json_object=True)
+    if guide.kind is GuideKind.CHOICE:
+        return pb.StructuredOutput(choice=pb.Choices(choices=json.loads(guide.spec)))
+    return pb.StructuredOutput(**{guide.kind.value: guide.spec})
+
+
+def without_eos(tokens: list[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] == EOS else tokens
+
+
+def test_every_door_gives_hfs_tokens_under_the_same_grammar(cluster, model, hf_reference, ll_tokenizer):
+    prompt = [40, 41, 42, 43]
+    asks = [   # (the guide, the HTTP body's extra fields asking for it)
+        (StructuredOutput(GuideKind.JSON, json.dumps(SCHEMA)),
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}),
+        (StructuredOutput(GuideKind.JSON_OBJECT), {"response_format": {"type": "json_object"}}),
+        (StructuredOutput(GuideKind.CHOICE, choices_spec(["yes", "no", "maybe not"])),
+         {"structured_outputs": {"choice": ["yes", "no", "maybe not"]}}),
+        (StructuredOutput(GuideKind.REGEX, r"\d{3}-[a-z]{2,4}"), {"guided_regex": r"\d{3}-[a-z]{2,4}"}),
+        (StructuredOutput(GuideKind.GRAMMAR, 'root ::= "a" [b-d]+ "e"'), {"guided_grammar": 'root ::= "a" [b-d]+ "e"'}),
+    ]
+    for guide, extra in asks:
+        ref = hf_guided(hf_reference, ll_tokenizer, prompt, guide, 40)
+        over_http = http(cluster).completions.create(model=model, prompt=prompt, max_tokens=40, temperature=0,
+                                                     extra_body=extra)
+        choice = over_http.choices[0]
+        assert ids(choice.text) == without_eos(ref), extra
+        assert choice.finish_reason == ("stop" if ref[-1] == EOS else "length")
+        with PdserveClient(address(cluster)) as client:
+            result = client.generate_text(token_ids=prompt, max_tokens=40, structured_output=as_proto(guide))
+        assert without_eos(list(result.token_ids)) == without_eos(ref), guide.kind
+    assert cluster_leaks(cluster) == {}
+
+
+def test_guided_streams_survive_their_decode_workers_death(cluster, hf_reference, ll_tokenizer):
+    """Three long guided streams (regex, Lark, JSON schema), the decode worker SIGKILLed once each
+    has tokens: each resumes on the replacement with its grammar where it was (the matcher takes
+    the streamed tokens first) and ends with HF's tokens."""
+    from tests.test_failures import _kill, _wait_ready
+
+    prompts = {name: [60 + i, 61 + i, 62 + i] for i, name in enumerate(LONG)}
+    refs = {name: hf_guided(hf_reference, ll_tokenizer, prompts[name], LONG[name], 80) for name in LONG}
+    decode = cluster.cluster.registry.get("decode-0")
+    restarts = decode.restarts
+
+    async def killed_mid_stream() -> dict[str, list[int]]:
+        got = {name: [] for name in LONG}
+        killed = asyncio.Event()
+
+        async def one(client, name):
+            async for msg in client.generate(token_ids=prompts[name], max_tokens=80, structured_output=as_proto(LONG[name])):
+                got[name] += list(msg.token_ids)
+                if not killed.is_set() and all(len(t) > 5 for t in got.values()):
+                    _kill(decode.pid)
+                    killed.set()
+
+        async with AsyncPdserveClient(address(cluster), timeout_s=120) as client:
+            await asyncio.gather(*(one(client, name) for name in LONG))
+        assert killed.is_set()
+        return got
+
+    got = asyncio.run(killed_mid_stream())
+    for name in LONG:
+        assert without_eos(got[name]) == without_eos(refs[name]) and len(refs[name]) > 40, name
+    _wait_ready(cluster, "decode-0", restarts + 1)
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
+
+
+def test_a_client_leaving_a_guided_stream_frees_it(cluster):
+    base = f"http://127.0.0.1:{cluster.cluster.http_port}/v1"
+
+    async def leave() -> None:
+        body = {"prompt": [5, 6, 7], "max_tokens": 300, "stream": True, "guided_regex": "[a-z]{200,250}"}
+        async with aiohttp.ClientSession() as session, session.post(base + "/completions", json=body) as resp:
+            assert resp.status == 200
+            lines = 0
+            async for _ in resp.content:
+                lines += 1
+                if lines == 10:
+                    break
+
+    asyncio.run(leave())
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
+
+
+@pytest.mark.parametrize("extra, param, says", [
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "response_format",
+     "objectx"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "foo"),
+    ({"guided_choice": []}, "guided_choice", "choices"),
+    ({"guided_regex": "a" * 2001}, "guided_regex", "at most 2000"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+])
+def test_a_bad_grammar_is_a_400_naming_the_parameter(cluster, model, extra, param, says):
+    with pytest.raises(openai.BadRequestError) as err:
+        http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body=extra)
+    assert err.value.body["param"] == param and says in err.value.body["message"], err.value.body
+    with PdserveClient(address(cluster)) as client, pytest.raises(grpc.RpcError) as rpc:
+        client.generate_text(token_ids=[5, 6], max_tokens=4, structured_output=pb.StructuredOutput(regex="a(b"))
+    assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "sampling.structured_output" in rpc.value.details()
+    assert cluster_leaks(cluster) == {}
+
+
+def test_a_burst_of_guided_requests_past_the_stream_limit_is_refused_not_queued(cluster, model, hf_reference,
+                                                                               ll_tokenizer):
+    """Twice ``max_concurrent_streams`` long guided requests at once: the ones past the limit get
+    429 at once; the others finish with HF's tokens."""
+    guide = LONG["regex"]
+    prompts = [[100 + i, 7] for i in range(2 * MAX_STREAMS)]
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.cluster.http_port}/v1", api_key="unused",
+                                    max_retries=0, timeout=120)
+        async with client:
+            return await asyncio.gather(*(client.completions.create(
+                model=model, prompt=p, max_tokens=70, extra_body={"guided_regex": guide.spec}) for p in prompts),
+                return_exceptions=True)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and all(isinstance(r, openai.RateLimitError) for r in refused), refused[:1]
+    served = [(p, r) for p, r in zip(prompts, results) if not isinstance(r, Exception)]
+    assert len(served) >= MAX_STREAMS // 2
+    for prompt, result in served:
+        assert ids(result.choices[0].text) == without_eos(hf_guided(hf_reference, ll_tokenizer, prompt, guide, 70))
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
