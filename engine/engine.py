@@ -210,7 +210,7 @@ class LLMEngine:
         outcomes = sample(logits, sampling, self._seeds, self.eos_token_ids) if sampling else []
         for request, outcome in zip(sampling, outcomes):
             if isinstance(outcome, RowFailure):
-                result.deltas.append(self._fail_request(request, outcome.message))
+                result.deltas.append(self._fail_request(request, outcome.message, outcome.field))
             else:
                 sampled[request.req_id] = outcome
         return sampled
@@ -256,13 +256,14 @@ class LLMEngine:
             num_cached_tokens=r.num_cached_tokens,
         )
 
-    def _fail_request(self, request: Request, message: str) -> TokenDelta:
-        """Finish one request with ERROR (its blocks freed now); the delta carries ``message``."""
+    def _fail_request(self, request: Request, message: str, field: str | None = None) -> TokenDelta:
+        """Finish one request with ERROR (its blocks freed now); the delta carries ``message`` (and
+        ``field``: the sampling field to blame, where the request's constraints caused it)."""
         self.scheduler.finish(request, FinishReason.ERROR)
         self._seeds.pop(request.req_id, None)
-        return self._delta(request, error=message)
+        return self._delta(request, error=message, error_field=field)
 
-    def _delta(self, request: Request, error: str | None = None) -> TokenDelta:
+    def _delta(self, request: Request, error: str | None = None, error_field: str | None = None) -> TokenDelta:
         first = request.num_reported_tokens == 0 and bool(request.output_token_ids)
         new = tuple(request.output_token_ids[request.num_reported_tokens :])
         done = request.num_reported_tokens
@@ -271,7 +272,7 @@ class LLMEngine:
         request.num_reported_tokens = len(request.output_token_ids)
         reason = request.finish_reason if request.is_finished else None
         return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0, tops,
-                          prompt_logprobs.result(request) if first else None)
+                          prompt_logprobs.result(request) if first else None, error_field)
 
     def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
         timing = StepTiming(

@@ -40,9 +40,12 @@ class SamplingError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class RowFailure:
-    """This request's row could not be sampled; ``message`` goes to the worker log and the delta."""
+    """This request's row could not be sampled; ``message`` goes to the worker log and the delta;
+    ``field``: the sampling field to blame where the request's own constraints left no token
+    (the client's mistake, ``TokenDelta.error_field``), None where the failure is ours."""
 
     message: str
+    field: str | None = None
 
 
 # (token id, its logprob when requested, the position's top logprobs when requested)
@@ -56,7 +59,7 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
     logits = raw if all_finite else _finite(raw)
     if not all_finite:
         tokens = logits.argmax(dim=-1).tolist()
-    failed: dict[int, str] = {}
+    failed: dict[int, RowFailure] = {}
     adjusted = _adjusted_rows(logits, requests, eos_token_ids, failed)
     for row, request in enumerate(requests):
         if row in failed or (all_finite and request.sampling.greedy and row not in adjusted):
@@ -66,7 +69,9 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
                 raise SamplingError("the forward produced no finite logit for this request")
             chosen_from = adjusted.get(row, logits[row])
             if row in adjusted and not bool(torch.isfinite(chosen_from).any()):
-                raise SamplingError("every token is ruled out (by allowed_token_ids, structured_output, bad_words and min_tokens together)")
+                failed[row] = RowFailure("every token is ruled out (by allowed_token_ids, structured_output, bad_words "
+                                         "and min_tokens together)", _constraint(request))
+                continue
             if not request.sampling.greedy:
                 seed = seeds[request.req_id] * _SEED_STRIDE + request.num_generated
                 tokens[row] = _sample_row(chosen_from, request, seed % (2**63))
@@ -74,19 +79,19 @@ def sample(logits: torch.Tensor, requests: list[Request], seeds: dict[str, int],
                 tokens[row] = int(chosen_from.argmax())
         except Exception as exc:  # one bad row fails its request, never the batch
             logger.warning("sampling %s failed: %s", request.req_id, exc)
-            failed[row] = f"sampling failed: {type(exc).__name__}"
+            failed[row] = RowFailure(f"sampling failed: {type(exc).__name__}")
     logprobs, tops = None, [None] * len(requests)
     if any(r.sampling.logprobs for r in requests):
         logprobs, tops = _logprobs(logits, torch.tensor(tokens, device=logits.device), requests)
     return [
-        RowFailure(failed[i]) if i in failed else
+        failed[i] if i in failed else
         (tokens[i], float(logprobs[i]) if logprobs is not None and r.sampling.logprobs else None, tops[i])
         for i, r in enumerate(requests)
     ]
 
 
 def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozenset[int],
-                   failed: dict[int, str]) -> dict[int, torch.Tensor]:
+                   failed: dict[int, RowFailure]) -> dict[int, torch.Tensor]:
     """Row index -> its adjusted copy, for the rows whose request adjusts its logits this step:
     one batched pass over all of them (``engine.logit_adjust``); if that fails, row by row, so a
     request that cannot be adjusted fails alone (into ``failed``)."""
@@ -103,8 +108,16 @@ def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids:
             except Exception as exc:
                 logger.warning("adjusting the logits of %s failed: %s", requests[i].req_id, exc)
                 # A grammar's reason is the client's to read; anything else is ours (the log has it).
-                failed[i] = f"sampling failed: {exc if isinstance(exc, GrammarError) else type(exc).__name__}"
+                failed[i] = RowFailure(f"the structured output cannot go on: {exc}", "structured_output") \
+                    if isinstance(exc, GrammarError) else RowFailure(f"sampling failed: {type(exc).__name__}")
         return adjusted
+
+
+def _constraint(request: Request) -> str:
+    """The field to name when a request's constraints together rule out every token."""
+    s = request.sampling
+    return ("structured_output" if s.structured_output is not None else "allowed_token_ids" if s.allowed_token_ids
+            else "bad_words" if s.bad_words_token_ids else "min_tokens")
 
 
 def _finite(x: torch.Tensor, neginf: float | None = None) -> torch.Tensor:

@@ -157,6 +157,10 @@ class TokenDelta:
     num_cached_tokens: int = 0
     top_logprobs: tuple[TopLogprobs, ...] | None = None   # one per token id when sampling.top_logprobs > 0
     prompt_logprobs: PromptLogprobs | None = None   # on the first delta, with sampling.prompt_logprobs
+    # With error: the sampling field whose constraints left nothing to generate (a structured
+    # output whose grammar cannot go on, every token ruled out): the client's mistake, answered
+    # INVALID_ARGUMENT naming it. None: a failure of ours.
+    error_field: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -353,6 +357,7 @@ class PrefillResult:
     first_top_logprobs: TopLogprobs | None = None   # with sampling.top_logprobs > 0
     kv_events: tuple[KVEvent, ...] = ()   # its prefix-cache changes not yet reported
     prompt_logprobs: PromptLogprobs | None = None   # with sampling.prompt_logprobs
+    error_field: str | None = None   # with error: TokenDelta.error_field's
 
 
 @dataclass(frozen=True, slots=True)

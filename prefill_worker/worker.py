@@ -404,7 +404,7 @@ def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
     top = delta.top_logprobs[0] if delta.top_logprobs else None
     outcome = HandoffOutcome.ABORTED if delta.finish_reason is FinishReason.ABORT else HandoffOutcome.ENDED_AT_PREFILL
     return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome,
-                         first_top_logprobs=top, prompt_logprobs=delta.prompt_logprobs)
+                         first_top_logprobs=top, prompt_logprobs=delta.prompt_logprobs, error_field=delta.error_field)
 
 
 def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,

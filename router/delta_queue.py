@@ -157,8 +157,8 @@ class _Run:
     """Consecutive deltas of one request being merged into one (only the last may finish): the
     token ids (and logprobs) appended as each delta comes, so a message of k tokens costs O(k)."""
 
-    __slots__ = ("req_id", "token_ids", "finish_reason", "logprobs", "error", "num_cached_tokens", "top_logprobs",
-                 "prompt_logprobs")
+    __slots__ = ("req_id", "token_ids", "finish_reason", "logprobs", "error", "error_field", "num_cached_tokens",
+                 "top_logprobs", "prompt_logprobs")
 
     def __init__(self, *deltas: TokenDelta) -> None:
         first = deltas[0]
@@ -169,6 +169,7 @@ class _Run:
         self.logprobs: list[float] | None = None        # None until a delta carries some
         self.top_logprobs: list | None = None
         self.error: str | None = None
+        self.error_field: str | None = None
         for delta in deltas:
             self.add(delta)
 
@@ -184,14 +185,14 @@ class _Run:
                 self.top_logprobs = []
             self.top_logprobs.extend(delta.top_logprobs)
         if delta.error:
-            self.error = delta.error
+            self.error, self.error_field = delta.error, delta.error_field
 
     def delta(self) -> TokenDelta:
         return TokenDelta(self.req_id, tuple(self.token_ids), self.finish_reason,
                           None if self.logprobs is None else tuple(self.logprobs), self.error,
                           self.num_cached_tokens,
                           top_logprobs=None if self.top_logprobs is None else tuple(self.top_logprobs),
-                          prompt_logprobs=self.prompt_logprobs)
+                          prompt_logprobs=self.prompt_logprobs, error_field=self.error_field)
 
 
 def merge(*deltas: TokenDelta) -> TokenDelta:

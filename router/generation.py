@@ -133,6 +133,8 @@ class GenerationCore:
                     trace.on_tokens(len(delta.token_ids))
                     if delta.finish_reason is FinishReason.ERROR:
                         outcome = FinishReason.ERROR
+                        if delta.error_field:   # its own constraints left it nothing: the client's to fix
+                            raise InvalidRequestError(f"sampling.{delta.error_field}", delta.error or "")
                         raise RequestFailedError(delta.error or "the worker failed the request")
                     if delta.finished:
                         outcome = delta.finish_reason

@@ -383,7 +383,7 @@ class Orchestrator:
         if sent:
             return None
         return _first_delta(spec.req_id, _first(result), result.first_logprob, result.first_top_logprobs,
-                            result.finish_reason, result.error, result.prompt_logprobs)
+                            result.finish_reason, result.error, result.prompt_logprobs, result.error_field)
 
     def _count_handoff(self, outcome: HandoffOutcome | None) -> None:
         if outcome is not None and self.metrics is not None:
@@ -471,7 +471,8 @@ def _first(result: PrefillResult) -> tuple[int, ...]:
 
 def _first_delta(req_id: str, token_ids: tuple[int, ...], logprob: float | None, top_logprobs,
                  finish_reason=None, error: str | None = None,
-                 prompt_logprobs: PromptLogprobs | None = None) -> TokenDelta:
+                 prompt_logprobs: PromptLogprobs | None = None, error_field: str | None = None) -> TokenDelta:
     """The prefill worker's first token as a delta, whether it went ahead or came with the result."""
     return TokenDelta(req_id, token_ids, finish_reason, None if logprob is None else (logprob,), error,
-                      top_logprobs=None if top_logprobs is None else (top_logprobs,), prompt_logprobs=prompt_logprobs)
+                      top_logprobs=None if top_logprobs is None else (top_logprobs,), prompt_logprobs=prompt_logprobs,
+                      error_field=error_field)

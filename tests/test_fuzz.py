@@ -51,8 +51,9 @@ def fuzzed(num_batches: int, fuzz_seed: int):
 
 
 @pytest.fixture(scope="module")
-def fuzz_cluster(ray_session):
-    cluster = start_cluster("disaggregated", defaults={"max_tokens": 6, "limits": LIMITS})
+def fuzz_cluster(ray_session, tiny_model_dir):
+    # Workers with a real tokenizer: structured outputs run their grammars, stop strings their engine check.
+    cluster = start_cluster("disaggregated", model=str(tiny_model_dir), defaults={"max_tokens": 6, "limits": LIMITS})
     cluster.cluster.servicer.tokenizer = ByteTokenizer()
     print(f"\nfuzz seed {FUZZ_SEED} (replay: PDSERVE_FUZZ_SEED={FUZZ_SEED})")
     yield cluster
@@ -66,6 +67,17 @@ weird_floats = st.one_of(
 texts = st.text(max_size=120)
 token_lists = st.lists(st.integers(-3, 520), max_size=60)
 chat = st.lists(st.tuples(st.sampled_from(["user", "assistant", "system", "tool", "", "wizard"]), texts), max_size=6)
+# (kind, text) of structured outputs that compile; the odd ones draw any text for any kind.
+GUIDES = [("regex", r"[a-z]{1,4}"), ("regex", r"(yes|no)!?"), ("json", '{"type": "string", "maxLength": 3}'),
+          ("json", '{"type": "object"}'), ("grammar", 'root ::= "a" [b-c]*'), ("grammar", 'start: "x" | "y"'),
+          ("choice", ["yes", "no"]), ("json_object", True)]
+
+
+def _set_guide(s: pb.SamplingParams, kind: str, value) -> None:
+    if kind == "choice":
+        s.structured_output.choice.choices.extend(value)
+    else:
+        setattr(s.structured_output, kind, value)
 
 
 @st.composite
@@ -107,6 +119,12 @@ def requests(draw) -> pb.GenerateRequest:
                                      max_size=5)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=70)))
     s.allowed_token_ids.extend(draw(st.lists(st.integers(-1, 520), max_size=8)))
+    if draw(st.integers(0, 3)) == 0:   # a structured output: one that compiles, or any text for any kind
+        kind, value = draw(st.one_of(st.sampled_from(GUIDES), st.tuples(
+            st.sampled_from(["json", "regex", "grammar"]), st.one_of(texts, st.sampled_from(["[", "a(", "{", "x" * 70_000]))),
+            st.tuples(st.just("choice"), st.lists(st.one_of(texts, st.just("")), max_size=4)),
+            st.tuples(st.just("json_object"), st.booleans())))
+        _set_guide(s, kind, value)
     if draw(st.booleans()):   # a small pool, so concurrent duplicates are common
         req.request_id = draw(st.one_of(st.sampled_from(["a", "b", "c", ""]), st.text(min_size=250, max_size=260)))
     for name in ("ttft_ms", "tpot_ms"):
@@ -162,6 +180,8 @@ def valid_requests(draw) -> pb.GenerateRequest:
                                                 max_size=4)).items():
             s.logit_bias[token] = bias
         s.allowed_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=5)))
+    if draw(st.integers(0, 3)) == 0:   # a grammar that compiles (with the rest: a dead end is INVALID_ARGUMENT)
+        _set_guide(s, *draw(st.sampled_from(GUIDES)))
     if draw(st.booleans()):
         req.request_id = draw(st.sampled_from(["a", "b", "c", "d"]))
     for name in ("ttft_ms", "tpot_ms"):

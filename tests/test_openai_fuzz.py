@@ -40,8 +40,10 @@ PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 @pytest.fixture(scope="module")
-def http_cluster(ray_session):
-    cluster = start_cluster("disaggregated", http_port=0, served_model_name=SERVED_NAME, defaults={"max_tokens": 6})
+def http_cluster(ray_session, tiny_model_dir):
+    # Workers with a real tokenizer: structured outputs run their grammars.
+    cluster = start_cluster("disaggregated", model=str(tiny_model_dir), http_port=0, served_model_name=SERVED_NAME,
+                            defaults={"max_tokens": 6})
     cluster.cluster.servicer.tokenizer = ExactTokenizer()
     print(f"\nfuzz seed {FUZZ_SEED} (replay: PDSERVE_FUZZ_SEED={FUZZ_SEED})")
     yield cluster
@@ -56,6 +58,22 @@ scalars = st.one_of(st.none(), odd_numbers, odd_text, st.integers(-2**40, 2**40)
 any_json = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                          st.dictionaries(odd_text, inner, max_size=4)), max_leaves=12)
 token_ids = st.lists(st.integers(-3, 520), max_size=12)
+# Grammars that compile, and text that may not: a structured output's every door draws them.
+REGEXES = [r"[a-z]{1,4}", r"\d+", r"(yes|no)", r"a(", r"", r"[", r".*", r"x{3000}"]
+SCHEMAS = [{"type": "object"}, {"type": "string", "maxLength": 3}, {"type": "integer"}, {"type": "objectx"},
+           {"enum": [1, "a", None]}, {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, True, False]
+GRAMMARS = ['root ::= "a" [b-c]*', 'start: "x" | "y"', "start: foo", "root ::= [", ""]
+regexes = st.one_of(st.sampled_from(REGEXES), odd_text)
+schemas = st.one_of(st.sampled_from(SCHEMAS), any_json)
+choices = st.one_of(st.lists(st.sampled_from(["yes", "no", "é", "", " "]), max_size=3), any_json)
+grammars = st.one_of(st.sampled_from(GRAMMARS), odd_text)
+structured_outputs = st.one_of(any_json, st.fixed_dictionaries({}, optional={
+    "json": schemas, "json_object": st.booleans(), "regex": regexes, "choice": choices, "grammar": grammars,
+    "disable_any_whitespace": st.booleans()}))
+response_formats = st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), any_json,
+                             st.fixed_dictionaries({"type": st.just("json_schema")},
+                                                   optional={"json_schema": st.one_of(any_json, st.fixed_dictionaries(
+                                                       {"name": odd_text}, optional={"schema": schemas}))}))
 
 SAMPLING = {
     "max_tokens": st.one_of(st.integers(-1, 6), odd_numbers), "temperature": odd_numbers, "top_p": odd_numbers,
@@ -68,7 +86,9 @@ SAMPLING = {
     "stream": st.booleans(), "stream_options": st.one_of(st.just({"include_usage": True}), any_json),
     "ttft_ms": odd_numbers, "tpot_ms": odd_numbers, "priority": odd_numbers, "user": odd_text,
     "request_id": st.sampled_from(["a", "b", "c"]), "bad_words": st.lists(odd_text, max_size=2),
-    "guided_json": any_json, "use_beam_search": st.booleans(), "truncate_prompt_tokens": odd_numbers,
+    "guided_json": schemas, "guided_regex": regexes, "guided_choice": choices, "guided_grammar": grammars,
+    "structured_outputs": structured_outputs, "response_format": response_formats,
+    "use_beam_search": st.booleans(), "truncate_prompt_tokens": odd_numbers,
 }
 COMPLETION = {"prompt": st.one_of(odd_text, token_ids, st.lists(odd_text, max_size=3), st.lists(token_ids, max_size=2)),
               "logprobs": odd_numbers, "echo": st.booleans(), "suffix": odd_text, "best_of": odd_numbers}
@@ -79,7 +99,6 @@ messages = st.lists(st.fixed_dictionaries(
         "name": odd_text}), max_size=4)
 CHAT = {"messages": st.one_of(messages, any_json), "max_completion_tokens": odd_numbers, "logprobs": st.booleans(),
         "top_logprobs": odd_numbers, "tools": st.one_of(st.just([]), any_json),
-        "response_format": st.one_of(st.just({"type": "text"}), st.just({"type": "json_object"}), any_json),
         "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "chat_template_kwargs": any_json}
 TOKENIZE = {"prompt": odd_text, "messages": messages, "add_special_tokens": st.booleans(),
             "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
@@ -111,6 +130,12 @@ def valid_bodies(draw) -> tuple[str, bytes]:
         body["stop_token_ids"] = draw(st.lists(st.integers(0, 511), max_size=3))
     if draw(st.booleans()):
         body["seed"] = draw(st.integers(0, 2**62))
+    if draw(st.integers(0, 3)) == 0:   # a grammar that compiles
+        body |= draw(st.sampled_from([{"guided_regex": r"[a-z]{1,4}"}, {"guided_choice": ["yes", "no"]},
+                                      {"response_format": {"type": "json_object"}},
+                                      {"structured_outputs": {"grammar": 'root ::= "a" [b-c]*'}},
+                                      {"response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "n", "schema": {"type": "string", "maxLength": 3}}}}]))
     return path, json.dumps(body).encode()
 
 

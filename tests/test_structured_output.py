@@ -98,8 +98,13 @@ def run(engine: LLMEngine, specs: list[RequestSpec]) -> dict[str, tuple[list[int
         for d in engine.step().deltas:
             tokens, _, _ = got[d.req_id]
             got[d.req_id] = (tokens + list(d.token_ids), d.finish_reason, d.error)
+            if d.error_field:
+                engine_fields[d.req_id] = d.error_field
         step += 1
     return got
+
+
+engine_fields: dict[str, str] = {}   # req_id -> its failure's error_field, from every run()
 
 
 def text(tokenizer, tokens: list[int]) -> str:
@@ -167,7 +172,28 @@ def test_an_output_that_left_its_grammar_fails_alone(loaded):
     fine = RequestSpec("fine", (5, 6), SamplingParams(max_tokens=8, structured_output=GUIDES["choice"]))
     got = run(engine, [forged, fine])
     assert got["forged"][1] is FinishReason.ERROR and "grammar" in got["forged"][2]
+    assert engine_fields["forged"] == "structured_output"
     assert got["fine"][1] is FinishReason.STOP and text(loaded.tokenizer, got["fine"][0]) in ("yes", "no", "maybe not")
+    assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("other, blamed", [
+    (dict(bad_words_token_ids=((3 + ord("y"),), (3 + ord("n"),))), "structured_output"),
+    (dict(min_tokens=12), "structured_output"),   # every choice ends before 12 tokens: EOS held, nothing else left
+    (dict(allowed_token_ids=(3 + ord("q"), 3 + ord("r"))), "structured_output"),
+])
+def test_constraints_that_leave_a_guided_request_nothing_fail_it_naming_its_grammar(loaded, other, blamed):
+    """A grammar plus bad words, min_tokens or allowed_token_ids that rule out every token at some
+    step: that request fails with error_field naming what to fix (INVALID_ARGUMENT at the router),
+    never a token outside its grammar; a bad-words ban that leaves one path takes that path."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
+    guide = StructuredOutput(GuideKind.CHOICE, choices_spec(["yes", "no"]))
+    stuck = RequestSpec("stuck", (5, 6), SamplingParams(max_tokens=16, structured_output=guide, **other))
+    detour = RequestSpec("detour", (5, 6), SamplingParams(max_tokens=16, structured_output=GUIDES["choice"],
+                                                          bad_words_token_ids=((3 + ord("y"),),)))   # "no" is left
+    got = run(engine, [stuck, detour])
+    assert got["stuck"][1] is FinishReason.ERROR and engine_fields["stuck"] == blamed and "ruled out" in got["stuck"][2]
+    assert text(loaded.tokenizer, got["detour"][0]) == "no" and got["detour"][1] is FinishReason.STOP
     assert_no_leaks(engine)
 
 

@@ -4,7 +4,8 @@ ask (gRPC's ``structured_output``, OpenAI's ``response_format``, vLLM's ``struct
 and ``guided_*``) gives Hugging Face's tokens under the same grammar, the first token chosen on
 the prefill worker included; guided streams survive their decode worker's death with the same
 tokens; a client that leaves frees its request; a bad or oversized grammar is a 400 /
-INVALID_ARGUMENT naming the parameter; a burst past ``max_concurrent_streams`` is refused, not
+INVALID_ARGUMENT naming the parameter, and so are constraints that leave the grammar no token
+(found on the prefill or the decode worker); a burst past ``max_concurrent_streams`` is refused, not
 queued without bound. Every test ends with the cluster-wide leak check."""
 
 from __future__ import annotations
@@ -149,6 +150,23 @@ def test_a_client_leaving_a_guided_stream_frees_it(cluster):
                     break
 
     asyncio.run(leave())
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
+
+
+@pytest.mark.parametrize("extra", [
+    {"bad_words": ["y", "n"]},   # nothing left at the first token: on the prefill worker
+    {"min_tokens": 5},           # nothing left once "yes" / "no" is out, EOS held: on the decode worker
+])
+def test_constraints_that_leave_a_grammar_nothing_are_the_clients_error_naming_it(cluster, model, extra):
+    with pytest.raises(openai.BadRequestError) as err:
+        http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=8,
+                                         extra_body={"guided_choice": ["yes", "no"], **extra})
+    assert err.value.body["param"] == "guided_choice" and "ruled out" in err.value.body["message"]
+    with PdserveClient(address(cluster)) as client, pytest.raises(grpc.RpcError) as rpc:
+        client.generate_text(token_ids=[5, 6], max_tokens=8,
+                             structured_output=pb.StructuredOutput(choice=pb.Choices(choices=["yes", "no"])), **extra)
+    assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert rpc.value.details().startswith("sampling.structured_output: every token is ruled out")
     assert wait_for(lambda: cluster_leaks(cluster) == {})
 
 
