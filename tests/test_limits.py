@@ -154,6 +154,7 @@ def test_server_info_reports_limits(limited):
     assert (limits.max_prompt_bytes, limits.max_chat_messages, limits.max_receive_message_bytes) == (200, 4, 4096)
     assert limits.max_concurrent_streams == 4 and limits.max_queued_requests == LIMITS.max_queued_requests
     assert limits.max_pending_tokens == LIMITS.max_pending_tokens
+    assert limits.max_structured_output_chars == LIMITS.max_structured_output_chars == 65_536
     assert (limits.ttft_ms_range.min, limits.ttft_ms_range.max) == (LIMITS.min_ttft_ms, LIMITS.max_ttft_ms)
     assert limits.scheduling_policy == pb.SCHEDULING_POLICY_FCFS
 

@@ -162,3 +162,34 @@ def test_bad_words_with_the_real_tokenizer_ban_the_word_mid_sentence(smol_cluste
     banned = client.completions.create(**body, extra_body={"bad_words": ["Paris"]}).choices[0].text
     assert "Paris" not in banned and banned.strip(), banned
     assert cluster_leaks(smol_cluster) == {}
+
+
+def test_structured_output_with_the_real_model_is_valid_json_of_the_schema(smol_cluster):
+    """SmolLM2 with its 49,152-token BPE vocabulary (tokens of many characters, spaces inside):
+    a JSON schema over HTTP gives an object that parses and has the schema's fields and types;
+    a choice gives one of the choices; greedy, the same over gRPC; nothing held after."""
+    from protos import pdserve_pb2 as pb
+    import json
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "What is the capital of France? Answer in JSON with city and country."}]
+    whole = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ask, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    answer = json.loads(whole.choices[0].message.content)
+    assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
+    assert whole.choices[0].finish_reason == "stop" and "Paris" in answer["city"], answer
+    with PdserveClient(f"127.0.0.1:{smol_cluster.cluster.port}") as grpc_client:
+        via_grpc = grpc_client.generate_text(chat=ask, max_tokens=60, temperature=0,
+                                             structured_output=pb.StructuredOutput(json=json.dumps(schema)))
+    assert via_grpc.text == whole.choices[0].message.content
+    picked = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=10, temperature=0,
+        messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        extra_body={"structured_outputs": {"choice": ["Yes, it is.", "No, it is not."]}})
+    assert picked.choices[0].message.content in ("Yes, it is.", "No, it is not.")
+    assert cluster_leaks(smol_cluster) == {}

@@ -226,3 +226,13 @@ def test_a_model_without_a_tokenizer_refuses_a_guide(tiny_model):
         assert err.value.field == "structured_output" and "tokenizer" in str(err.value)
     assert_no_leaks(engine)
     assert not engine._seeds
+
+
+def test_a_guide_survives_the_direct_submissions_json():
+    """A prefill worker on the router's node gets the request as JSON (``PrefillSubmission``): its
+    first token needs the same grammar; no guide stays no guide."""
+    from engine.types import PrefillSubmission
+
+    for guide in [*GUIDES.values(), None]:
+        spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, structured_output=guide))
+        assert PrefillSubmission.from_json(PrefillSubmission(spec, "shm", "d0", None).to_json()).spec == spec

@@ -170,6 +170,19 @@ def test_constraints_that_leave_a_grammar_nothing_are_the_clients_error_naming_i
     assert wait_for(lambda: cluster_leaks(cluster) == {})
 
 
+def test_max_structured_output_chars_at_the_limit_served_past_it_refused(cluster, model):
+    """The limit counts a regex's or grammar's characters, or every choice's together."""
+    for at, past, param in [({"guided_regex": "a" * 2000}, {"guided_regex": "a" * 2001}, "guided_regex"),
+                            ({"guided_choice": ["x" * 1000, "y" * 1000]}, {"guided_choice": ["x" * 1000, "y" * 1001]},
+                             "guided_choice")]:
+        served = http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=3, extra_body=at)
+        assert served.choices[0].finish_reason == "length" and len(served.choices[0].text) == 3
+        with pytest.raises(openai.BadRequestError) as err:
+            http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=3, extra_body=past)
+        assert err.value.body["param"] == param and "at most 2000" in err.value.body["message"]
+    assert cluster_leaks(cluster) == {}
+
+
 @pytest.mark.parametrize("extra, param, says", [
     ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "response_format",

@@ -1,0 +1,123 @@
+"""What structured output costs a step (engine/grammar.py's masks, applied by
+engine/logit_adjust.py): the batched call the sampler makes for every guided row at once, against
+the same grammars as per-request logits processors (the peer: llguidance's mask computed and
+applied row by row, the shape of a Hugging Face ``LogitsProcessor`` or of vLLM V0's
+per-request processors), interleaved in one process on the same matcher states, answers compared
+every call; and both against the decode step they ride in, for scale.
+
+    python -m benchmarks.bench_grammar [--calls 30] [--out FILE]
+
+SmolLM2's tokenizer (49,152 tokens: the mask's cost grows with the vocabulary and with how many
+tokens the grammar's current lexeme admits), a JSON schema of an object with a string, a number
+and an enum field, and 1, 8 and 64 guided rows, each row's matcher at a different point of a
+document that follows the schema (inside a string admits most of the vocabulary; between fields,
+few tokens). 1 torch thread (a cluster worker's setting). Prints a table and writes it
+(results_file.write_run) to benchmarks/results/grammar.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import llguidance
+import numpy as np
+import torch
+
+from benchmarks.results_file import write_run
+from engine import logit_adjust
+from engine.grammar import Grammars, grammar_of
+from engine.model_loader import load_model
+from engine.request import Request
+from engine.types import GuideKind, RequestSpec, SamplingParams, StructuredOutput
+
+ROWS = (1, 8, 64)
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 200}, "age": {"type": "integer"},
+    "mood": {"enum": ["happy", "sad", "curious"]}, "notes": {"type": "string"}},
+    "required": ["name", "age", "mood", "notes"], "additionalProperties": False}
+DOCUMENT = json.dumps({"name": "Ada Lovelace, of the Analytical Engine", "age": 36, "mood": "curious",
+                       "notes": "She wrote the first program for a machine that did not yet exist."})
+
+
+def guided_requests(grammars: Grammars, tokenizer, rows: int) -> list[Request]:
+    """``rows`` requests whose outputs are prefixes of DOCUMENT, spread over its length."""
+    guide = StructuredOutput(GuideKind.JSON, json.dumps(SCHEMA))
+    doc = tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    out = []
+    for i in range(rows):
+        request = Request(RequestSpec(f"g{i}", (1, 2, 3), SamplingParams(max_tokens=len(doc) + 1, structured_output=guide)))
+        request.grammar = grammars.matcher(guide)
+        for token in doc[: (i * 7919) % len(doc)]:
+            request.append_output(token, None)
+        out.append(request)
+    return out
+
+
+class PerRequestProcessor:
+    """The peer: one llguidance matcher per request, its mask computed and applied to its row alone."""
+
+    def __init__(self, ll_tokenizer, request: Request) -> None:
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(request.sampling.structured_output), log_level=0)
+        assert self.matcher.consume_tokens(request.output_token_ids)
+
+    def __call__(self, row: torch.Tensor) -> torch.Tensor:
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        return row.masked_fill(torch.from_numpy(bits[: row.shape[-1]] == 0), float("-inf"))
+
+
+def measure(logits: torch.Tensor, reqs: list[Request], peers: list[PerRequestProcessor],
+            calls: int) -> tuple[float, float]:
+    """Median seconds per step: (batched, per request), alternating which goes first."""
+    rows = list(range(len(reqs)))
+    paths = {"batched": lambda: logit_adjust.adjust(logits[rows], reqs),
+             "per request": lambda: torch.stack([p(logits[i]) for i, p in enumerate(peers)])}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for call in range(calls + 3):
+        answers = {}
+        for name in (paths if call % 2 == 0 else reversed(paths)):
+            start = time.perf_counter()
+            answers[name] = paths[name]()
+            if call >= 3:
+                times[name].append(time.perf_counter() - start)
+        assert torch.equal(answers["batched"], answers["per request"]), "the two paths disagree"
+    return statistics.median(times["batched"]), statistics.median(times["per request"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--out", default="benchmarks/results/grammar.txt")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    loaded = load_model()
+    vocab = loaded.model.config.vocab_size
+    grammars = Grammars(loaded.tokenizer, vocab, loaded.eos_token_ids)
+    start = time.perf_counter()
+    ll_tokenizer = grammars._tokenizer_for_llguidance()
+    tokenizer_s = time.perf_counter() - start
+    lines = [f"bench_grammar  {time.strftime('%Y-%m-%dT%H:%M:%S')}",
+             f"machine: {platform.machine()}, 1 torch thread, torch {torch.__version__}, llguidance "
+             f"{llguidance.get_version() if hasattr(llguidance, 'get_version') else '?'}; SmolLM2's vocabulary "
+             f"{vocab:,}; a JSON schema of 4 fields, each row at another point of a {len(DOCUMENT)}-character document",
+             f"the tokenizer in llguidance's form, built once per worker on the first guided request: {tokenizer_s * 1e3:.0f} ms",
+             "", f"{'rows':>4s} {'batched ms':>11s} {'per request ms':>15s} {'ratio':>6s} {'batched per row ms':>19s}"]
+    for rows in ROWS:
+        reqs = guided_requests(grammars, loaded.tokenizer, rows)
+        peers = [PerRequestProcessor(ll_tokenizer, r) for r in reqs]
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+        batched, per_request = measure(logits, reqs, peers, args.calls)
+        lines.append(f"{rows:4d} {batched * 1e3:11.2f} {per_request * 1e3:15.2f} {per_request / batched:5.2f}x "
+                     f"{batched / rows * 1e3:19.3f}")
+    lines += ["", "For scale: SmolLM2's decode step at batch 64 is ~140-160 ms on 2 threads and at batch 1 ~30 ms on 1",
+              "(results/engine_w64.txt, results/decode_step.txt); only guided requests pay it."]
+    text = "\n".join(lines)
+    print(text)
+    write_run(args.out, text)
+
+
+if __name__ == "__main__":
+    main()
