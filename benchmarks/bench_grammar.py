@@ -5,13 +5,14 @@ applied row by row, the shape of a Hugging Face ``LogitsProcessor`` or of vLLM V
 per-request processors), interleaved in one process on the same matcher states, answers compared
 every call; and both against the decode step they ride in, for scale.
 
-    python -m benchmarks.bench_grammar [--calls 30] [--out FILE]
+    python -m benchmarks.bench_grammar [--calls 30] [--threads 1] [--out FILE]
 
 SmolLM2's tokenizer (49,152 tokens: the mask's cost grows with the vocabulary and with how many
 tokens the grammar's current lexeme admits), a JSON schema of an object with a string, a number
 and an enum field, and 1, 8 and 64 guided rows, each row's matcher at a different point of a
 document that follows the schema (inside a string admits most of the vocabulary; between fields,
-few tokens). 1 torch thread (a cluster worker's setting). Prints a table and writes it
+few tokens). 1 torch thread by default (a cluster worker's setting); the batched call's llguidance
+executor takes as many threads as torch has (they are idle while the sampler runs). Prints a table and writes it
 (results_file.write_run) to benchmarks/results/grammar.txt.
 """
 
@@ -90,9 +91,10 @@ def measure(logits: torch.Tensor, reqs: list[Request], peers: list[PerRequestPro
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the executor takes as many)")
     ap.add_argument("--out", default="benchmarks/results/grammar.txt")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     loaded = load_model()
     vocab = loaded.model.config.vocab_size
     grammars = Grammars(loaded.tokenizer, vocab, loaded.eos_token_ids)
@@ -100,7 +102,7 @@ def main() -> None:
     ll_tokenizer = grammars._tokenizer_for_llguidance()
     tokenizer_s = time.perf_counter() - start
     lines = [f"bench_grammar  {time.strftime('%Y-%m-%dT%H:%M:%S')}",
-             f"machine: {platform.machine()}, 1 torch thread, torch {torch.__version__}, llguidance "
+             f"machine: {platform.machine()}, {args.threads} torch thread(s), torch {torch.__version__}, llguidance "
              f"{llguidance.get_version() if hasattr(llguidance, 'get_version') else '?'}; SmolLM2's vocabulary "
              f"{vocab:,}; a JSON schema of 4 fields, each row at another point of a {len(DOCUMENT)}-character document",
              f"the tokenizer in llguidance's form, built once per worker on the first guided request: {tokenizer_s * 1e3:.0f} ms",

@@ -9,11 +9,12 @@ structured request, ~0.3 s for a 49,152-token vocabulary) and makes each request
 state of its own: before each mask it consumes the output tokens it has not seen, so the first
 token a prefill worker chose, the tokens a migrated request streamed before it moved and a
 request recomputed after preemption all land it where one engine would have; tokens it holds
-but the request no longer does (never, today) reset it. It dies with its ``Request``.
+but the request no longer does (never, today) reset it. It dies with its ``Request``. A step's
+masks are computed in one llguidance call for all its guided rows (``allowed_rows``).
 
 Life cycle of a constrained request: the router checks the grammar (``check``) -> the engine
 checks it again on ``add_request`` and attaches a matcher -> every step that samples the
-request, ``allowed`` gives the bitmask (EOS only where the output is a whole match; only EOS once
+request, ``sync`` then ``allowed_rows`` give its mask (EOS only where the output is a whole match; only EOS once
 the grammar can take nothing more) -> the request finishes on EOS, a stop, its length or a
 failure like any other.
 """
@@ -90,10 +91,10 @@ class GrammarMatcher:
         self._vocab_size = vocab_size
         self._consumed = 0   # output tokens the matcher has taken
 
-    def allowed(self, output_token_ids: Sequence[int]) -> np.ndarray:
-        """The tokens allowed after ``output_token_ids`` (the request's whole output so far), as a
-        bool array over the model's vocabulary. Raises GrammarError where the output left the
-        grammar (a token chosen without this mask) or llguidance gave up (its parser limits)."""
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Take the tokens of ``output_token_ids`` (the request's whole output so far) not taken
+        yet. Raises GrammarError where the output left the grammar (a token chosen without its
+        mask) or llguidance gave up (its parser limits)."""
         if self._consumed > len(output_token_ids):
             self._matcher.reset()
             self._consumed = 0
@@ -101,13 +102,36 @@ class GrammarMatcher:
         if new and not self._matcher.consume_tokens(new):
             raise GrammarError(f"the output left its grammar: {self._error()}")
         self._consumed = len(output_token_ids)
+        self.check()
+
+    def check(self) -> None:
         if self._matcher.is_error():
             raise GrammarError(f"the grammar cannot go on: {self._error()}")
-        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(bits, bitorder="little")[: self._vocab_size].view(bool)
 
     def _error(self) -> str:
         return self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "unknown"
+
+
+def allowed_rows(matchers: Sequence[GrammarMatcher], vocab_size: int, num_threads: int) -> np.ndarray:
+    """Each (synced) matcher's allowed next tokens, a bool row over the vocabulary: one llguidance
+    call for all of them (its executor, on ``num_threads`` threads, the GIL released) and one
+    unpacking of the bits, rather than a call and an unpacking a row."""
+    words = (vocab_size + 31) // 32
+    bits = np.zeros((len(matchers), words), dtype=np.int32)
+    _executor(num_threads).unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)],
+                                                   bits.ctypes.data, words * 4, len(matchers))
+    for matcher in matchers:   # a grammar past llguidance's limits fails here (its row alone, on a retry)
+        matcher.check()
+    return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].view(bool)
+
+
+_EXECUTORS: dict[int, llguidance.LLExecutor] = {}
+
+
+def _executor(num_threads: int) -> llguidance.LLExecutor:
+    if num_threads not in _EXECUTORS:
+        _EXECUTORS[num_threads] = llguidance.LLExecutor(num_threads=max(1, num_threads))
+    return _EXECUTORS[num_threads]
 
 
 class Grammars:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from engine import grammar
 from engine.request import Request
 
 
@@ -66,10 +67,16 @@ def adjust(rows: torch.Tensor, requests: Sequence[Request], eos_token_ids: froze
         return torch.tensor(values, dtype=rows.dtype, device=rows.device)
 
     guided = [(i, r) for i, r in enumerate(requests) if r.grammar is not None]
-    if guided:   # what the grammar does not allow after the output so far to -inf
-        allowed = np.stack([r.grammar.allowed(r.generated_tail(r.num_generated)) for _, r in guided])
-        idx = [i for i, _ in guided]
-        rows[idx] = rows[idx].masked_fill(~torch.from_numpy(allowed).to(rows.device), float("-inf"))
+    if guided:   # what the grammar does not allow after the output so far to -inf, in place
+        for _, r in guided:
+            r.grammar.sync(r.generated_tail(r.num_generated))
+        allowed = grammar.allowed_rows([r.grammar for _, r in guided], vocab, torch.get_num_threads())
+        blocked = torch.from_numpy(~allowed).to(rows.device)
+        if len(guided) == len(requests):
+            rows.masked_fill_(blocked, float("-inf"))
+        else:
+            for k, (i, _) in enumerate(guided):
+                rows[i].masked_fill_(blocked[k], float("-inf"))
     limited = [(i, r.sampling.allowed_token_ids) for i, r in enumerate(requests) if r.sampling.allowed_token_ids]
     if limited:   # every other token of those rows to -inf
         idx = at(limited)
