@@ -5,7 +5,8 @@ What it does (one run, one cluster, defaults in brackets):
     random model) and sends seeded requests (dataset ``random``: prompt ``--input-len`` [192]
     and output ``--output-len`` [48] tokens, +-50%, EOS ignored, greedy; ``--shared-prefix N``: each
     prompt opens with one of 4 shared N-token prefixes) as Poisson arrivals at
-    ``--rate`` req/s [0.6, ~70% of this machine's capacity at the goodput benchmark's SLO] for
+    ``--rate`` req/s [0.6, ~70% of this machine's capacity at the goodput benchmark's SLO; ``--guided
+    REGEX``: every output held to that regular expression, a structured output] for
     ``--duration`` seconds [330], through SLO admission as a deployment runs (``--no-admission``:
     everything admitted);
   - every ``--kill-every`` seconds [60] it sends SIGKILL to a worker's process, alternating decode
@@ -53,6 +54,7 @@ import grpc  # noqa: E402
 from deploy.bench.dataset import arrival_offsets, make_requests  # noqa: E402
 from deploy.launcher import ClusterConfig, ClusterThread, holds_anything  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from protos import pdserve_pb2 as pb  # noqa: E402
 from router.client import AsyncPdserveClient  # noqa: E402
 
 RECOVERY_TAIL_S = 5.0   # a recovery window lasts from the kill until 5 s after the replacement is ready
@@ -100,10 +102,15 @@ def parse() -> argparse.Namespace:
                    help="colocated: --workers' decode count of colocated workers (no prefill worker)")
     p.add_argument("--workers", default="1,1", help="prefill,decode workers; kills go round them (decode-0, "
                    "prefill-0, decode-1, prefill-1, ...)")
+    p.add_argument("--guided", default=None, metavar="REGEX",
+                   help="every request's output held to this regular expression (structured output; SmolLM2 only)")
     p.add_argument("--no-admission", action="store_true",
                    help="admit everything (default: SLO admission at --slo, as a deployment runs)")
     p.add_argument("--out", default="benchmarks/results/chaos.txt")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.guided and args.quick:
+        p.error("--guided needs a model with a tokenizer (the tiny random model has none)")
+    return args
 
 
 def start(args) -> ClusterThread:
@@ -122,9 +129,10 @@ def start(args) -> ClusterThread:
     return cluster
 
 
-async def one_request(client, req, out: Outcome, t0: float) -> None:
+async def one_request(client, req, out: Outcome, t0: float, guided: str | None) -> None:
     try:
-        async for msg in client.generate(token_ids=req.prompt_token_ids, max_tokens=req.output_len, ignore_eos=True):
+        async for msg in client.generate(token_ids=req.prompt_token_ids, max_tokens=req.output_len, ignore_eos=True,
+                                         structured_output=pb.StructuredOutput(regex=guided) if guided else None):
             now = time.monotonic() - t0
             out.token_times.extend([now] * len(msg.token_ids))
             out.token_ids.extend(msg.token_ids)
@@ -160,7 +168,7 @@ async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: li
             await asyncio.sleep(max(0.0, offset - (time.monotonic() - t0)))
             out = Outcome(sent_s=time.monotonic() - t0, prompt=tuple(req.prompt_token_ids))
             outcomes.append(out)
-            tasks.append(asyncio.create_task(one_request(client, req, out, t0)))
+            tasks.append(asyncio.create_task(one_request(client, req, out, t0, args.guided)))
         await asyncio.gather(*tasks)
     killer.join()
 
@@ -203,11 +211,13 @@ def mismatches(args, outcomes: list[Outcome]) -> list[Outcome]:
     same model (the engine equals HF's generate: tests), a kill or a migration notwithstanding."""
     from engine.engine import LLMEngine
     from engine.model_loader import load_model, random_model
-    from engine.types import RequestSpec, SamplingParams
+    from engine.types import GuideKind, RequestSpec, SamplingParams, StructuredOutput
 
     done = [o for o in outcomes if o.ok]
     engine = LLMEngine(random_model(seed=0) if args.quick else load_model(None))
-    specs = [RequestSpec(f"ref{i}", o.prompt, SamplingParams(max_tokens=len(o.token_ids), ignore_eos=True))
+    guide = StructuredOutput(GuideKind.REGEX, args.guided) if args.guided else None
+    specs = [RequestSpec(f"ref{i}", o.prompt, SamplingParams(max_tokens=len(o.token_ids), ignore_eos=True,
+                                                             structured_output=guide))
              for i, o in enumerate(done)]
     reference = engine.generate(specs)
     return [o for i, o in enumerate(done) if reference[f"ref{i}"] != o.token_ids]
@@ -229,6 +239,7 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
     outside = [o for o in done if o not in inside]
     met = [o for o in done if o.ttft_s <= ttft_t and o.tpot_s <= tpot_t]
     shared = f" after one of 4 shared {args.shared_prefix}-token prefixes" if args.shared_prefix else ""
+    shared += f", every output held to the regex {args.guided!r}" if args.guided else ""
     num_prefill, num_decode = args.workers.split(",")
     workers = f"{num_prefill} prefill + {num_decode} decode" if args.mode == "disaggregated" else f"{num_decode} colocated"
     lines = [

@@ -2,7 +2,7 @@
 a request's ``StructuredOutput`` made into llguidance's grammar, checked, and matched token by
 token against what the request has output, giving the set of tokens allowed next.
 
-Torch-free (the router checks grammars at its edge with the same rule as the engine). The
+Torch-free (the router checks grammars at its edge with llguidance's compiler, as the engine does). The
 engine's ``Grammars`` holds the model's tokenizer in llguidance's form (built on the first
 structured request, ~0.3 s for a 49,152-token vocabulary) and makes each request's
 ``GrammarMatcher`` when the request is added. A matcher is a cache of the request's tokens, not
@@ -13,7 +13,8 @@ but the request no longer does (never, today) reset it. It dies with its ``Reque
 masks are computed in one llguidance call for all its guided rows (``allowed_rows``).
 
 Life cycle of a constrained request: the router checks the grammar (``check``) -> the engine
-checks it again on ``add_request`` and attaches a matcher -> every step that samples the
+compiles it into a matcher on ``add_request`` (its check: a grammar that does not compile is
+refused, nothing held) -> every step that samples the
 request, ``sync`` then ``allowed_rows`` give its mask (EOS only where the output is a whole match; only EOS once
 the grammar can take nothing more) -> the request finishes on EOS, a stop, its length or a
 failure like any other.
@@ -39,21 +40,25 @@ class GrammarError(RuntimeError):
 
 
 def grammar_of(output: StructuredOutput, field: str = FIELD) -> str:
-    """llguidance's grammar for ``output``; InvalidRequestError naming ``field`` with llguidance's
-    own message where the schema, regex, choices or grammar cannot be compiled."""
+    """llguidance's grammar text for ``output``; InvalidRequestError naming ``field`` where the
+    text is not even a schema, a list of choices or a grammar (llguidance's compiler checks the rest:
+    ``check`` at the router, the matcher's construction on a worker)."""
     try:
-        grammar = _compile(output)
-        error = llguidance.LLMatcher.validate_grammar(grammar)
+        return _compile(output)
     except (ValueError, TypeError, RuntimeError) as exc:   # llguidance's for text it cannot parse
-        error = str(exc)
-    if error:
-        raise InvalidRequestError(field, f"{output.kind.value}: {error.strip()[:1000]}")
-    return grammar
+        raise InvalidRequestError(field, _reason(output, str(exc))) from None
 
 
 def check(output: StructuredOutput, field: str = FIELD) -> None:
-    """The one validity rule, router and engine alike."""
-    grammar_of(output, field)
+    """The router's check before any worker sees the request: what llguidance's compiler says of
+    the grammar (no tokenizer needed); a worker's matcher then compiles it once more, for its vocabulary."""
+    error = llguidance.LLMatcher.validate_grammar(grammar_of(output, field))
+    if error:
+        raise InvalidRequestError(field, _reason(output, error))
+
+
+def _reason(output: StructuredOutput, error: str) -> str:
+    return f"{output.kind.value}: {error.strip()[:1000]}"
 
 
 def _compile(output: StructuredOutput) -> str:
@@ -148,8 +153,8 @@ class Grammars:
         if self._tokenizer is None:
             raise InvalidRequestError(FIELD, "this model has no tokenizer to match a grammar's text against")
         matcher = llguidance.LLMatcher(self._tokenizer_for_llguidance(), grammar_of(output), log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(FIELD, matcher.get_error().splitlines()[0])
+        if matcher.is_error():   # the compiler's verdict, as ``check`` gives it
+            raise InvalidRequestError(FIELD, _reason(output, matcher.get_error()))
         return GrammarMatcher(matcher, self._vocab_size)
 
     def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:

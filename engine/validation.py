@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from engine import grammar
 from engine.errors import InvalidRequestError, require
 from engine.types import MAX_TOP_LOGPROBS, RequestSpec, SamplingParams
 
@@ -67,8 +66,6 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
                 f"the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
     require(len({token for token, _ in s.logit_bias}) == len(s.logit_bias), prefix + "logit_bias",
             "names a token id twice")
-    if s.structured_output is not None:
-        grammar.check(s.structured_output, prefix + "structured_output")
     if vocab_size is not None:
         check_token_ids(s.stop_token_ids, vocab_size, prefix + "stop_token_ids")
         for word in s.bad_words_token_ids:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.errors import InvalidRequestError, require
+from engine import grammar
 from engine.grammar import choices_spec
 from engine.types import (FinishReason, GuideKind, RequestSpec, SamplingParams, SLOTarget, StructuredOutput, TokenDelta,
                           TopLogprobs, WorkerStats)
@@ -232,6 +233,8 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: ServerDefaults) -> Sam
         **{name: getattr(msg, name) for name in _SAMPLING_AS_IS if msg.HasField(name)},
     )
     validate_sampling(sp, defaults.vocab_size, prefix="sampling.", eos_token_ids=defaults.eos_token_ids)
+    if sp.structured_output is not None:   # compiled here (on the tokenizer pool) before any worker sees it
+        grammar.check(sp.structured_output, "sampling.structured_output")
     return sp
 
 
