@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import time
 
 import llguidance
 import numpy as np
 import torch
 
+from benchmarks.interleaved import interleaved_medians
 from benchmarks.results_file import write_run
 from engine import logit_adjust
 from engine.grammar import Grammars, grammar_of
@@ -72,20 +72,12 @@ class PerRequestProcessor:
 
 def measure(logits: torch.Tensor, reqs: list[Request], peers: list[PerRequestProcessor],
             calls: int) -> tuple[float, float]:
-    """Median seconds per step: (batched, per request), alternating which goes first."""
+    """Median seconds per step: (batched, per request)."""
     rows = list(range(len(reqs)))
-    paths = {"batched": lambda: logit_adjust.adjust(logits[rows], reqs),
-             "per request": lambda: torch.stack([p(logits[i]) for i, p in enumerate(peers)])}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for call in range(calls + 3):
-        answers = {}
-        for name in (paths if call % 2 == 0 else reversed(paths)):
-            start = time.perf_counter()
-            answers[name] = paths[name]()
-            if call >= 3:
-                times[name].append(time.perf_counter() - start)
-        assert torch.equal(answers["batched"], answers["per request"]), "the two paths disagree"
-    return statistics.median(times["batched"]), statistics.median(times["per request"])
+    medians = interleaved_medians({
+        "batched": lambda: logit_adjust.adjust(logits[rows], reqs),
+        "per request": lambda: torch.stack([p(logits[i]) for i, p in enumerate(peers)])}, calls)
+    return medians["batched"], medians["per request"]
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.interleaved import interleaved_medians  # noqa: E402
 from benchmarks.results_file import write_run  # noqa: E402
 from engine import logit_adjust  # noqa: E402
 from engine.request import Request  # noqa: E402
@@ -56,26 +56,12 @@ def requests(rows: int, vocab: int, prompt: int, output: int, params: dict) -> l
 
 
 def measure(logits: torch.Tensor, reqs: list[Request], calls: int) -> tuple[float, float]:
-    """Median seconds per step: (batched, row by row), alternating which goes first."""
+    """Median seconds per step: (batched, row by row)."""
     rows = list(range(len(reqs)))
-
-    def batched():
-        return logit_adjust.adjust(logits[rows], reqs)
-
-    def row_by_row():
-        return torch.cat([logit_adjust.adjust(logits[[i]], [r]) for i, r in enumerate(reqs)])
-
-    paths = {"batched": batched, "row by row": row_by_row}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for call in range(calls + 3):
-        answers = {}
-        for name in (paths if call % 2 == 0 else reversed(paths)):
-            start = time.perf_counter()
-            answers[name] = paths[name]()
-            if call >= 3:
-                times[name].append(time.perf_counter() - start)
-        assert torch.equal(answers["batched"], answers["row by row"]), "the two paths disagree"
-    return statistics.median(times["batched"]), statistics.median(times["row by row"])
+    medians = interleaved_medians({
+        "batched": lambda: logit_adjust.adjust(logits[rows], reqs),
+        "row by row": lambda: torch.cat([logit_adjust.adjust(logits[[i]], [r]) for i, r in enumerate(reqs)])}, calls)
+    return medians["batched"], medians["row by row"]
 
 
 def main() -> None:
