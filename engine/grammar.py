@@ -5,7 +5,9 @@ token against what the request has output, giving the set of tokens allowed next
 Torch-free (the router checks grammars at its edge with llguidance's compiler, as the engine does). The
 engine's ``Grammars`` holds the model's tokenizer in llguidance's form (built on the first
 structured request, ~0.3 s for a 49,152-token vocabulary) and makes each request's
-``GrammarMatcher`` when the request is added. A matcher is a cache of the request's tokens, not
+``GrammarMatcher`` when the request is added, on the engine's thread: a few milliseconds for
+common schemas, up to ~50 ms for the largest the router lets through (64 Ki characters,
+``--max-structured-output-chars``), once per worker the request visits. A matcher is a cache of the request's tokens, not
 state of its own: before each mask it consumes the output tokens it has not seen, so the first
 token a prefill worker chose, the tokens a migrated request streamed before it moved and a
 request recomputed after preemption all land it where one engine would have; tokens it holds
@@ -23,6 +25,7 @@ failure like any other.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +150,7 @@ class Grammars:
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._building = threading.Lock()
 
     def matcher(self, output: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the grammar's start (``check`` passed)."""
@@ -158,9 +162,10 @@ class Grammars:
         return GrammarMatcher(matcher, self._vocab_size)
 
     def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:
-        if self._ll_tokenizer is None:
-            import llguidance.hf   # transformers: only where a structured request arrives
+        with self._building:   # workers make matchers on threads: one build, the others wait for it
+            if self._ll_tokenizer is None:
+                import llguidance.hf   # transformers: only where a structured request arrives
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
-                                                              eos_token=self._eos_token_ids or None)
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                                  eos_token=self._eos_token_ids or None)
         return self._ll_tokenizer
