@@ -84,7 +84,9 @@ def test_submissions_that_must_not_start_a_request_are_ignored():
     """Unknown decode peer; an id aborted before its submission came; an id running already."""
 
     async def run():
-        prefill, decode, peer, inbox, pusher = await _setup()
+        # The call's run cannot end before the submissions are read: its commit waits for the gate
+        # (the marker ends at prefill and needs none). On a busy machine it once had.
+        prefill, decode, peer, inbox, pusher = await _setup(GatedPeer, gate=asyncio.Event())
         try:
             stream = decode.stream()
             await prefill.abort("aborted-first")   # not here: leaves a tombstone
@@ -100,6 +102,7 @@ def test_submissions_that_must_not_start_a_request_are_ignored():
             await _until(lambda: "marker" in prefill._running)
             started = set(prefill._running)
             assert prefill._running["running"] is run_of_call
+            peer.gate.set()
             results = [await asyncio.wait_for(first_item, 60)] + [item async for item in running]
             await _decoded(stream, "running", [results[-1].first_token_id], MAX_NEW)   # to its end
             marker_result = [item async for item in prefill.stream(_spec("marker", 1), "shm", peer, inbox.path)]
