@@ -2,8 +2,8 @@
 disk, so workers and router load it as any model; real Ray actors, gRPC and HTTP): every way to
 ask (gRPC's ``structured_output``, OpenAI's ``response_format``, vLLM's ``structured_outputs``
 and ``guided_*``) gives Hugging Face's tokens under the same grammar, the first token chosen on
-the prefill worker included; guided streams survive their decode worker's death with the same
-tokens; a client that leaves frees its request; a bad or oversized grammar is a 400 /
+the prefill worker included; guided streams survive their decode worker's death, and their
+prefill worker's (mid-prefill, or after the first token went ahead), with the same tokens; a client that leaves frees its request; a bad or oversized grammar is a 400 /
 INVALID_ARGUMENT naming the parameter, and so are constraints that leave the grammar no token
 (found on the prefill or the decode worker); a burst past ``max_concurrent_streams`` is refused, not
 queued without bound. Every test ends with the cluster-wide leak check."""
@@ -30,6 +30,7 @@ from tests.test_openai_api import wait_for
 from tests.test_structured_output import EOS, SCHEMA, hf_guided
 
 MAX_STREAMS = 6
+GUIDE_CHOICE = StructuredOutput(GuideKind.CHOICE, choices_spec(["yes", "no", "maybe not"]))
 LONG = {   # outputs of 40+ tokens whatever the random model prefers: time to kill a worker mid-stream
     "regex": StructuredOutput(GuideKind.REGEX, "[a-z]{40,60}"),
     "lark": StructuredOutput(GuideKind.GRAMMAR, 'start: /[0-9]{50}/ "!"'),
@@ -133,6 +134,59 @@ def test_guided_streams_survive_their_decode_workers_death(cluster, hf_reference
     for name in LONG:
         assert without_eos(got[name]) == without_eos(refs[name]) and len(refs[name]) > 40, name
     _wait_ready(cluster, "decode-0", restarts + 1)
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
+
+
+def test_a_guided_request_whose_prefill_worker_dies_after_its_first_token_goes_on_in_its_grammar(
+        cluster, hf_reference, ll_tokenizer):
+    """The first token (chosen on the prefill worker under the grammar) reaches the client ahead of
+    the KV hand-off; the prefill worker then dies mid-hand-off. The request moves with that token in
+    its prompt; the new worker's matcher takes it first: HF's tokens, nothing repeated or missing."""
+    import ray
+
+    from tests.test_failures import _kill, _wait_ready
+
+    prefill = cluster.cluster.registry.get("prefill-0")
+    restarts = prefill.restarts
+    prompt, guide = list(range(30, 70)), LONG["json"]
+    ref = hf_guided(hf_reference, ll_tokenizer, prompt, guide, 60)
+    ray.get(prefill.actor.inject_fault.remote("hang_kv_send"))   # the hand-off never finishes
+    with PdserveClient(address(cluster), timeout_s=120) as client:
+        stream = client.generate(token_ids=prompt, max_tokens=60, structured_output=as_proto(guide))
+        first = next(stream)
+        assert list(first.token_ids) == ref[:1]
+        _kill(prefill.pid)
+        rest = list(stream)
+    assert without_eos(list(first.token_ids) + [t for msg in rest for t in msg.token_ids]) == without_eos(ref)
+    assert rest[-1].timings.migrations == 1
+    _wait_ready(cluster, "prefill-0", restarts + 1)
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
+
+
+def test_guided_requests_whose_prefill_worker_dies_mid_prefill_complete(cluster, hf_reference, ll_tokenizer):
+    """Long guided prompts queued on the prefill worker when it is SIGKILLed: each is prefilled again
+    elsewhere (or on its decode worker) under its grammar, and ends with HF's tokens."""
+    from tests.test_failures import _kill, _wait_ready
+
+    prefill = cluster.cluster.registry.get("prefill-0")
+    restarts = prefill.restarts
+    prompts = [[(i * 37 + j) % 250 + 3 for j in range(300)] for i in range(4)]
+    guides = [LONG["regex"], LONG["lark"], GUIDE_CHOICE, LONG["json"]]
+    refs = [hf_guided(hf_reference, ll_tokenizer, p, g, 20) for p, g in zip(prompts, guides)]
+
+    async def run():
+        async with AsyncPdserveClient(address(cluster), timeout_s=180) as client:
+            tasks = [asyncio.create_task(client.generate_text(token_ids=p, max_tokens=20, structured_output=as_proto(g)))
+                     for p, g in zip(prompts, guides)]
+            await asyncio.sleep(0.05)   # the prompts reached the prefill worker's queue
+            _kill(prefill.pid)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert [without_eos(list(r.token_ids)) for r in results] == [without_eos(r) for r in refs]
+    assert any(r.timings.migrations or r.timings.kv_handoff == "prefilled_locally" for r in results), \
+        "the kill hit no prefill: the test proved nothing"
+    _wait_ready(cluster, "prefill-0", restarts + 1)
     assert wait_for(lambda: cluster_leaks(cluster) == {})
 
 
