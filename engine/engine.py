@@ -71,6 +71,9 @@ class StepResult:
     prefilled: list[PrefillDone] = field(default_factory=list)
     timing: StepTiming | None = None
     between_steps: bool = False   # no step ran: calls changed the engine (EngineLoop); publish stats
+    # Nothing could be scheduled though requests wait (their grammars compile; blocks held by
+    # parked requests): the loop waits for a call or a compile instead of stepping again at once.
+    stalled: bool = False
     # Prefix-cache changes since the last result (this step's and any calls' before it), for the
     # router's prefix index: every result takes them, so each goes out once.
     kv_events: tuple[KVEvent, ...] = ()
@@ -177,6 +180,7 @@ class LLMEngine:
         out, aborted = self.scheduler.schedule()
         result = StepResult(deltas=[self._delta(r) for r in aborted])
         if out.is_empty:
+            result.stalled = not aborted and not out.preempted_req_ids
             return result
         try:
             sampled = self._run(out, result)

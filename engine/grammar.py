@@ -5,9 +5,11 @@ token against what the request has output, giving the set of tokens allowed next
 Torch-free (the router checks grammars at its edge with llguidance's compiler, as the engine does). The
 engine's ``Grammars`` holds the model's tokenizer in llguidance's form (built on the first
 structured request, ~0.3 s for a 49,152-token vocabulary) and makes each request's
-``GrammarMatcher`` when the request is added, on the engine's thread: a few milliseconds for
-common schemas, up to ~50 ms for the largest the router lets through (64 Ki characters,
-``--max-structured-output-chars``), once per worker the request visits. A matcher is a cache of the request's tokens, not
+``GrammarMatcher`` when the request is added, its compile on a thread of its own (a few
+milliseconds for common schemas, ~50 ms for the largest the router lets through: 64 Ki
+characters, ``--max-structured-output-chars``): the step loop never waits for it; the scheduler
+computes the request's prompt but its last token until the matcher is ready (vLLM's
+WAITING_FOR_FSM, without a state of its own). A matcher is a cache of the request's tokens, not
 state of its own: before each mask it consumes the output tokens it has not seen, so the first
 token a prefill worker chose, the tokens a migrated request streamed before it moved and a
 request recomputed after preemption all land it where one engine would have; tokens it holds
@@ -15,8 +17,8 @@ but the request no longer does (never, today) reset it. It dies with its ``Reque
 masks are computed in one llguidance call for all its guided rows (``allowed_rows``).
 
 Life cycle of a constrained request: the router checks the grammar (``check``) -> the engine
-compiles it into a matcher on ``add_request`` (its check: a grammar that does not compile is
-refused, nothing held) -> every step that samples the
+starts its compile on ``add_request`` (text that is no grammar at all is refused there, nothing
+held; one the compiler refuses fails the request at its first sampling, naming the field) -> every step that samples the
 request, ``sync`` then ``allowed_rows`` give its mask (EOS only where the output is a whole match; only EOS once
 the grammar can take nothing more) -> the request finishes on EOS, a stop, its length or a
 failure like any other.
@@ -25,8 +27,8 @@ failure like any other.
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -92,12 +94,22 @@ def choices_spec(choices: Sequence[str]) -> str:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar, synced to the request's output tokens."""
+    """One request's position in its grammar, synced to the request's output tokens. Its
+    llguidance matcher is compiled on ``Grammars``' thread: ``ready`` says whether it is there
+    (the scheduler samples no request before: it computes the prompt but its last token)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._matcher = matcher
+    def __init__(self, compiled: Future[llguidance.LLMatcher], vocab_size: int) -> None:
+        self._compiled = compiled
         self._vocab_size = vocab_size
         self._consumed = 0   # output tokens the matcher has taken
+
+    @property
+    def ready(self) -> bool:
+        return self._compiled.done()
+
+    @property
+    def _matcher(self) -> llguidance.LLMatcher:
+        return self._compiled.result()   # waits only where a caller samples a request not ready
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Take the tokens of ``output_token_ids`` (the request's whole output so far) not taken
@@ -113,11 +125,13 @@ class GrammarMatcher:
         self.check()
 
     def check(self) -> None:
+        """A grammar the compiler refused (the router refuses those before any worker sees them),
+        or one past llguidance's parser limits: GrammarError with its reason."""
         if self._matcher.is_error():
             raise GrammarError(f"the grammar cannot go on: {self._error()}")
 
     def _error(self) -> str:
-        return self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "unknown"
+        return self._matcher.get_error().strip()[:1000] or "unknown"
 
 
 def allowed_rows(matchers: Sequence[GrammarMatcher], vocab_size: int, num_threads: int) -> np.ndarray:
@@ -143,29 +157,40 @@ def _executor(num_threads: int) -> llguidance.LLExecutor:
 
 
 class Grammars:
-    """The model's tokenizer as llguidance reads it, and a matcher for each constrained request."""
+    """The model's tokenizer as llguidance reads it, and a matcher for each constrained request,
+    compiled on a thread of its own (llguidance drops the GIL while it compiles). ``on_compiled``:
+    called (from that thread) as each compile ends: the engine loop's wake-up."""
 
     def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._building = threading.Lock()
+        self._compiler: ThreadPoolExecutor | None = None   # made on the first guided request
+        self.on_compiled: Callable[[], None] | None = None
 
     def matcher(self, output: StructuredOutput) -> GrammarMatcher:
-        """A fresh matcher at the grammar's start (``check`` passed)."""
+        """A matcher at the grammar's start, its compile under way. Raises InvalidRequestError
+        at once where the model has no tokenizer or the text is no grammar at all
+        (``grammar_of``); the compiler's own verdict comes with the matcher (``check``)."""
         if self._tokenizer is None:
             raise InvalidRequestError(FIELD, "this model has no tokenizer to match a grammar's text against")
-        matcher = llguidance.LLMatcher(self._tokenizer_for_llguidance(), grammar_of(output), log_level=0)
-        if matcher.is_error():   # the compiler's verdict, as ``check`` gives it
-            raise InvalidRequestError(FIELD, _reason(output, matcher.get_error()))
-        return GrammarMatcher(matcher, self._vocab_size)
+        grammar = grammar_of(output)
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        compiled = self._compiler.submit(self._compile, grammar)
+        if self.on_compiled is not None:
+            on_compiled = self.on_compiled
+            compiled.add_done_callback(lambda _: on_compiled())
+        return GrammarMatcher(compiled, self._vocab_size)
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self._tokenizer_for_llguidance(), grammar, log_level=0)
 
     def _tokenizer_for_llguidance(self) -> llguidance.LLTokenizer:
-        with self._building:   # workers make matchers on threads: one build, the others wait for it
-            if self._ll_tokenizer is None:
-                import llguidance.hf   # transformers: only where a structured request arrives
+        if self._ll_tokenizer is None:   # the compile thread's alone
+            import llguidance.hf   # transformers: only where a structured request arrives
 
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
-                                                                  eos_token=self._eos_token_ids or None)
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                              eos_token=self._eos_token_ids or None)
         return self._ll_tokenizer

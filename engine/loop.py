@@ -4,7 +4,9 @@ Life cycle: ``start`` spawns the loop thread; callers (Ray actor methods on an e
 ``call`` a function on the engine, which runs on the loop thread at the next step boundary —
 so the engine is only ever touched by one thread — and get a concurrent future back. The
 thread steps while the engine has work and otherwise blocks on a condition (no sleep
-polling). Every step's result goes to ``on_step`` (the worker's batched output stream); calls
+polling); a step that could schedule nothing (every waiting request's grammar still compiling,
+or its blocks held by parked requests) also blocks, until a call or a finished compile
+(``Grammars.on_compiled``) wakes it, or ``STALLED_WAIT_S`` passes. Every step's result goes to ``on_step`` (the worker's batched output stream); calls
 that leave the engine idle send an empty ``StepResult(between_steps=True)`` so the fresh stats
 (blocks released between steps) are published too. ``latest_stats`` is refreshed before a
 call's future resolves.
@@ -24,6 +26,7 @@ from engine.types import WorkerStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+STALLED_WAIT_S = 0.05   # a stalled engine's longest wait without a wake-up (none should be missed)
 
 
 class EngineLoop:
@@ -33,6 +36,8 @@ class EngineLoop:
         self._calls: deque[tuple[Callable[[LLMEngine], object], Future]] = deque()
         self._wake = threading.Condition()
         self._stopped = False
+        self._nudged = False   # a grammar compiled since the loop last looked
+        engine.grammars.on_compiled = self._nudge
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         # Published after every step and batch of calls: other threads read it without locks
         # (one reference assignment), at most one step stale.
@@ -68,10 +73,22 @@ class EngineLoop:
                 calls, self._calls = self._calls, deque()
             self._apply(calls)
             if self.engine.has_work():
-                self._step()
+                if self._step().stalled:
+                    self._wait_while_stalled()
             elif calls:
                 self._report_between_steps()
         self._fail_pending()
+
+    def _nudge(self) -> None:
+        with self._wake:
+            self._nudged = True
+            self._wake.notify()
+
+    def _wait_while_stalled(self) -> None:
+        with self._wake:
+            if not (self._stopped or self._calls or self._nudged):
+                self._wake.wait(STALLED_WAIT_S)
+            self._nudged = False
 
     def _apply(self, calls) -> None:
         if not calls:   # nothing changed: the last step's stats stand (computed once per turn)
@@ -99,13 +116,14 @@ class EngineLoop:
         except Exception:
             logger.exception("on_step callback failed")
 
-    def _step(self) -> None:
+    def _step(self) -> StepResult:
         result = self.engine.step()
         self.latest_stats = self.engine.stats(self._thread.name)  # before on_step: batches carry fresh stats
         try:
             self._on_step(result)
         except Exception:
             logger.exception("on_step callback failed")
+        return result
 
     def _fail_pending(self) -> None:
         with self._wake:

@@ -108,7 +108,7 @@ def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids:
             except Exception as exc:
                 logger.warning("adjusting the logits of %s failed: %s", requests[i].req_id, exc)
                 # A grammar's reason is the client's to read; anything else is ours (the log has it).
-                failed[i] = RowFailure(f"the structured output cannot go on: {exc}", "structured_output") \
+                failed[i] = RowFailure(f"structured output: {exc}", "structured_output") \
                     if isinstance(exc, GrammarError) else RowFailure(f"sampling failed: {type(exc).__name__}")
         return adjusted
 

@@ -155,7 +155,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(request.num_uncomputed_tokens, budget)
+            n = min(request.num_uncomputed_tokens, budget, _before_sampling(request, request.num_computed_tokens))
             if n == 0:
                 continue
             if not self._make_room(request, n, scheduled, out):
@@ -181,16 +181,20 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        i = 0   # past the requests whose grammar still compiles: they hold no one up
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[i]
             # Prompt logprobs need every prompt position computed: nothing read from the cache.
             cached = ([] if prompt_logprobs.owed(request)
                       else self.kv.find_cached(request.req_id, request.all_token_ids))
             start = len(cached) * self.kv.block_size
-            n = min(request.num_tokens - start, budget)
+            n = min(request.num_tokens - start, budget, _before_sampling(request, start))
+            if n == 0:
+                i += 1
+                continue
             if not self.kv.can_admit(request.req_id, cached, start + n):
                 break  # FCFS/priority: don't let a later request jump a blocked one
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.num_computed_tokens = self.kv.admit(request.req_id, request.all_token_ids, cached, start + n)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_s is None:
@@ -287,3 +291,15 @@ class Scheduler:
     @property
     def num_waiting_tokens(self) -> int:
         return sum(r.num_uncomputed_tokens for r in self.waiting)
+
+
+_UNCAPPED = 1 << 62
+
+
+def _before_sampling(request: Request, start: int) -> int:
+    """How many of its tokens from ``start`` a request may compute now: all of them, but for a
+    guided request whose grammar still compiles, all but its last (whose logits are sampled:
+    they wait for the matcher, the prompt's KV need not)."""
+    if request.grammar is None or request.grammar.ready:
+        return _UNCAPPED
+    return max(0, request.num_tokens - 1 - start)

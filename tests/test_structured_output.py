@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
+import time
 
 import llguidance
 import llguidance.hf
@@ -198,23 +200,42 @@ def test_constraints_that_leave_a_guided_request_nothing_fail_it_naming_its_gram
 
 
 @pytest.mark.parametrize("guide, says", [
-    (StructuredOutput(GuideKind.JSON, '{"type": "objectx"}'), "objectx"),
     (StructuredOutput(GuideKind.JSON, "not json"), "json"),
     (StructuredOutput(GuideKind.JSON, "[1, 2]"), "object"),
     (StructuredOutput(GuideKind.JSON, ""), "empty"),
     (StructuredOutput(GuideKind.JSON_OBJECT, "{}"), "no spec"),
-    (StructuredOutput(GuideKind.REGEX, "a(b"), "unclosed group"),
     (StructuredOutput(GuideKind.CHOICE, "[]"), "choices"),
     (StructuredOutput(GuideKind.CHOICE, '["a", ""]'), "choices"),
     (StructuredOutput(GuideKind.CHOICE, '"a"'), "choices"),
-    (StructuredOutput(GuideKind.GRAMMAR, "start: foo"), "foo"),
     (StructuredOutput(GuideKind.GRAMMAR, "root ::= ["), "grammar"),
 ])
-def test_a_bad_guide_is_refused_naming_the_field_with_llguidances_reason(loaded, guide, says):
+def test_text_that_is_no_grammar_is_refused_on_add_naming_the_field(loaded, guide, says):
     engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=16))
-    with pytest.raises(InvalidRequestError) as err:
-        engine.add_request(RequestSpec("bad", (5, 6), SamplingParams(structured_output=guide)))
-    assert err.value.field == "structured_output" and says in str(err.value).lower()
+    for call in (engine.add_request, engine.reserve):
+        with pytest.raises(InvalidRequestError) as err:
+            call(RequestSpec("bad", (5, 6), SamplingParams(structured_output=guide)))
+        assert err.value.field == "structured_output" and says in str(err.value).lower()
+    assert_no_leaks(engine)
+    assert not engine._seeds
+
+
+@pytest.mark.parametrize("guide, says", [
+    (StructuredOutput(GuideKind.JSON, '{"type": "objectx"}'), "objectx"),
+    (StructuredOutput(GuideKind.REGEX, "a(b"), "unclosed group"),
+    (StructuredOutput(GuideKind.GRAMMAR, "start: foo"), "foo"),
+])
+def test_a_grammar_the_compiler_refuses_fails_its_request_naming_the_field(loaded, guide, says):
+    """The compile runs off the step thread, so its verdict comes at the request's first sampling
+    (the router refuses these before any worker sees them: ``grammar.check``): the request fails
+    with ``error_field`` naming its structured output and llguidance's reason; a request beside it
+    goes on."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=16))
+    bad = RequestSpec("bad", (5, 6, 7), SamplingParams(structured_output=guide))
+    fine = RequestSpec("fine", (5, 6), SamplingParams(max_tokens=4, ignore_eos=True))
+    got = run(engine, [bad, fine])
+    assert got["bad"][1] is FinishReason.ERROR and engine_fields["bad"] == "structured_output"
+    assert says in got["bad"][2].lower() and got["bad"][0] == []
+    assert got["fine"][1] is FinishReason.LENGTH and len(got["fine"][0]) == 4
     assert_no_leaks(engine)
 
 
@@ -236,3 +257,76 @@ def test_a_guide_survives_the_direct_submissions_json():
     for guide in [*GUIDES.values(), None]:
         spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, structured_output=guide))
         assert PrefillSubmission.from_json(PrefillSubmission(spec, "shm", "d0", None).to_json()).spec == spec
+
+
+@pytest.fixture
+def gated_compiles(monkeypatch):
+    """Every grammar compile waits for the returned event (set it to let them finish)."""
+    from engine.grammar import Grammars
+
+    gate, compile_now = threading.Event(), Grammars._compile
+
+    def compile_later(self, grammar):
+        assert gate.wait(30), "the test never opened the gate"
+        return compile_now(self, grammar)
+
+    monkeypatch.setattr(Grammars, "_compile", compile_later)
+    yield gate
+    gate.set()
+
+
+def test_a_grammar_still_compiling_holds_no_one_up_and_its_prompt_waits_at_its_last_token(
+        loaded, hf_reference, ll_tokenizer, gated_compiles):
+    """The compile runs off the step loop: while it lasts, the other requests step on and the
+    guided one's prompt is computed but its last token (whose logits need the matcher); once it is
+    ready, the guided output is HF's, as if it had been there from the start."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16))
+    prompt, guide = list(range(40, 80)), GUIDES["json"]
+    engine.add_request(RequestSpec("guided", tuple(prompt), SamplingParams(max_tokens=30, structured_output=guide)))
+    engine.add_request(RequestSpec("plain", (5, 6, 7), SamplingParams(max_tokens=8, ignore_eos=True)))
+    got: dict[str, list[int]] = {"guided": [], "plain": []}
+    for _ in range(12):
+        for d in engine.step().deltas:
+            got[d.req_id] += d.token_ids
+    guided = engine.scheduler.requests["guided"]
+    assert got["plain"] and len(got["plain"]) == 8 and got["guided"] == []
+    assert guided.num_computed_tokens == len(prompt) - 1
+    gated_compiles.set()
+    while engine.has_work():
+        for d in engine.step().deltas:
+            got[d.req_id] += d.token_ids
+    assert got["guided"] == hf_guided(hf_reference, ll_tokenizer, prompt, guide, 30)
+    assert_no_leaks(engine)
+
+
+def test_an_engine_loop_waiting_on_a_compile_does_not_spin_and_wakes_when_it_ends(loaded, gated_compiles,
+                                                                                   monkeypatch):
+    """While the only request's grammar compiles, the loop waits (a step or two, not thousands); the
+    compile's end wakes it at once (its longest wait stretched to 2 s here: only the wake-up is quick)."""
+    from engine import loop as engine_loop
+    from engine.loop import EngineLoop
+
+    monkeypatch.setattr(engine_loop, "STALLED_WAIT_S", 2.0)
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
+    steps, ended = [], threading.Event()
+
+    def on_step(result):
+        steps.append(time.monotonic())
+        if any(d.finished for d in result.deltas):
+            ended.set()
+
+    loop = EngineLoop(engine, on_step)
+    loop.start()
+    try:
+        loop.call(lambda e: e.add_request(RequestSpec("g", (5, 6), SamplingParams(
+            max_tokens=4, structured_output=GUIDES["choice"])))).result(10)
+        time.sleep(0.5)
+        assert len(steps) <= 3, f"{len(steps)} steps in 0.5 s: the loop spun"
+        opened = time.monotonic()
+        gated_compiles.set()
+        assert ended.wait(10)
+        first_after = next(t for t in steps if t >= opened)
+        assert first_after - opened < 0.5, "the compile's end did not wake the loop"
+    finally:
+        loop.stop()
+    assert_no_leaks(engine)
