@@ -159,12 +159,14 @@ def test_prompt_logprobs_arrive_once_whichever_worker_dies(cluster, hf_reference
     from tests.test_prompt_logprobs import _assert_matches
 
     prompts = [list(range(20 + i, 20 + i + n)) for i, n in enumerate((150, 90, 120, 60))]
-    refs = [hf_greedy(hf_reference, p, 30) for p in prompts]
+    # Outputs long enough that no stream ends between its second message and the kill on a busy
+    # machine (with 30 tokens, all four once finished first: the kill moved nothing).
+    refs = [hf_greedy(hf_reference, p, 160) for p in prompts]
     worker = cluster.cluster.registry.get(victim)
     restarts = worker.restarts
 
     async def one(client, prompt, messages):
-        async for msg in client.generate(token_ids=prompt, max_tokens=30, ignore_eos=True, prompt_logprobs=2):
+        async for msg in client.generate(token_ids=prompt, max_tokens=160, ignore_eos=True, prompt_logprobs=2):
             messages.append(msg)
 
     async def run():
