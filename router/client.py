@@ -16,6 +16,7 @@ even where the server's default is not). Torch-free.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,8 +70,11 @@ class GenerationResult:
 def _chat_message(m: Mapping[str, str] | tuple[str, str] | pb.ChatMessage) -> pb.ChatMessage:
     if isinstance(m, pb.ChatMessage):
         return m
-    if isinstance(m, Mapping):
-        return pb.ChatMessage(role=m.get("role", ""), content=m.get("content", ""))
+    if isinstance(m, Mapping):   # OpenAI's message shape; an assistant's tool_calls as a list
+        calls = m.get("tool_calls")
+        return pb.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
+                              tool_calls_json=json.dumps(calls) if calls else "",
+                              tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
     role, content = m
     return pb.ChatMessage(role=role, content=content)
 
@@ -85,12 +89,16 @@ def build_request(
     tpot_ms: float | None = None,
     priority: int | None = None,
     skip_special_tokens: bool | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A ``GenerateRequest``; exactly one of ``text``, ``chat``, ``token_ids``. The server
-    validates values; this only rejects what cannot be expressed (unknown names, two prompts)."""
+    """A ``GenerateRequest``; exactly one of ``text``, ``chat``, ``token_ids``; ``tools`` (OpenAI
+    function definitions) go to the chat's template. The server validates values; this only
+    rejects what cannot be expressed (unknown names, two prompts, tools without a chat)."""
     if sum(p is not None for p in (text, chat, token_ids)) != 1:
         raise TypeError("pass exactly one of text, chat or token_ids")
+    if tools is not None and chat is None:
+        raise TypeError("tools go with a chat")
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}")
@@ -102,6 +110,8 @@ def build_request(
     elif chat is not None:
         req.chat.SetInParent()  # an empty chat still selects the oneof, so the server can name it
         req.chat.messages.extend(_chat_message(m) for m in chat)
+        if tools is not None:
+            req.chat.tools_json = json.dumps(list(tools))
     else:
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(token_ids)

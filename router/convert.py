@@ -5,7 +5,7 @@ Life cycle of one Generate call, as far as this module goes:
 1. ``label_from_proto`` checks the client's ``request_id``, a label only (the router runs the
    request under its own id: ``router.identity``); ``router.limits.check_request`` checks sizes.
 2. ``prompt_from_proto(request, tokenizer)`` (off the event loop: it may be slow) turns the ``prompt`` oneof (text, chat or token ids)
-   into token ids; chat messages and template options (``ChatPrompt``) are checked before the chat template sees them.
+   into token ids; a chat is checked and rendered by ``router.chat_prompt``.
 3. ``spec_from_proto(request, prompt_token_ids, defaults, req_id)`` checks everything else and
    fills every unset field from ``ServerDefaults``. The frozen ``RequestSpec`` it returns is what
    the workers trust. Any problem raises ``InvalidRequestError(field, message)``, which the
@@ -24,9 +24,8 @@ loads torch or transformers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,9 +36,9 @@ from engine.types import (FinishReason, GuideKind, RequestSpec, SamplingParams, 
                           TopLogprobs, WorkerStats)
 from engine.validation import check_token_ids, validate_sampling, validate_spec
 from protos import pdserve_pb2 as pb
+from router.chat_prompt import chat_from_proto, encode_chat
 from router.limits import ServerLimits, clamp_hint_ms, limits_to_proto, priority_for
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_REQUEST_ID_LEN = 256
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
@@ -127,54 +126,6 @@ def req_id_from_proto(request: pb.GenerateRequest) -> str:
     return uuid.uuid4().hex if label is None else label
 
 
-@dataclass(frozen=True, slots=True)
-class ChatPrompt:
-    """A chat, checked: its messages and how the chat template renders them."""
-
-    messages: list[dict[str, str]]
-    add_generation_prompt: bool = True     # open the assistant's turn after the messages
-    continue_final_message: bool = False   # or leave the last message open, to be continued
-    template_kwargs: dict[str, Any] = field(default_factory=dict)   # more variables for the template
-
-
-# apply_chat_template's own arguments and the template's standard variables: not the client's to set.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "bos_token", "eos_token",
-})
-
-
-def chat_from_proto(chat: pb.ChatMessages) -> ChatPrompt:
-    require(len(chat.messages) > 0, "chat.messages", "no messages")
-    for i, m in enumerate(chat.messages):
-        require(m.role, f"chat.messages[{i}].role", "empty role")
-        require(m.role in CHAT_ROLES, f"chat.messages[{i}].role",
-                 f"unknown role {m.role!r}, expected one of {sorted(CHAT_ROLES)}")
-        require(m.content, f"chat.messages[{i}].content", "missing content")
-    continue_final = chat.continue_final_message
-    # Unset: open the assistant's turn, unless the last message is to be continued (vLLM makes
-    # its clients say false; either way, both true is refused).
-    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not continue_final
-    require(not (add and continue_final), "chat.continue_final_message",
-            "cannot be combined with add_generation_prompt: continue the last message or open a new turn")
-    return ChatPrompt([{"role": m.role, "content": m.content} for m in chat.messages], add, continue_final,
-                      _template_kwargs(chat.template_kwargs_json))
-
-
-def _template_kwargs(text: str) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        kwargs = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise InvalidRequestError("chat.template_kwargs_json", f"not a JSON object: {exc}") from None
-    require(isinstance(kwargs, dict), "chat.template_kwargs_json", "must be a JSON object of template variables")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    require(not reserved, "chat.template_kwargs_json", f"may not set {', '.join(reserved)}")
-    return kwargs
-
-
 def prompt_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     """Token ids of the prompt. Length and vocabulary checks are ``spec_from_proto``'s."""
     kind = request.WhichOneof("prompt")
@@ -184,28 +135,10 @@ def prompt_from_proto(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list
         # nothing for SmolLM2): the ids transformers itself would feed the model for this text.
         return list(tokenizer.encode(request.text))
     if kind == "chat":
-        return _encode_chat(chat_from_proto(request.chat), tokenizer)
+        return encode_chat(chat_from_proto(request.chat), tokenizer)
     if kind == "token_ids":
         return list(request.token_ids.ids)
     raise InvalidRequestError("prompt", "set one of text, chat or token_ids")
-
-
-def _encode_chat(chat: ChatPrompt, tokenizer: Tokenizer) -> list[int]:
-    try:
-        out = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt,
-                                            continue_final_message=chat.continue_final_message, tokenize=True,
-                                            **chat.template_kwargs)
-    except Exception as e:
-        # No chat template (ValueError), a final message the template does not end with
-        # (continue_final_message: ValueError), the template refusing this conversation, e.g.
-        # roles that do not alternate (jinja2's TemplateError), or the client's template
-        # variables of a type it cannot use (TypeError): the client's input, not our bug.
-        if isinstance(e, ValueError) or type(e).__module__.startswith("jinja2") \
-                or (chat.template_kwargs and isinstance(e, TypeError)):
-            raise InvalidRequestError("chat", str(e)) from e
-        raise
-    # transformers >= 5 returns a BatchEncoding (return_dict defaults to True); older, a list.
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
 
 # Optional scalar fields whose unset meaning is SamplingParams' own default (the server has none of its own).

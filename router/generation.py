@@ -32,6 +32,7 @@ from engine.types import FinishReason, RequestSpec, TokenDelta
 from engine.validation import check_token_ids
 from protos import pdserve_pb2 as pb
 from router import convert, limits as request_limits
+from router.chat_prompt import chat_from_proto
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
 from router.errors import RequestFailedError, status_for
@@ -205,7 +206,7 @@ class GenerationCore:
         milliseconds, not the event loop's); token ids need none."""
         kind = request.WhichOneof("prompt")
         if kind == "chat":
-            convert.chat_from_proto(request.chat)
+            chat_from_proto(request.chat)
         if kind in ("text", "chat") and self.tokenizer is None:
             raise InvalidRequestError("prompt", "this model has no tokenizer: send token_ids")
         if request.sampling.bad_words and self.tokenizer is None:

@@ -42,7 +42,8 @@ def tiny_model():
 def byte_level_tokenizer():
     """A real Hugging Face fast tokenizer for the tiny random model: byte-level BPE without merges,
     token id 3 + b for byte b (as ``ByteTokenizer`` encodes), 0-2 pad / BOS / EOS. What
-    structured output needs on the workers (llguidance reads a fast tokenizer's vocabulary)."""
+    structured output needs on the workers (llguidance reads a fast tokenizer's vocabulary), with
+    a chat template that shows tools (``TOOL_CHAT_TEMPLATE``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +54,19 @@ def byte_level_tokenizer():
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    out = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    out.chat_template = TOOL_CHAT_TEMPLATE
+    return out
+
+
+# A chat template that shows tools, earlier tool calls and the call a tool message answers, as
+# tool-use templates do (one character a token: short, so prompts fit the tiny model).
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}T{% for t in tools %}:{{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<{{ m.role[0] }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}"
+    "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}")
 
 
 @pytest.fixture(scope="session")

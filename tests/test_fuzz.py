@@ -80,6 +80,13 @@ def _set_guide(s: pb.SamplingParams, kind: str, value) -> None:
         setattr(s.structured_output, kind, value)
 
 
+TOOLS_JSON = ['[{"type": "function", "function": {"name": "f"}}]', "[]", "{}", "[", '[{"type": "function"}]',
+              '[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]', "[" * 3000]
+TOOL_CALLS_JSON = ['[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}]',
+                   '[{"function": {"name": "f", "arguments": {"a": [1]}}}]', '[{"function": {"name": "f", "arguments": "{"}}]',
+                   "[]", "[1]", '[{"function": {"name": ""}}]']
+
+
 @st.composite
 def requests(draw) -> pb.GenerateRequest:
     req = pb.GenerateRequest()
@@ -94,6 +101,12 @@ def requests(draw) -> pb.GenerateRequest:
             req.chat.continue_final_message = draw(st.booleans())
             req.chat.template_kwargs_json = draw(st.one_of(texts, st.sampled_from(
                 ['{"enable_thinking": false}', '{"tokenize": false}', "[]", "{", "[" * 3000, '{"x": [1, {"y": null}]}'])))
+        if draw(st.booleans()):   # tools for the template, and earlier tool calls: sense and nonsense
+            req.chat.tools_json = draw(st.one_of(texts, st.sampled_from(TOOLS_JSON)))
+            for m in req.chat.messages:
+                if draw(st.booleans()):
+                    m.tool_calls_json = draw(st.one_of(texts, st.sampled_from(TOOL_CALLS_JSON)))
+                    m.tool_call_id = draw(st.sampled_from(["", "c1"]))
     elif kind == "token_ids":
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(draw(token_lists))

@@ -343,7 +343,6 @@ def test_stop_strings_are_trimmed_from_streamed_text():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, "use_beam_search"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
      "chat_template"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
 ])
 def test_vllm_extensions_that_would_change_the_output_are_refused_by_name(model, body, param):

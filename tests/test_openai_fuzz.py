@@ -92,15 +92,27 @@ SAMPLING = {
 }
 COMPLETION = {"prompt": st.one_of(odd_text, token_ids, st.lists(odd_text, max_size=3), st.lists(token_ids, max_size=2)),
               "logprobs": odd_numbers, "echo": st.booleans(), "suffix": odd_text, "best_of": odd_numbers}
+# Tools and earlier tool calls: well-formed, with odd names, schemas and arguments, or any JSON.
+functions = st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["f", "g", ""]), odd_text)},
+                                  optional={"parameters": schemas, "description": odd_text, "strict": st.booleans()})
+tools = st.one_of(st.just([]), any_json, st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "function", "retrieval"]), "function": st.one_of(functions, any_json)}),
+    max_size=3))
+tool_choices = st.one_of(st.sampled_from(["none", "auto", "required", "any"]), any_json, st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "h"])})}))
+tool_calls = st.one_of(any_json, st.lists(st.fixed_dictionaries(
+    {"function": st.fixed_dictionaries({"name": st.sampled_from(["f", ""])}, optional={
+        "arguments": st.one_of(st.sampled_from(['{"a": 1}', "{", "[1]", ""]), odd_text, any_json)})},
+    optional={"id": odd_text, "type": st.sampled_from(["function", "x"])}), max_size=2))
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "", "wizard"])},
     optional={"content": st.one_of(odd_text, st.lists(st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "image_url"])}, optional={"text": odd_text}), max_size=2), any_json),
-        "name": odd_text}), max_size=4)
+        "name": odd_text, "tool_calls": tool_calls, "tool_call_id": odd_text}), max_size=4)
 CHAT = {"messages": st.one_of(messages, any_json), "max_completion_tokens": odd_numbers, "logprobs": st.booleans(),
-        "top_logprobs": odd_numbers, "tools": st.one_of(st.just([]), any_json),
+        "top_logprobs": odd_numbers, "tools": tools, "tool_choice": tool_choices, "parallel_tool_calls": st.booleans(),
         "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "chat_template_kwargs": any_json}
-TOKENIZE = {"prompt": odd_text, "messages": messages, "add_special_tokens": st.booleans(),
+TOKENIZE = {"prompt": odd_text, "messages": messages, "add_special_tokens": st.booleans(), "tools": tools,
             "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
             "chat_template_kwargs": any_json, "return_token_strs": st.booleans(), "tokens": token_ids}
 
@@ -122,6 +134,12 @@ def valid_bodies(draw) -> tuple[str, bytes]:
         body["messages"] = [{"role": "user", "content": draw(st.text(min_size=1, max_size=30))}]
         if draw(st.booleans()):
             body |= {"logprobs": True, "top_logprobs": draw(st.integers(0, 5))}
+        if draw(st.integers(0, 2)) == 0:   # tools: a named call, calls required, or shown only
+            body["tools"] = [{"type": "function", "function": {"name": name, "parameters": draw(st.sampled_from(
+                [{"type": "object", "properties": {"x": {"type": "integer"}}}, {"type": "object"}]))}}
+                for name in ("f", "g")]
+            body["tool_choice"] = draw(st.sampled_from(["none", "required", {"type": "function", "function": {"name": "g"}}]))
+            return path, json.dumps(body).encode()   # a call's schema is its structured output
     if draw(st.booleans()):
         body["n"] = draw(st.integers(1, 3))
     if body["stream"] and draw(st.booleans()):

@@ -193,3 +193,46 @@ def test_structured_output_with_the_real_model_is_valid_json_of_the_schema(smol_
         extra_body={"structured_outputs": {"choice": ["Yes, it is.", "No, it is not."]}})
     assert picked.choices[0].message.content in ("Yes, it is.", "No, it is not.")
     assert cluster_leaks(smol_cluster) == {}
+
+
+def test_tool_calls_with_the_real_model_parse_and_follow_the_tools(smol_cluster):
+    """SmolLM2's own template (it has no tools section: the tools are in the system message, as a
+    client would put them for such a model). A named call's arguments parse as the function's
+    schema; "required" gives calls that each name one of the tools; streamed, the same calls;
+    a conversation with the call and its answer goes on; nothing held after."""
+    import json
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+    ask = [{"role": "system", "content": "Call get_weather(city) for the weather, get_time(zone) for the time."},
+           {"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=40, temperature=0,
+                                           tools=[weather, clock],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and named.choices[0].finish_reason == "stop"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    required = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=80,
+                                              temperature=0, tools=[weather, clock], tool_choice="required")
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    streamed = {}
+    for chunk in client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=80,
+                                                temperature=0, tools=[weather, clock], tool_choice="required",
+                                                stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            streamed[delta.index] = (delta.function.name, delta.function.arguments)
+    assert list(streamed.values()) == [(c.function.name, c.function.arguments) for c in calls]
+    answered = [*ask, {"role": "assistant", "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=answered, max_tokens=20,
+                                           temperature=0, tools=[weather, clock], tool_choice="none")
+    assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+    assert cluster_leaks(smol_cluster) == {}

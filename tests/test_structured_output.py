@@ -82,10 +82,12 @@ class GrammarReference(LogitsProcessor):
         return scores.masked_fill(torch.from_numpy(bits[: scores.shape[-1]] == 0), float("-inf"))
 
 
-def hf_guided(model, ll_tokenizer, prompt: list[int], guide: StructuredOutput, max_new_tokens: int) -> list[int]:
+def hf_guided(model, ll_tokenizer, prompt: list[int], guide: StructuredOutput, max_new_tokens: int,
+              **generate_kwargs) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0,
-                         logits_processor=LogitsProcessorList([GrammarReference(ll_tokenizer, guide, len(prompt))]))
+                         logits_processor=LogitsProcessorList([GrammarReference(ll_tokenizer, guide, len(prompt))]),
+                         **generate_kwargs)
     return out[0, len(prompt):].tolist()
 
 

@@ -44,6 +44,8 @@ from router.openai_api.requests import (chat_request, completion_requests, echo_
                                         tokenize_request)
 from router.openai_api.responses import ResponseFormat
 from router.openai_api.run import GenerationResponse
+from router.openai_api import tool_calls
+from router.openai_api.tool_calls import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +137,9 @@ class _Api:
 
     async def chat(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, ChatCompletionRequest)
-        msg = self._checked(chat_request, req, label)
-        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs)
+        tools = self._checked(tool_calls.plan, req)
+        msg = self._checked(chat_request, req, label, tools)
+        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools)
 
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)
@@ -257,15 +260,16 @@ class _Api:
         return ApiError(400, f"{param}: {message}", "invalid_request_error", param, code.name.lower())
 
     def _response(self, msgs: list, echoes: list[str | None], req, label: str | None, *, chat: bool,
-                  logprobs: bool) -> GenerationResponse:
+                  logprobs: bool, tools: ToolPlan | None = None) -> GenerationResponse:
         """One response over every prompt's (``msgs``, each with its ``echoes`` text) ``n`` choices."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         response_id = prefix + (label or uuid.uuid4().hex)
         first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
                                tokenizer=self.core.tokenizer, prompt_logprobs=req.prompt_logprobs is not None,
-                               echo=echoes[0])
+                               echo=echoes[0], tools=tools)
         requests = [choice for msg in msgs for choice in choices(msg, req.n)]
         fmts = [first] + [first.for_choice(i, echoes[i // req.n]) for i in range(1, len(requests))]
-        return GenerationResponse(self.core, requests, fmts, stream=req.stream, sent_as=sent_as(req, chat=chat),
+        return GenerationResponse(self.core, requests, fmts, stream=req.stream,
+                                  sent_as=sent_as(req, chat=chat, tools=tools),
                                   choices_per_prompt=req.n)

@@ -11,7 +11,7 @@ vLLM's common extras are accepted (``top_k``, ``ignore_eos``, ``stop_token_ids``
 ``skip_special_tokens``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
 ``structured_outputs`` and its older ``guided_*`` names: the ``extra_body`` of the ``openai``
-client) and pdserve's SLO hints
+client), OpenAI's tools (``tool_calls.py`` says which tool choices are served) and pdserve's SLO hints
 (``ttft_ms``, ``tpot_ms``, ``priority``).
 
 Every integer and string that becomes a ``GenerateRequest`` field is typed with that field's
@@ -64,9 +64,46 @@ class ContentPart(_Body):
     text: Text | None = None
 
 
+class FunctionCall(_Body):
+    name: Annotated[Text, Field(min_length=1)]
+    arguments: Text | dict[str, Any] | None = None   # OpenAI's JSON text; an object is taken too
+
+
+class ToolCall(_Body):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Text
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's calls (its content may then be left out)
+    tool_call_id: Text | None = None           # a tool message: the call it answers
+    name: Text | None = None
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[Text, Field(min_length=1)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments; none: no arguments
+    strict: bool | None = None   # the client's label: a call always follows the schema here
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: Text
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Body):
@@ -147,6 +184,7 @@ class _ChatTemplateOptions(_Body):
     add_generation_prompt: bool | None = None   # None: true unless continue_final_message
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None   # shown to the model by the template (vLLM's /tokenize takes them too)
 
 
 class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
@@ -156,7 +194,8 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateOptions):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    tools: list[Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None   # tool_calls.py
+    parallel_tool_calls: bool | None = None   # false: "required" makes exactly one call
 
 
 class CompletionRequest(_Sampling):

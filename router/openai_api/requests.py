@@ -7,9 +7,9 @@ per prompt and choice, ``index`` = prompt x n + choice, as OpenAI and vLLM numbe
 What is refused here (a 400 naming the parameter): ``n`` outside [1, ``MAX_CHOICES``] (each
 choice is a generation of its own: ``fan_in.py``), more than ``MAX_GENERATIONS`` prompts x n,
 ``best_of`` > 1, chat's ``echo``,
-``suffix``, a ``logit_bias`` key that is not a token id, ``tools``, more than one structured
-output (``response_format``, vLLM's ``structured_outputs`` or its ``guided_*`` fields: each becomes
-``sampling.structured_output``), content parts that are not text, and vLLM's extensions this server
+``suffix``, a ``logit_bias`` key that is not a token id, a tool choice ``tool_calls.py`` does not serve,
+more than one structured output (``response_format``, vLLM's ``structured_outputs`` or its
+``guided_*`` fields, a tool call's schema: each becomes ``sampling.structured_output``), content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
 ``use_beam_search`` gets an error, not an answer generated without it. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
@@ -31,6 +31,7 @@ from engine.errors import InvalidRequestError
 from engine.types import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
+from router.openai_api.tool_calls import ToolPlan
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
 # Sampling fields sent only when not at SamplingParams' default, the value that turns them off
@@ -56,8 +57,8 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 # vLLM's structured output kinds, as its structured_outputs names them (its guided_* fields add the prefix).
 _GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's, and OpenAI's tool_choice): the prompt, the reply's shape
-    "echo": (False,), "chat_template": (), "documents": (), "tool_choice": ("none", "auto"),
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's): the prompt, the reply's shape
+    "echo": (False,), "chat_template": (), "documents": (),
 }
 
 
@@ -109,10 +110,14 @@ def _loc(loc: tuple) -> str:
     return out
 
 
-def chat_request(req: ChatCompletionRequest, label: str | None) -> pb.GenerateRequest:
-    _refuse(not req.tools, "tools", "tool calling is not supported")
+def chat_request(req: ChatCompletionRequest, label: str | None, tools: ToolPlan | None = None) -> pb.GenerateRequest:
+    """``tools``: the body's ``tool_calls.plan``: a call's schema becomes the structured output."""
     _refuse_extensions(req, CHAT_NOT_IMPLEMENTED)
     msg = _common(req, label)
+    if tools is not None and tools.schema is not None:
+        guides = _structured_outputs(req)
+        _refuse(not guides, "tool_choice", f"a tool call cannot be combined with {guides[0][0] if guides else ''}")
+        msg.sampling.structured_output.json = _json_text(tools.schema, "tools")
     _set_chat(msg, req.messages, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:
@@ -134,6 +139,7 @@ def tokenize_request(req: TokenizeRequest) -> pb.GenerateRequest:
     if req.prompt is not None:
         _refuse(req.add_special_tokens in (None, True), "add_special_tokens",
                 "only true is supported for a prompt (the tokenizer's own special tokens, as generation adds them)")
+        _refuse(not req.tools, "tools", "go with messages (the chat template shows them), not a prompt")
         msg.text = req.prompt
         return msg
     _refuse(req.add_special_tokens in (None, False), "add_special_tokens",
@@ -151,7 +157,19 @@ def _set_chat(msg: pb.GenerateRequest, messages: list[ChatMessage], options) -> 
         msg.chat.add_generation_prompt = options.add_generation_prompt
     msg.chat.continue_final_message = options.continue_final_message
     if options.chat_template_kwargs:
-        msg.chat.template_kwargs_json = json.dumps(options.chat_template_kwargs)
+        msg.chat.template_kwargs_json = _json_text(options.chat_template_kwargs, "chat_template_kwargs")
+    if options.tools:
+        msg.chat.tools_json = _json_text([tool.model_dump(exclude_none=True) for tool in options.tools], "tools")
+
+
+def _json_text(value, param: str) -> str:
+    """``value`` as JSON text for the proto. It parsed, but a value nested near the parser's limit
+    can be deeper still where it is written inside other structures (a tool's schema in the
+    required array's): that is the client's, a 400, not our 500."""
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise InvalidRequestError(param, "nested too deeply") from None
 
 
 def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
@@ -161,7 +179,12 @@ def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
             _refuse(part.type == "text" and part.text is not None, f"messages[{i}].content[{j}]",
                     f"only text content parts are supported, got {part.type!r}")
         content = "".join(part.text for part in content)
-    return pb.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=content or "")
+    out = pb.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=content or "",
+                         tool_call_id=m.tool_call_id or "", name=m.name or "")
+    if m.tool_calls:
+        out.tool_calls_json = _json_text([call.model_dump(exclude_none=True) for call in m.tool_calls],
+                                         f"messages[{i}].tool_calls")
+    return out
 
 
 def completion_requests(req: CompletionRequest, label: str | None) -> list[pb.GenerateRequest]:
@@ -281,7 +304,7 @@ def _structured_outputs(req) -> list[tuple[str, pb.StructuredOutput]]:
 def _guide(kind: str, value) -> pb.StructuredOutput:
     """One kind's value as the proto carries it: a schema as JSON text, choices as a list."""
     if kind == "json":
-        return pb.StructuredOutput(json=value if isinstance(value, str) else json.dumps(value))
+        return pb.StructuredOutput(json=value if isinstance(value, str) else _json_text(value, "guided_json"))
     if kind == "choice":
         return pb.StructuredOutput(choice=pb.Choices(choices=value))
     return pb.StructuredOutput(**{kind: value})
@@ -303,14 +326,17 @@ _CHAT_OPTIONS = {"chat.add_generation_prompt": "add_generation_prompt",
                  "chat.template_kwargs_json": "chat_template_kwargs"}
 
 
-def sent_as(req, *, chat: bool) -> dict[str, str]:
+def sent_as(req, *, chat: bool, tools: ToolPlan | None = None) -> dict[str, str]:
     """Field paths this body sent under a name of its choice (``param_for``'s rule would guess
-    another): chat's ``max_completion_tokens``, and the parameter of its structured output."""
+    another): chat's ``max_completion_tokens``, and the parameter of its structured output (a
+    tool call's: ``tools``, whose schemas it is made of)."""
     names = {}
     if chat and req.max_completion_tokens is not None:
         names["sampling.max_tokens"] = "max_completion_tokens"
     if guides := _structured_outputs(req):
         names["sampling.structured_output"] = guides[0][0]
+    if tools is not None and tools.schema is not None:
+        names["sampling.structured_output"] = "tools"
     return names
 
 
@@ -327,8 +353,10 @@ def param_for(field: str, *, chat: bool, sent_as: dict[str, str] | None = None) 
         return field.removeprefix("sampling.")
     if field in _CHAT_OPTIONS:
         return _CHAT_OPTIONS[field]
+    if field.startswith("chat.tools_json"):
+        return "tools" + field.removeprefix("chat.tools_json")
     if field == "chat" or field.startswith("chat."):
-        return "messages" + field.removeprefix("chat").removeprefix(".messages")
+        return "messages" + field.removeprefix("chat").removeprefix(".messages").replace(".tool_calls_json", ".tool_calls")
     if field in ("text", "token_ids"):
         return "prompt"
     if field == "prompt":

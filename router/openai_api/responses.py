@@ -3,7 +3,8 @@
 ``text_completion`` objects), with OpenAI's logprobs shapes.
 
 The first chat chunk carries ``role: assistant``; the finishing event's chunk carries the
-finish reason; with ``stream_options.include_usage`` every chunk has ``usage: null`` and one
+finish reason; a reply held to a tool call (``tool_calls.py``) is sent as ``tool_calls``, whole
+or as deltas, in place of the content; with ``stream_options.include_usage`` every chunk has ``usage: null`` and one
 last chunk with no choices carries the usage. A logprob entry's ``token`` is the token's own
 text (``token_id:<id>`` when the model has no tokenizer, vLLM's spelling); its ``bytes`` are the
 token's own bytes (``token_bytes.py``), which join into whole characters where text alone cannot. Chat: each token's
@@ -25,6 +26,7 @@ from engine.types import FinishReason, PromptLogprobs, TopLogprobs
 from router.convert import Usage
 from router.generation import GenerationEvent
 from router.openai_api.token_bytes import TokenBytes
+from router.openai_api.tool_calls import ToolCallOutput, ToolChoice, ToolPlan
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
@@ -70,6 +72,8 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     echo: str | None = None   # completions' ``echo``: the prompt's text, put before the completion's
     prompt_logprobs: bool = False   # vLLM's ``prompt_logprobs`` asked (echo asks the engine for them too)
+    tools: ToolPlan | None = None   # chat: the reply is tool calls (NAMED, REQUIRED), not text
+    _calls: ToolCallOutput | None = None   # this choice's tool calls, as its text arrives
     _echo_sent: bool = False
     _role_sent: bool = False
     _num_chars: int = 0   # characters the tokens so far complete (``text_offset``)
@@ -78,12 +82,14 @@ class ResponseFormat:
     def __post_init__(self) -> None:
         if self.logprobs and self.token_bytes is None:
             self.token_bytes = TokenBytes(self.tokenizer)
+        if self.tools is not None and self.tools.choice is not ToolChoice.NONE:
+            self._calls = ToolCallOutput(self.tools)
 
     def for_choice(self, index: int, echo: str | None) -> ResponseFormat:
         """The same response's formatter for choice ``index`` (its prompt's ``echo``): its own role,
         text and offset state."""
         return ResponseFormat(self.chat, self.response_id, self.model, self.logprobs, index, self.include_usage,
-                              self.tokenizer, self.token_bytes, self.created, echo, self.prompt_logprobs)
+                              self.tokenizer, self.token_bytes, self.created, echo, self.prompt_logprobs, self.tools)
 
     @property
     def _object(self) -> str:
@@ -97,11 +103,12 @@ class ResponseFormat:
         """The chunk for one event; None when it has nothing to tell (text held back, no logprobs)."""
         delta = event.delta
         finish = _FINISH.get(delta.finish_reason) if delta.finished else None
-        if not event.text and finish is None and not self.logprobs and self._role_sent:
+        message = self._delta_message(event.text, finish is not None) if self.chat else {"content": event.text}
+        if not any(message.values()) and finish is None and not self.logprobs and self._role_sent:
             return None
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
-            choice["delta"] = {"content": event.text} if self._role_sent else {"role": "assistant", "content": event.text}
+            choice["delta"] = message if self._role_sent else {"role": "assistant"} | message
             self._role_sent = True
             choice["logprobs"] = (self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
                                   if self.logprobs else None)
@@ -113,6 +120,13 @@ class ResponseFormat:
         if self.include_usage:
             out["usage"] = None
         return out
+
+    def _delta_message(self, text: str, finished: bool) -> dict[str, Any]:
+        """A chat chunk's ``delta`` beside the role: the text, or tool calls (``tool_calls.py``)."""
+        if self._calls is None:
+            return {"content": text}
+        calls, content = self._calls.feed(text, finished)
+        return ({"tool_calls": calls} if calls else {}) | ({"content": content} if content else {})
 
     def usage_chunk(self, usage: Usage | None) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
@@ -128,7 +142,7 @@ class ResponseFormat:
         choice: dict[str, Any] = {"index": self.index}
         prompt = events[0].delta.prompt_logprobs
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = self._message(text)
             choice["logprobs"] = self._logprobs(token_ids, lps, tops) if self.logprobs else None
         else:
             choice["text"], choice["logprobs"] = self._completion(text, prompt, token_ids, lps, tops)
@@ -137,6 +151,14 @@ class ResponseFormat:
         if self.prompt_logprobs and prompt is not None:   # vLLM's place: the chat response's, each choice's
             (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return body
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """The whole reply as a chat message: its text, or its tool calls (content "", as vLLM
+        sends it; a required array cut short keeps its unfinished text as content)."""
+        if self._calls is None:
+            return {"role": "assistant", "content": text}
+        calls, content = self._calls.calls(text)
+        return {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
 
     def _completion(self, text: str, prompt: PromptLogprobs | None, token_ids: Sequence[int],
                     logprobs: Sequence[float] | None, tops: Sequence[TopLogprobs] | None) -> tuple[str, dict | None]:

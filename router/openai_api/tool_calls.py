@@ -1,0 +1,185 @@
+"""Tool calling in the chat API, as vLLM serves it without a tool-call parser: ``tool_choice``
+``"none"``, ``"required"`` or a named function; the reply is held to the tools' JSON schema by the
+request's structured output (``engine.grammar``), so it is always a well-formed call.
+
+Life cycle: ``plan(req)`` reads a chat body's ``tools`` and ``tool_choice`` into a ``ToolPlan``
+(refusing what cannot be served, naming the parameter); ``requests.chat_request`` turns its
+``schema`` into the request's structured output and passes the tools to the chat template;
+each choice's ``ToolCallOutput`` then turns the generated text into OpenAI tool calls: whole at
+the end (``calls``), or streamed (``feed``): a named call's arguments as they come, each call of
+``"required"``'s array as soon as its object closes.
+
+- named: the reply is the function's arguments (its ``parameters`` schema; none: any object);
+- required: a JSON array of ``{"name", "parameters"}``, one item per call (``parallel_tool_calls:
+  false``: exactly one), each name one of the tools', its parameters that tool's schema (vLLM's
+  schema, with no other keys in an item, and ``$defs`` of every tool lifted to the root so
+  references resolve);
+- none: the tools go to the chat template, the reply is text;
+- auto (``tool_choice``'s default when tools are sent): refused, as vLLM refuses it without
+  ``--tool-call-parser``: telling a call from text needs the model's own call syntax.
+
+The finish reason stays the generation's (``stop``, or ``length`` when max_tokens cut the call
+short), as vLLM reports it; the text of a required array after its last whole call, when it
+was cut short, is returned as the message's content.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequestError, require
+
+_ANY_OBJECT = {"type": "object"}   # a function without parameters takes an object all the same
+
+
+class ToolChoice(enum.Enum):
+    NONE = "none"           # the tools are the template's to show; the reply is text
+    NAMED = "named"         # the reply is one call of the named function: its arguments
+    REQUIRED = "required"   # the reply is one or more calls: an array of {name, parameters}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    choice: ToolChoice
+    name: str | None = None               # NAMED: the function called
+    schema: dict[str, Any] | None = None  # the reply's JSON schema (NAMED, REQUIRED)
+
+
+def plan(req) -> ToolPlan | None:
+    """The chat body's tool use; None when no tools are in play (``tool_choice`` ``"none"`` or
+    ``"auto"`` without tools change nothing: clients that fill in defaults send them)."""
+    choice = req.tool_choice
+    if not req.tools:
+        require(choice in (None, "none", "auto") or (choice == "required" and req.tools is not None), "tool_choice",
+                "names a tool choice but the request has no tools")
+        return None
+    functions = {}
+    for i, tool in enumerate(req.tools):
+        require(tool.function.name not in functions, f"tools[{i}].function.name",
+                f"the name {tool.function.name!r} is given to two tools")
+        functions[tool.function.name] = tool.function.parameters
+    if choice is None or choice == "auto":
+        raise InvalidRequestError("tool_choice", '"auto" (the default with tools) needs a tool-call parser, which '
+                                  'this server does not have: send "required" or a named function (the reply is '
+                                  'held to the tools\' schema), or "none"')
+    if choice == "none":
+        return ToolPlan(ToolChoice.NONE)
+    if choice == "required":
+        return ToolPlan(ToolChoice.REQUIRED, schema=_required_schema(functions, req.parallel_tool_calls))
+    name = choice.function.name
+    require(name in functions, "tool_choice.function.name", f"no tool named {name!r} among the request's tools")
+    return ToolPlan(ToolChoice.NAMED, name, functions[name] or _ANY_OBJECT)
+
+
+_DEFINITIONS = ("$defs", "definitions")   # where "#/..." references point: 2020-12's name and draft 7's
+
+
+def _required_schema(functions: dict[str, dict | None], parallel: bool | None) -> dict[str, Any]:
+    """Each function's parameters nested in an array item: their definitions move to the root,
+    where their ``#/$defs/...`` (or ``#/definitions/...``) references now resolve."""
+    defs: dict[str, dict[str, Any]] = {where: {} for where in _DEFINITIONS}
+    items = []
+    for i, (name, parameters) in enumerate(functions.items()):
+        parameters = dict(parameters or _ANY_OBJECT)
+        for where in _DEFINITIONS:
+            lifted = parameters.pop(where, {})
+            require(isinstance(lifted, dict), f"tools[{i}].function.parameters.{where}", "must be an object of schemas")
+            for key, value in lifted.items():
+                require(defs[where].get(key, value) == value, "tools", f"two tools define {where}.{key} differently")
+                defs[where][key] = value
+        items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                       "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return schema | {where: found for where, found in defs.items() if found}
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(slots=True)
+class ToolCallOutput:
+    """One choice's generated text as tool calls (``plan.choice`` NAMED or REQUIRED)."""
+
+    plan: ToolPlan
+    _sent: int = 0            # streamed calls so far (NAMED: 1 once its head went out)
+    _text: str = ""           # REQUIRED: the text so far, scanned for whole calls
+    _used: int = 0            # REQUIRED: where the last whole call ended in it
+    _scan: _ArrayScan = field(default_factory=lambda: _ArrayScan())
+
+    def calls(self, text: str) -> tuple[list[dict[str, Any]], str]:
+        """The whole reply's calls (no ``index``: that is a stream's), and its text that is none
+        (a required array cut short)."""
+        deltas, content = ToolCallOutput(self.plan).feed(text, finished=True)
+        return [{key: value for key, value in delta.items() if key != "index"} for delta in deltas], content
+
+    def feed(self, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
+        """A streamed chunk's tool-call deltas for ``text``, and what to send as content: the
+        text after the last whole call of a required array that ended unfinished, so nothing
+        generated is lost."""
+        if self.plan.choice is ToolChoice.NAMED:
+            if self._sent:
+                return ([{"index": 0, "function": {"arguments": text}}] if text else []), ""
+            if not text and not finished:
+                return [], ""
+            self._sent = 1
+            return [{"index": 0} | _call(self.plan.name, text)], ""
+        start = len(self._text)
+        self._text += text
+        deltas = []
+        for begin, end in self._scan.items(self._text, start):
+            item = json.loads(self._text[begin:end])
+            deltas.append({"index": self._sent} | _call(item["name"], _arguments_text(item["parameters"])))
+            self._sent += 1
+            self._used = end
+        left = self._text[self._used:] if finished and not self._scan.closed else ""
+        return deltas, left
+
+
+def _arguments_text(parameters: Any) -> str:
+    return json.dumps(parameters, ensure_ascii=False)
+
+
+@dataclass(slots=True)
+class _ArrayScan:
+    """Finds the items of a JSON array of objects as its text grows: where each top-level object
+    begins and ends (strings and their escapes skipped). The grammar guarantees well-formed JSON."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    item_start: int = -1
+    closed: bool = False    # the array's ``]`` went by
+
+    def items(self, text: str, start: int) -> list[tuple[int, int]]:
+        found = []
+        for i in range(start, len(text)):
+            ch = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.item_start = i
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1 and ch == "}":
+                    found.append((self.item_start, i + 1))
+                elif self.depth == 0:
+                    self.closed = True
+        return found
