@@ -301,6 +301,29 @@ def test_a_grammar_still_compiling_holds_no_one_up_and_its_prompt_waits_at_its_l
     assert_no_leaks(engine)
 
 
+def test_a_request_aborted_while_its_grammar_compiles_frees_everything_and_the_compile_ends_harmlessly(
+        loaded, hf_reference, ll_tokenizer, gated_compiles):
+    """The client leaves (or its worker's request is moved) before the compile is done: the abort
+    frees its blocks at once; the compile's late end touches nothing; a request with the same grammar
+    afterwards is served exactly."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16))
+    prompt, guide = list(range(40, 80)), GUIDES["json"]
+    engine.add_request(RequestSpec("leaving", tuple(prompt), SamplingParams(max_tokens=30, structured_output=guide)))
+    for _ in range(4):
+        assert engine.step().deltas == []
+    engine.abort("leaving")   # at the next step boundary, as any running request's
+    assert [(d.req_id, d.finish_reason) for d in engine.step().deltas] == [("leaving", FinishReason.ABORT)]
+    assert_no_leaks(engine)
+    gated_compiles.set()
+    time.sleep(0.2)   # the compile ends, its callback fires with no request left
+    engine.add_request(RequestSpec("next", tuple(prompt), SamplingParams(max_tokens=30, structured_output=guide)))
+    got = []
+    while engine.has_work():
+        got += [t for d in engine.step().deltas for t in d.token_ids]
+    assert got == hf_guided(hf_reference, ll_tokenizer, prompt, guide, 30)
+    assert_no_leaks(engine)
+
+
 def test_an_engine_loop_waiting_on_a_compile_does_not_spin_and_wakes_when_it_ends(loaded, gated_compiles,
                                                                                    monkeypatch):
     """While the only request's grammar compiles, the loop waits (a step or two, not thousands); the
