@@ -21,6 +21,7 @@ from deploy import security_args
 from kvtransfer.select import TRANSPORTS
 from router import event_loop
 from router.event_loop import LoopKind
+from router.openai_api.tool_parsers import PARSERS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 logger = logging.getLogger("pdserve")
@@ -85,6 +86,11 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="the model's name in the HTTP API (/v1/models; requests must name it) and in gRPC's "
                         "ServerInfo (default: SmolLM2-135M-Instruct for the embedded model, else the "
                         "--model file's stem or directory's name)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve chat's tool_choice \"auto\" (OpenAI's default with tools): needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
+                   help="the model's tool-call syntax, found in its replies for tool_choice \"auto\": hermes "
+                        "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+ JSON calls)")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="export OpenTelemetry traces (router and workers) over OTLP/HTTP to this endpoint, "
                         "e.g. http://127.0.0.1:4318 (default: tracing off, no cost)")
@@ -169,6 +175,9 @@ def cluster_config(args: argparse.Namespace):
     from engine.config import EngineConfig, GraphMode
     from engine.tracing import TracingConfig
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:   # vLLM's rule: both or "auto" stays off
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's call syntax)")
+
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
@@ -197,6 +206,7 @@ def cluster_config(args: argparse.Namespace):
         stop_timeout_s=args.stop_timeout,
         http_port=None if args.no_http else args.http_port, http_host=args.http_host,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         tracing=TracingConfig(otlp_endpoint=args.otlp_traces_endpoint) if args.otlp_traces_endpoint else None,
         event_loop=args.event_loop,
     )

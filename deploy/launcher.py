@@ -45,6 +45,7 @@ from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router import event_loop
 from router.convert import ServerDefaults
 from router.limits import ServerLimits
+from router.openai_api.tool_parsers import PARSERS
 from router.admission import Admission
 from router.first_token_inbox import FirstTokenInbox
 from router.health import ServingHealth
@@ -97,6 +98,7 @@ class ClusterConfig:
     http_port: int | None = None         # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None         # its bind address; None: ``host``
     served_model_name: str | None = None  # the model's name (HTTP API, ServerInfo); None: its clean name (model_name)
+    tool_call_parser: str | None = None  # the model's tool-call syntax: chat's tool_choice "auto" (tool_parsers.PARSERS)
     tracing: tracing.TracingConfig | None = None  # OpenTelemetry export of router and workers; None: off (no-op)
     event_loop: str | None = None        # the router's loop (router/event_loop.py): auto, uvloop, asyncio; None: $PDSERVE_EVENT_LOOP or auto
 
@@ -123,6 +125,8 @@ class ClusterConfig:
                  f"must be >= 0, got {self.max_worker_restarts}")
         _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s", f"must be > 0, got {self.worker_start_timeout_s}")
         _require(self.stop_timeout_s >= 0, "stop_timeout_s", f"must be >= 0, got {self.stop_timeout_s}")
+        _require(self.tool_call_parser is None or self.tool_call_parser in PARSERS, "tool_call_parser",
+                 f"must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
         for name in ("ttft_s", "tpot_s"):
             target = self.defaults.get(name)
             _require(target is None or target > 0, name, f"(a default SLO target) must be > 0, got {target}")
@@ -217,7 +221,7 @@ class Cluster:
 
         cfg = self.config
         self.http = openai_server(servicer.core, self.health, model, max_model_len, cfg.http_host or cfg.host,
-                                  cfg.http_port, cfg.security)
+                                  cfg.http_port, cfg.security, tool_call_parser=cfg.tool_call_parser)
         self.http_port = await self.http.start()
 
     def _on_worker_stats(self, worker: WorkerHandle) -> None:

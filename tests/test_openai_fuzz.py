@@ -41,9 +41,10 @@ PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 @pytest.fixture(scope="module")
 def http_cluster(ray_session, tiny_model_dir):
-    # Workers with a real tokenizer: structured outputs run their grammars.
+    # Workers with a real tokenizer: structured outputs run their grammars; tool_choice "auto"'s
+    # replies go through the hermes parser.
     cluster = start_cluster("disaggregated", model=str(tiny_model_dir), http_port=0, served_model_name=SERVED_NAME,
-                            defaults={"max_tokens": 6})
+                            defaults={"max_tokens": 6}, tool_call_parser="hermes")
     cluster.cluster.servicer.tokenizer = ExactTokenizer()
     print(f"\nfuzz seed {FUZZ_SEED} (replay: PDSERVE_FUZZ_SEED={FUZZ_SEED})")
     yield cluster
@@ -138,7 +139,8 @@ def valid_bodies(draw) -> tuple[str, bytes]:
             body["tools"] = [{"type": "function", "function": {"name": name, "parameters": draw(st.sampled_from(
                 [{"type": "object", "properties": {"x": {"type": "integer"}}}, {"type": "object"}]))}}
                 for name in ("f", "g")]
-            body["tool_choice"] = draw(st.sampled_from(["none", "required", {"type": "function", "function": {"name": "g"}}]))
+            body["tool_choice"] = draw(st.sampled_from(["none", "required", "auto", {"type": "function",
+                                                                                     "function": {"name": "g"}}]))
             return path, json.dumps(body).encode()   # a call's schema is its structured output
     if draw(st.booleans()):
         body["n"] = draw(st.integers(1, 3))

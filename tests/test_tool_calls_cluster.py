@@ -48,7 +48,8 @@ SAMPLE = {"temperature": 0, "logit_bias": {str(t): b for t, b in NO_BLANKS.items
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_model_dir):
     limits = ServerLimits(max_concurrent_streams=MAX_STREAMS)
-    cluster = start_cluster("disaggregated", model=str(tiny_model_dir), http_port=0, defaults={"limits": limits})
+    cluster = start_cluster("disaggregated", model=str(tiny_model_dir), http_port=0, defaults={"limits": limits},
+                            tool_call_parser="hermes")
     yield cluster
     cluster.stop()
 
@@ -136,6 +137,34 @@ def test_an_earlier_call_and_its_answer_reach_the_template(cluster, model):
     assert cluster_leaks(cluster) == {}
 
 
+def test_auto_finds_the_models_own_calls_in_hfs_text(cluster, model, hf_reference, ll_tokenizer):
+    """tool_choice "auto" with the hermes parser: the reply is free text (here steered into hermes'
+    syntax by a regex, so the random model writes a call), whole and streamed: the calls the text
+    holds, the text before them as content, finish reason tool_calls; a reply without a call is
+    content, finish reason stop."""
+    prompt = prompt_ids(USER, TOOLS)
+    steer = r'Ok\. <tool_call>\{"name": "city", "arguments": \{"name": "(Paris|Rome)", "days": [0-9]\}\}</tool_call>'
+    for regex, want_calls in [(steer, 1), ("[a-z]{5,9}", 0)]:
+        tokens = hf_guided(hf_reference, ll_tokenizer, prompt, StructuredOutput(GuideKind.REGEX, regex), 90,
+                           sequence_bias={(t,): b for t, b in NO_BLANKS.items()})
+        text = byte_level_tokenizer().decode([t for t in tokens if t != EOS])
+        body = {"messages": USER, "tools": TOOLS, "extra_body": {"guided_regex": regex}}
+        whole = http(cluster).chat.completions.create(model=model, max_tokens=90, **SAMPLE, **body)
+        message, finish = whole.choices[0].message, whole.choices[0].finish_reason
+        if want_calls:
+            call = message.tool_calls[0].function
+            arguments = json.loads(call.arguments)
+            assert call.name == "city" and text.endswith(f'"arguments": {json.dumps(arguments)}}}</tool_call>')
+            assert message.content == "Ok. " and finish == "tool_calls"
+        else:
+            assert message.tool_calls is None and message.content == text and finish == "stop"
+        calls, content, streamed_finish = streamed_calls(http(cluster).chat.completions.create(
+            model=model, max_tokens=90, stream=True, **SAMPLE, **body))
+        assert ([{"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []],
+                message.content, finish) == (calls, content, streamed_finish)
+    assert cluster_leaks(cluster) == {}
+
+
 def test_a_named_calls_stream_survives_its_decode_workers_death(cluster, model, hf_reference, ll_tokenizer):
     """A long call (a 40-50 letter argument) streaming when its decode worker is SIGKILLed: it
     resumes on the replacement inside its schema, and the client's arguments are HF's."""
@@ -174,8 +203,6 @@ def test_a_client_leaving_a_tool_call_stream_frees_it(cluster, model):
 
 
 @pytest.mark.parametrize("extra, param, says", [
-    ({"tools": TOOLS}, "tool_choice", "auto"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call parser"),
     ({"tools": TOOLS, "tool_choice": named("weather")}, "tool_choice.function.name", "'weather'"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],

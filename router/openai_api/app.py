@@ -67,6 +67,7 @@ class ApiConfig:
     model: str                       # the served model's name: /v1/models lists it, requests must name it
     max_model_len: int
     auth_token: str | None = None
+    tool_call_parser: str | None = None   # the model's tool-call syntax (tool_parsers.py): tool_choice "auto"
 
 
 def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) -> FastAPI:
@@ -137,7 +138,7 @@ class _Api:
 
     async def chat(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, ChatCompletionRequest)
-        tools = self._checked(tool_calls.plan, req)
+        tools = self._checked(tool_calls.plan, req, self.config.tool_call_parser)
         msg = self._checked(chat_request, req, label, tools)
         return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools)
 

@@ -102,8 +102,8 @@ class ResponseFormat:
     def chunk(self, event: GenerationEvent) -> dict | None:
         """The chunk for one event; None when it has nothing to tell (text held back, no logprobs)."""
         delta = event.delta
-        finish = _FINISH.get(delta.finish_reason) if delta.finished else None
-        message = self._delta_message(event.text, finish is not None) if self.chat else {"content": event.text}
+        message = self._delta_message(event.text, delta.finished) if self.chat else {"content": event.text}
+        finish = self._finish(delta.finish_reason) if delta.finished else None
         if not any(message.values()) and finish is None and not self.logprobs and self._role_sent:
             return None
         choice: dict[str, Any] = {"index": self.index}
@@ -128,6 +128,11 @@ class ResponseFormat:
         calls, content = self._calls.feed(text, finished)
         return ({"tool_calls": calls} if calls else {}) | ({"content": content} if content else {})
 
+    def _finish(self, reason: FinishReason | None) -> str | None:
+        """OpenAI's finish reason; ``tool_calls`` where "auto" found calls (vLLM's rule)."""
+        called = self._calls is not None and self._calls.called
+        return "tool_calls" if called and reason in (FinishReason.STOP, FinishReason.LENGTH) else _FINISH.get(reason)
+
     def usage_chunk(self, usage: Usage | None) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [], "usage": usage_json(usage)}
@@ -146,7 +151,7 @@ class ResponseFormat:
             choice["logprobs"] = self._logprobs(token_ids, lps, tops) if self.logprobs else None
         else:
             choice["text"], choice["logprobs"] = self._completion(text, prompt, token_ids, lps, tops)
-        choice["finish_reason"] = _FINISH.get(last.delta.finish_reason)
+        choice["finish_reason"] = self._finish(last.delta.finish_reason)
         body = self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
         if self.prompt_logprobs and prompt is not None:   # vLLM's place: the chat response's, each choice's
             (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)

@@ -74,14 +74,15 @@ class _HeadDeadlineProtocol(H11Protocol):
 
 
 def openai_server(core, health, model: str, max_model_len: int, host: str, port: int,
-                  security: ServerSecurity | None = None) -> HttpServer:
+                  security: ServerSecurity | None = None, tool_call_parser: str | None = None) -> HttpServer:
     """The OpenAI-compatible API over ``core`` (the gRPC servicer's own request path: limits,
     identity, admission, metrics) under the router's ``security``: its certificate (TLS), client
-    CA (mTLS) and bearer token, all as on the gRPC port. Start it with ``start()``."""
+    CA (mTLS) and bearer token, all as on the gRPC port; ``tool_call_parser``: the model's call
+    syntax, for chat's tool_choice "auto". Start it with ``start()``."""
     from router.openai_api.app import ApiConfig, build_app
 
     security = security or ServerSecurity()
-    app = build_app(core, health, ApiConfig(model, max_model_len, security.auth_token))
+    app = build_app(core, health, ApiConfig(model, max_model_len, security.auth_token, tool_call_parser))
     return HttpServer(app, host, port, security, head_timeout_s=core.limits.http_receive_timeout_s)
 
 

@@ -1,6 +1,7 @@
-"""Tool calling in the chat API, as vLLM serves it without a tool-call parser: ``tool_choice``
-``"none"``, ``"required"`` or a named function; the reply is held to the tools' JSON schema by the
-request's structured output (``engine.grammar``), so it is always a well-formed call.
+"""Tool calling in the chat API, as vLLM serves it: ``tool_choice`` ``"none"``, ``"required"`` or a
+named function, the reply held to the tools' JSON schema by the request's structured output
+(``engine.grammar``), so it is always a well-formed call; and ``"auto"`` where the server knows
+the model's own call syntax.
 
 Life cycle: ``plan(req)`` reads a chat body's ``tools`` and ``tool_choice`` into a ``ToolPlan``
 (refusing what cannot be served, naming the parameter); ``requests.chat_request`` turns its
@@ -15,11 +16,13 @@ the end (``calls``), or streamed (``feed``): a named call's arguments as they co
   schema, with no other keys in an item, and ``$defs`` of every tool lifted to the root so
   references resolve);
 - none: the tools go to the chat template, the reply is text;
-- auto (``tool_choice``'s default when tools are sent): refused, as vLLM refuses it without
-  ``--tool-call-parser``: telling a call from text needs the model's own call syntax.
+- auto (``tool_choice``'s default when tools are sent): with ``--tool-call-parser`` (vLLM's
+  flags), the reply is free text and the parser finds the model's own calls in it
+  (``tool_parsers.py``; the finish reason is then ``tool_calls``, as vLLM reports it); without
+  one, refused, as vLLM refuses it: telling a call from text needs the model's call syntax.
 
-The finish reason stays the generation's (``stop``, or ``length`` when max_tokens cut the call
-short), as vLLM reports it; the text of a required array after its last whole call, when it
+Otherwise the finish reason stays the generation's (``stop``, or ``length`` when max_tokens cut
+the call short), as vLLM reports it; the text of a required array after its last whole call, when it
 was cut short, is returned as the message's content.
 """
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError, require
+from router.openai_api.tool_parsers import PARSERS
 
 _ANY_OBJECT = {"type": "object"}   # a function without parameters takes an object all the same
 
@@ -40,6 +44,7 @@ class ToolChoice(enum.Enum):
     NONE = "none"           # the tools are the template's to show; the reply is text
     NAMED = "named"         # the reply is one call of the named function: its arguments
     REQUIRED = "required"   # the reply is one or more calls: an array of {name, parameters}
+    AUTO = "auto"           # the reply is text, in which the model's own call syntax is found
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +52,13 @@ class ToolPlan:
     choice: ToolChoice
     name: str | None = None               # NAMED: the function called
     schema: dict[str, Any] | None = None  # the reply's JSON schema (NAMED, REQUIRED)
+    parser: str | None = None             # AUTO: the model's call syntax (``tool_parsers.PARSERS``)
 
 
-def plan(req) -> ToolPlan | None:
+def plan(req, parser: str | None = None) -> ToolPlan | None:
     """The chat body's tool use; None when no tools are in play (``tool_choice`` ``"none"`` or
-    ``"auto"`` without tools change nothing: clients that fill in defaults send them)."""
+    ``"auto"`` without tools change nothing: clients that fill in defaults send them).
+    ``parser``: the server's ``--tool-call-parser``, without which "auto" is refused."""
     choice = req.tool_choice
     if not req.tools:
         require(choice in (None, "none", "auto") or (choice == "required" and req.tools is not None), "tool_choice",
@@ -62,10 +69,13 @@ def plan(req) -> ToolPlan | None:
         require(tool.function.name not in functions, f"tools[{i}].function.name",
                 f"the name {tool.function.name!r} is given to two tools")
         functions[tool.function.name] = tool.function.parameters
+    if (choice is None or choice == "auto") and parser is not None:
+        return ToolPlan(ToolChoice.AUTO, parser=parser)
     if choice is None or choice == "auto":
         raise InvalidRequestError("tool_choice", '"auto" (the default with tools) needs a tool-call parser, which '
-                                  'this server does not have: send "required" or a named function (the reply is '
-                                  'held to the tools\' schema), or "none"')
+                                  'this server was started without (--enable-auto-tool-choice --tool-call-parser): '
+                                  'send "required" or a named function (the reply is held to the tools\' schema), '
+                                  'or "none"')
     if choice == "none":
         return ToolPlan(ToolChoice.NONE)
     if choice == "required":
@@ -110,21 +120,33 @@ class ToolCallOutput:
     """One choice's generated text as tool calls (``plan.choice`` NAMED or REQUIRED)."""
 
     plan: ToolPlan
+    called: bool = False      # AUTO: the model made a call (the finish reason is then "tool_calls")
     _sent: int = 0            # streamed calls so far (NAMED: 1 once its head went out)
     _text: str = ""           # REQUIRED: the text so far, scanned for whole calls
     _used: int = 0            # REQUIRED: where the last whole call ended in it
     _scan: _ArrayScan = field(default_factory=lambda: _ArrayScan())
+    _parser: Any = None       # AUTO: ``tool_parsers.PARSERS[plan.parser]()``
+
+    def __post_init__(self) -> None:
+        if self.plan.choice is ToolChoice.AUTO:
+            self._parser = PARSERS[self.plan.parser]()
 
     def calls(self, text: str) -> tuple[list[dict[str, Any]], str]:
         """The whole reply's calls (no ``index``: that is a stream's), and its text that is none
-        (a required array cut short)."""
-        deltas, content = ToolCallOutput(self.plan).feed(text, finished=True)
+        (a required array cut short; AUTO: the text around the calls). Once, on a fresh output."""
+        deltas, content = self.feed(text, finished=True)
         return [{key: value for key, value in delta.items() if key != "index"} for delta in deltas], content
 
     def feed(self, text: str, finished: bool) -> tuple[list[dict[str, Any]], str]:
         """A streamed chunk's tool-call deltas for ``text``, and what to send as content: the
         text after the last whole call of a required array that ended unfinished, so nothing
         generated is lost."""
+        if self.plan.choice is ToolChoice.AUTO:
+            calls, content = self._parser.feed(text, finished)
+            deltas = [{"index": self._sent + i} | _call(c.name, c.arguments) for i, c in enumerate(calls)]
+            self._sent += len(calls)
+            self.called = self.called or bool(calls)
+            return deltas, content
         if self.plan.choice is ToolChoice.NAMED:
             if self._sent:
                 return ([{"index": 0, "function": {"arguments": text}}] if text else []), ""

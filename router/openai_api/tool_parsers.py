@@ -1,0 +1,153 @@
+"""Tool-call syntaxes of the models that emit their own calls, for ``tool_choice: "auto"`` (vLLM's
+``--tool-call-parser``): the reply is free text, and these find the calls in it.
+
+Life cycle: one parser per choice of a reply (``tool_calls.ToolCallOutput`` makes it), fed the
+reply's text as it arrives (``feed``): each call is returned once it is complete, and the text
+around the calls as content, held back only while it could still be the start of a call. The
+whole reply is the same feed, finished at once, so a stream and a body always agree.
+
+- ``hermes`` (Hermes 2 Pro and later, Qwen 2.5 / 3, and the many templates that copied them):
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, text before them;
+- ``llama3_json`` (Llama 3.1+ JSON tool calling): the reply is ``{"name": ..., "parameters":
+  {...}}`` (``arguments`` taken too), optionally after ``<|python_tag|>``, several separated by
+  ``;``; a reply that does not begin so is text.
+
+A call that does not parse (bad JSON, no name) is left in the content as the model wrote it,
+so nothing generated is lost; text after the first call is dropped, as vLLM drops it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    name: str
+    arguments: str   # a JSON object's text
+
+
+def _parsed(obj: object) -> ParsedCall | None:
+    """``{"name", "arguments" | "parameters"}`` as a call; None when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):   # some models write the object's text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag`` (kept until the next feed)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass(slots=True)
+class HermesParser:
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    _pending: str = ""
+    _inside: bool = False
+    _called: bool = False   # a call went out: later text outside calls is dropped
+
+    def feed(self, text: str, finished: bool) -> tuple[list[ParsedCall], str]:
+        self._pending += text
+        calls, content = [], ""
+        while True:
+            if self._inside:
+                end = self._pending.find(self.CLOSE)
+                if end < 0 and not finished:
+                    break
+                body = self._pending if end < 0 else self._pending[:end]
+                self._pending = "" if end < 0 else self._pending[end + len(self.CLOSE):]
+                self._inside = False
+                call = _json_call(body)
+                if call is None:
+                    content += self._outside(self.OPEN + body + ("" if end < 0 else self.CLOSE))
+                else:
+                    calls.append(call)
+                    self._called = True
+                continue
+            start = self._pending.find(self.OPEN)
+            if start >= 0:
+                content += self._outside(self._pending[:start])
+                self._pending, self._inside = self._pending[start + len(self.OPEN):], True
+                continue
+            keep = 0 if finished else _held_back(self._pending, self.OPEN)
+            content += self._outside(self._pending[:len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+            break
+        return calls, content
+
+    def _outside(self, text: str) -> str:
+        return "" if self._called else text
+
+
+def _json_call(body: str) -> ParsedCall | None:
+    try:
+        return _parsed(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+
+
+@dataclass(slots=True)
+class Llama3JsonParser:
+    TAG = "<|python_tag|>"
+
+    _pending: str = ""
+    _mode: str = "undecided"   # "undecided" (only blanks so far), "calls", "text"
+
+    def feed(self, text: str, finished: bool) -> tuple[list[ParsedCall], str]:
+        self._pending += text
+        if self._mode == "undecided":
+            head = self._pending.lstrip()
+            if head.startswith(self.TAG) or head.startswith("{"):
+                self._mode, self._pending = "calls", head.removeprefix(self.TAG)
+            elif head and not self.TAG.startswith(head):
+                self._mode = "text"
+            elif not finished:
+                return [], ""
+            else:
+                self._mode = "text"
+        if self._mode == "text":
+            content, self._pending = self._pending, ""
+            return [], content
+        return self._calls(finished)
+
+    def _calls(self, finished: bool) -> tuple[list[ParsedCall], str]:
+        """Each whole ``{...}`` at the front of the pending text, separators skipped."""
+        calls = []
+        decoder = json.JSONDecoder()
+        while True:
+            rest = self._pending.lstrip().lstrip(";").lstrip()
+            if not rest:
+                self._pending = ""
+                break
+            try:
+                obj, end = decoder.raw_decode(rest)
+            except (ValueError, RecursionError):
+                if finished:   # what never became a call stays as the model wrote it
+                    self._pending = ""
+                    return calls, rest
+                self._pending = rest
+                break
+            call = _parsed(obj)
+            if call is None:
+                self._pending = ""
+                return calls, rest
+            calls.append(call)
+            self._pending = rest[end:]
+        return calls, ""
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
