@@ -6,10 +6,10 @@ A completions ``prompt`` may be a batch (a list of texts or of token-id lists): 
 per prompt and choice, ``index`` = prompt x n + choice, as OpenAI and vLLM number them.
 What is refused here (a 400 naming the parameter): ``n`` outside [1, ``MAX_CHOICES``] (each
 choice is a generation of its own: ``fan_in.py``), more than ``MAX_GENERATIONS`` prompts x n,
-``best_of`` > 1, chat's ``echo``,
-``suffix``, a ``logit_bias`` key that is not a token id, a tool choice ``tool_calls.py`` does not serve,
-more than one structured output (``response_format``, vLLM's ``structured_outputs`` or its
-``guided_*`` fields, a tool call's schema: each becomes ``sampling.structured_output``), content parts that are not text, and vLLM's extensions this server
+``best_of`` > 1, chat's ``echo``, ``suffix``, a ``logit_bias`` key that is not a token id, a tool
+choice ``tool_calls.py`` does not serve, more than one structured output (``response_format``,
+vLLM's ``structured_outputs`` or its ``guided_*`` fields, a tool call's schema: each becomes
+``sampling.structured_output``), content parts that are not text, and vLLM's extensions this server
 does not implement (``NOT_IMPLEMENTED``) unless sent as their no-op value: a vLLM client's
 ``use_beam_search`` gets an error, not an answer generated without it. The ``developer`` role (OpenAI's
 newer name for ``system``) is sent as ``system``: the chat templates know that one. Logprobs as
