@@ -42,7 +42,8 @@ class ServerLimits:
     max_stop_strings: int = _limit(16, "stop strings per request")
     max_stop_string_chars: int = _limit(256, "characters per stop string")
     max_stop_token_ids: int = _limit(64, "stop token ids per request")
-    max_prompt_bytes: int = _limit(MIB, "UTF-8 bytes of a text or chat prompt, checked before tokenizing")
+    max_prompt_bytes: int = _limit(MIB, "UTF-8 bytes of a text or chat prompt (a chat's messages, tools and "
+                                        "template variables), checked before tokenizing")
     max_chat_messages: int = _limit(512, "messages per chat prompt")
     max_structured_output_chars: int = _limit(
         65_536, "characters of a structured output's JSON schema, regex, grammar or choices (all together)")
@@ -98,10 +99,19 @@ def check_request(request: pb.GenerateRequest, limits: ServerLimits) -> None:
     elif kind == "chat":
         n = len(request.chat.messages)
         require(n <= limits.max_chat_messages, "chat.messages", f"{n} messages; at most {limits.max_chat_messages}")
-        size = sum(len(m.content.encode("utf-8")) for m in request.chat.messages)   # roles are a fixed set
-        _check_bytes("chat", size, limits)
+        _check_bytes("chat", _chat_bytes(request.chat), limits)
     _check_stops(request.sampling, limits)
     _check_structured_output(request.sampling.structured_output, limits)
+
+
+def _chat_bytes(chat: pb.ChatMessages) -> int:
+    """What the chat template renders into the prompt: every message's text fields (roles are a
+    fixed set), the tools and the template's variables."""
+    def utf8(text: str) -> int:
+        return len(text.encode("utf-8"))
+
+    size = sum(utf8(m.content) + utf8(m.tool_calls_json) + utf8(m.tool_call_id) + utf8(m.name) for m in chat.messages)
+    return size + utf8(chat.tools_json) + utf8(chat.template_kwargs_json)
 
 
 def _check_structured_output(guide: pb.StructuredOutput, limits: ServerLimits) -> None:

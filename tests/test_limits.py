@@ -48,6 +48,7 @@ def _status(cluster, **kwargs) -> grpc.StatusCode | None:
             return exc.code()
 
 
+_TOOLS = [{"type": "function", "function": {"name": "f"}}]
 AT_AND_PAST = [
     # (limit, request at the limit, request just past it, field named)
     ("max_stop_strings", dict(stop=["a", "b", "c"]), dict(stop=["a", "b", "c", "d"]), "sampling.stop"),
@@ -61,6 +62,9 @@ AT_AND_PAST = [
     ("max_prompt_bytes", dict(text="é" * 100), dict(text="é" * 100 + "a"), "text"),
     ("max_prompt_bytes (chat)", dict(chat=[("user", "x" * 150), ("assistant", "y" * 50)]),
      dict(chat=[("user", "x" * 150), ("assistant", "y" * 51)]), "chat"),
+    # a chat's tools count too (the template renders them into the prompt)
+    ("max_prompt_bytes (chat with tools)", dict(chat=[("user", "x" * (200 - len(json.dumps(_TOOLS))))], tools=_TOOLS),
+     dict(chat=[("user", "x" * (201 - len(json.dumps(_TOOLS))))], tools=_TOOLS), "chat"),
     ("max_chat_messages", dict(chat=[("user", "a"), ("assistant", "b")] * 2),
      dict(chat=[("user", "a"), ("assistant", "b")] * 2 + [("user", "c")]), "chat.messages"),
 ]
