@@ -187,6 +187,34 @@ def test_a_named_calls_stream_survives_its_decode_workers_death(cluster, model, 
     assert wait_for(lambda: cluster_leaks(cluster) == {})
 
 
+def test_auto_calls_in_a_stream_across_its_decode_workers_death_are_hfs(cluster, model, hf_reference, ll_tokenizer):
+    """tool_choice "auto": content streams, then the decode worker is SIGKILLed before the call is
+    written; the request resumes on the replacement, and the client's content and call are what the
+    whole of HF's text holds (the parser sees one unbroken text)."""
+    from tests.test_failures import _kill, _wait_ready
+
+    regex = r'Ok [a-z]{30,40}\. <tool_call>\{"name": "note", "arguments": \{"text": "[a-z]{40}"\}\}</tool_call>'
+    tokens = hf_guided(hf_reference, ll_tokenizer, prompt_ids(USER, TOOLS), StructuredOutput(GuideKind.REGEX, regex),
+                       200, sequence_bias={(t,): b for t, b in NO_BLANKS.items()})
+    text = byte_level_tokenizer().decode([t for t in tokens if t != EOS])
+    want = ToolCallOutput(plan(parse(ChatCompletionRequest, {"messages": USER, "tools": TOOLS}), "hermes")).calls(text)
+    decode = cluster.cluster.registry.get("decode-0")
+    restarts = decode.restarts
+    calls, content, killed = [], "", False
+    for chunk in http(cluster).chat.completions.create(model=model, messages=USER, tools=TOOLS, max_tokens=200,
+                                                       stream=True, extra_body={"guided_regex": regex}, **SAMPLE):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += [{"name": c.function.name, "arguments": c.function.arguments} for c in delta.tool_calls or []]
+        if not killed and len(content) > 5:
+            _kill(decode.pid)
+            killed = True
+    assert killed and calls == [c["function"] for c in want[0]] and len(calls) == 1
+    assert content == want[1] and content.startswith("Ok ") and text.endswith("</tool_call>")
+    _wait_ready(cluster, "decode-0", restarts + 1)
+    assert wait_for(lambda: cluster_leaks(cluster) == {})
+
+
 def test_a_client_leaving_a_tool_call_stream_frees_it(cluster, model):
     base = f"http://127.0.0.1:{cluster.cluster.http_port}/v1"
     body = {"model": model, "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300,
