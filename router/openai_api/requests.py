@@ -57,8 +57,8 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 # vLLM's structured output kinds, as its structured_outputs names them (its guided_* fields add the prefix).
 _GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's): the prompt, the reply's shape
-    "echo": (False,), "chat_template": (), "documents": (),
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's; OpenAI's deprecated functions: send tools)
+    "echo": (False,), "chat_template": (), "documents": (), "functions": ([],), "function_call": ("none", "auto"),
 }
 
 
