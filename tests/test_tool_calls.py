@@ -86,12 +86,15 @@ def test_refused_choices_name_the_parameter(extra, field, words):
     assert got_field == field and words in message
 
 
-def test_openais_deprecated_functions_are_refused_by_name_not_ignored():
-    """``functions`` / ``function_call`` (before tools): refused naming them, unless sent as no-ops."""
-    for extra, param in [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call")]:
+def test_openais_deprecated_functions_and_audio_are_refused_by_name_not_ignored():
+    """``functions`` / ``function_call`` (before tools), audio output: refused naming them, unless
+    sent as no-ops."""
+    for extra, param in [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
+                         ({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "x"}}, "audio")]:
         req = parse(ChatCompletionRequest, {"messages": USER} | extra)
         assert refused(chat_request, req, None, None)[0] == param
-    no_ops = parse(ChatCompletionRequest, {"messages": USER, "functions": [], "function_call": "none"})
+    no_ops = parse(ChatCompletionRequest, {"messages": USER, "functions": [], "function_call": "none",
+                                           "modalities": ["text"]})
     assert chat_request(no_ops, None, None) == chat_request(parse(ChatCompletionRequest, {"messages": USER}), None, None)
 
 

@@ -57,8 +57,9 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 }
 # vLLM's structured output kinds, as its structured_outputs names them (its guided_* fields add the prefix).
 _GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's; OpenAI's deprecated functions: send tools)
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's; OpenAI's deprecated functions: send tools; audio)
     "echo": (False,), "chat_template": (), "documents": (), "functions": ([],), "function_call": ("none", "auto"),
+    "modalities": (["text"],), "audio": (),
 }
 
 
