@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError, require
-from router.openai_api.tool_parsers import PARSERS
+from router.openai_api.tool_parsers import PARSERS, ObjectScan
 
 _ANY_OBJECT = {"type": "object"}   # a function without parameters takes an object all the same
 
@@ -124,7 +124,7 @@ class ToolCallOutput:
     _sent: int = 0            # streamed calls so far (NAMED: 1 once its head went out)
     _text: str = ""           # REQUIRED: the text so far, scanned for whole calls
     _used: int = 0            # REQUIRED: where the last whole call ended in it
-    _scan: _ArrayScan = field(default_factory=lambda: _ArrayScan())
+    _scan: ObjectScan = field(default_factory=lambda: ObjectScan(depth=1))   # REQUIRED: the array's items
     _parser: Any = None       # AUTO: ``tool_parsers.PARSERS[plan.parser]()``
 
     def __post_init__(self) -> None:
@@ -168,40 +168,3 @@ class ToolCallOutput:
 
 def _arguments_text(parameters: Any) -> str:
     return json.dumps(parameters, ensure_ascii=False)
-
-
-@dataclass(slots=True)
-class _ArrayScan:
-    """Finds the items of a JSON array of objects as its text grows: where each top-level object
-    begins and ends (strings and their escapes skipped). The grammar guarantees well-formed JSON."""
-
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-    item_start: int = -1
-    closed: bool = False    # the array's ``]`` went by
-
-    def items(self, text: str, start: int) -> list[tuple[int, int]]:
-        found = []
-        for i in range(start, len(text)):
-            ch = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-                if self.depth == 2:
-                    self.item_start = i
-            elif ch in "]}":
-                self.depth -= 1
-                if self.depth == 1 and ch == "}":
-                    found.append((self.item_start, i + 1))
-                elif self.depth == 0:
-                    self.closed = True
-        return found

@@ -19,7 +19,7 @@ so nothing generated is lost; text after the first call is dropped, as vLLM drop
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +101,59 @@ def _json_call(body: str) -> ParsedCall | None:
 
 
 @dataclass(slots=True)
+class ObjectScan:
+    """Finds JSON objects at ``depth`` (0: top-level values, 1: an array's items) as a text grows:
+    where each begins and ends, strings and their escapes skipped; each character is read once,
+    so a long reply fed token by token costs linear time. ``closed``: the enclosing value ended."""
+
+    depth: int = 0
+    _level: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+    _start: int = -1
+    closed: bool = False
+
+    def items(self, text: str, start: int) -> list[tuple[int, int]]:
+        """The objects that ``text[start:]`` completes, as (begin, end) offsets into ``text``."""
+        found = []
+        for i in range(start, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                if self._level == self.depth and ch == "{":
+                    self._start = i
+                self._level += 1
+            elif ch in "]}":
+                self._level -= 1
+                if self._level == self.depth and ch == "}" and self._start >= 0:
+                    found.append((self._start, i + 1))
+                    self._start = -1
+                elif self._level < self.depth:
+                    self.closed = True
+        return found
+
+    def rebase(self, cut: int) -> None:
+        """The text's first ``cut`` characters were dropped: an object begun keeps its place."""
+        if self._start >= 0:
+            self._start -= cut
+
+
+@dataclass(slots=True)
 class Llama3JsonParser:
     TAG = "<|python_tag|>"
 
     _pending: str = ""
     _mode: str = "undecided"   # "undecided" (only blanks so far), "calls", "text"
+    _scan: ObjectScan = field(default_factory=ObjectScan)   # "calls": the pending text's whole objects
+    _scanned: int = 0          # "calls": how much of the pending text the scan has read
 
     def feed(self, text: str, finished: bool) -> tuple[list[ParsedCall], str]:
         self._pending += text
@@ -125,28 +173,22 @@ class Llama3JsonParser:
         return self._calls(finished)
 
     def _calls(self, finished: bool) -> tuple[list[ParsedCall], str]:
-        """Each whole ``{...}`` at the front of the pending text, separators skipped."""
-        calls = []
-        decoder = json.JSONDecoder()
-        while True:
-            rest = self._pending.lstrip().lstrip(";").lstrip()
-            if not rest:
-                self._pending = ""
-                break
-            try:
-                obj, end = decoder.raw_decode(rest)
-            except (ValueError, RecursionError):
-                if finished:   # what never became a call stays as the model wrote it
-                    self._pending = ""
-                    return calls, rest
-                self._pending = rest
-                break
-            call = _parsed(obj)
-            if call is None:
-                self._pending = ""
-                return calls, rest
+        """Each whole ``{...}`` of the pending text as a call (the scan finds where each ends;
+        only then is it decoded), separators between them skipped."""
+        calls, used = [], 0
+        for begin, end in self._scan.items(self._pending, self._scanned):
+            between = self._pending[used:begin]
+            call = _json_call(self._pending[begin:end]) if not between.strip(" \t\n;") else None
+            if call is None:   # text, or an object that is no call: the rest stays as written
+                self._mode, content, self._pending = "text", self._pending[used:], ""
+                return calls, content
             calls.append(call)
-            self._pending = rest[end:]
+            used = end
+        self._pending, self._scanned = self._pending[used:], len(self._pending) - used
+        self._scan.rebase(used)
+        if finished and self._pending.strip(" \t\n;"):   # what never became a call stays as the model wrote it
+            content, self._pending = self._pending, ""
+            return calls, content
         return calls, ""
 
 
