@@ -27,8 +27,7 @@ import llguidance
 import numpy as np
 import torch
 
-from benchmarks.interleaved import interleaved_medians
-from benchmarks.results_file import write_run
+from benchmarks.interleaved import interleaved_medians, report
 from engine import logit_adjust
 from engine.grammar import Grammars, grammar_of
 from engine.model_loader import load_model
@@ -106,11 +105,7 @@ def main() -> None:
         batched, per_request = measure(logits, reqs, peers, args.calls)
         lines.append(f"{rows:4d} {batched * 1e3:11.2f} {per_request * 1e3:15.2f} {per_request / batched:5.2f}x "
                      f"{batched / rows * 1e3:19.3f}")
-    lines += ["", "For scale: SmolLM2's decode step at batch 64 is ~140-160 ms on 2 threads and at batch 1 ~30 ms on 1",
-              "(results/engine_w64.txt, results/decode_step.txt); only guided requests pay it."]
-    text = "\n".join(lines)
-    print(text)
-    write_run(args.out, text)
+    report(lines, "guided requests", args.out)
 
 
 if __name__ == "__main__":

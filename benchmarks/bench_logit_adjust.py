@@ -28,8 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.interleaved import interleaved_medians  # noqa: E402
-from benchmarks.results_file import write_run  # noqa: E402
+from benchmarks.interleaved import interleaved_medians, report  # noqa: E402
 from engine import logit_adjust  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.types import RequestSpec, SamplingParams  # noqa: E402
@@ -82,11 +81,7 @@ def main() -> None:
             logits = torch.randn(rows, args.vocab, generator=torch.Generator().manual_seed(rows))
             batched, by_row = measure(logits, requests(rows, args.vocab, prompt, output, params), args.calls)
             lines.append(f"{kind:24s} {rows:4d} {batched * 1e3:11.2f} {by_row * 1e3:14.2f} {by_row / batched:5.2f}x")
-    lines += ["", "For scale: SmolLM2's decode step at batch 64 is ~140-160 ms on 2 threads and at batch 1 ~30 ms on 1",
-              "(results/engine_w64.txt, results/decode_step.txt); only requests that ask for an adjustment pay it."]
-    text = "\n".join(lines)
-    print(text)
-    write_run(args.out, text)
+    report(lines, "requests that ask for an adjustment", args.out)
 
 
 if __name__ == "__main__":

@@ -98,9 +98,8 @@ class GrammarMatcher:
     llguidance matcher is compiled on ``Grammars``' thread: ``ready`` says whether it is there
     (the scheduler samples no request before: it computes the prompt but its last token)."""
 
-    def __init__(self, compiled: Future[llguidance.LLMatcher], vocab_size: int) -> None:
+    def __init__(self, compiled: Future[llguidance.LLMatcher]) -> None:
         self._compiled = compiled
-        self._vocab_size = vocab_size
         self._consumed = 0   # output tokens the matcher has taken
 
     @property
@@ -182,7 +181,7 @@ class Grammars:
         if self.on_compiled is not None:
             on_compiled = self.on_compiled
             compiled.add_done_callback(lambda _: on_compiled())
-        return GrammarMatcher(compiled, self._vocab_size)
+        return GrammarMatcher(compiled)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self._tokenizer_for_llguidance(), grammar, log_level=0)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import grammar
 from engine.grammar import GrammarError
 from engine.greedy_argmax import argmax_if_finite
 from engine import logit_adjust
@@ -108,7 +109,7 @@ def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids:
             except Exception as exc:
                 logger.warning("adjusting the logits of %s failed: %s", requests[i].req_id, exc)
                 # A grammar's reason is the client's to read; anything else is ours (the log has it).
-                failed[i] = RowFailure(f"structured output: {exc}", "structured_output") \
+                failed[i] = RowFailure(f"structured output: {exc}", grammar.FIELD) \
                     if isinstance(exc, GrammarError) else RowFailure(f"sampling failed: {type(exc).__name__}")
         return adjusted
 
@@ -116,7 +117,7 @@ def _adjusted_rows(logits: torch.Tensor, requests: list[Request], eos_token_ids:
 def _constraint(request: Request) -> str:
     """The field to name when a request's constraints together rule out every token."""
     s = request.sampling
-    return ("structured_output" if s.structured_output is not None else "allowed_token_ids" if s.allowed_token_ids
+    return (grammar.FIELD if s.structured_output is not None else "allowed_token_ids" if s.allowed_token_ids
             else "bad_words" if s.bad_words_token_ids else "min_tokens")
 
 

@@ -18,6 +18,7 @@ so nothing generated is lost; text after the first call is dropped, as vLLM drop
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 
@@ -146,28 +147,34 @@ class ObjectScan:
             self._start -= cut
 
 
+class _Reply(enum.Enum):
+    """What a llama3_json reply is, as far as its text so far tells."""
+
+    UNDECIDED = "undecided"   # only blanks (or the start of <|python_tag|>) so far
+    CALLS = "calls"           # it began with ``{`` or the tag: calls, as long as they parse
+    TEXT = "text"             # anything else, or a call that did not parse: content
+
+
 @dataclass(slots=True)
 class Llama3JsonParser:
     TAG = "<|python_tag|>"
 
     _pending: str = ""
-    _mode: str = "undecided"   # "undecided" (only blanks so far), "calls", "text"
-    _scan: ObjectScan = field(default_factory=ObjectScan)   # "calls": the pending text's whole objects
-    _scanned: int = 0          # "calls": how much of the pending text the scan has read
+    _reply: _Reply = _Reply.UNDECIDED
+    _scan: ObjectScan = field(default_factory=ObjectScan)   # CALLS: the pending text's whole objects
+    _scanned: int = 0          # CALLS: how much of the pending text the scan has read
 
     def feed(self, text: str, finished: bool) -> tuple[list[ParsedCall], str]:
         self._pending += text
-        if self._mode == "undecided":
+        if self._reply is _Reply.UNDECIDED:
             head = self._pending.lstrip()
             if head.startswith(self.TAG) or head.startswith("{"):
-                self._mode, self._pending = "calls", head.removeprefix(self.TAG)
-            elif head and not self.TAG.startswith(head):
-                self._mode = "text"
-            elif not finished:
-                return [], ""
+                self._reply, self._pending = _Reply.CALLS, head.removeprefix(self.TAG)
+            elif (head and not self.TAG.startswith(head)) or finished:
+                self._reply = _Reply.TEXT
             else:
-                self._mode = "text"
-        if self._mode == "text":
+                return [], ""
+        if self._reply is _Reply.TEXT:
             content, self._pending = self._pending, ""
             return [], content
         return self._calls(finished)
@@ -180,7 +187,7 @@ class Llama3JsonParser:
             between = self._pending[used:begin]
             call = _json_call(self._pending[begin:end]) if not between.strip(" \t\n;") else None
             if call is None:   # text, or an object that is no call: the rest stays as written
-                self._mode, content, self._pending = "text", self._pending[used:], ""
+                self._reply, content, self._pending = _Reply.TEXT, self._pending[used:], ""
                 return calls, content
             calls.append(call)
             used = end
