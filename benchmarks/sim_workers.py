@@ -174,6 +174,10 @@ class _SimWorker:
     async def lifeline(self) -> None:
         await self._closed.wait()
 
+    async def heartbeat(self) -> float:
+        """The router's stall watch asks as it asks a real worker; a simulated step never hangs."""
+        return 0.0
+
     def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -126,6 +126,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="times one request may move to another worker after its worker died (0: fail it)")
     p.add_argument("--max-worker-restarts", type=int, default=None,
                    help="replacements per worker slot before it stays down (default: no limit, with backoff)")
+    p.add_argument("--worker-stall-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a worker whose engine step runs this long, or that answers no heartbeat this long, "
+                        "is hung: killed and replaced, its requests migrated (default 60; 0: never)")
     p.add_argument("--no-standby", action="store_true",
                    help="no warm spare workers: a dead worker is replaced by a cold start (a new process, ~10 s)")
     # Tests and CI: serve a tiny random-weight Llama (no tokenizer: token_ids prompts only).
@@ -200,6 +203,7 @@ def cluster_config(args: argparse.Namespace):
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
         migration_limit=args.migration_limit, max_worker_restarts=args.max_worker_restarts,
+        worker_stall_timeout_s=args.worker_stall_timeout,
         standby_workers=not args.no_standby,
         random_model={"seed": 0} if args.random_model else None,
         security=security_args.server_security(args), metrics_host=args.metrics_host,

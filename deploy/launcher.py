@@ -91,6 +91,10 @@ class ClusterConfig:
     migration_limit: int = 3             # times one request may move to another worker after one died
     max_worker_restarts: int | None = None  # per worker slot; None: keep replacing (with backoff)
     worker_start_timeout_s: float = 300.0   # a replacement that takes longer counts as a failed start
+    # A worker whose engine step runs this long, or that answers no heartbeat this long, is hung:
+    # killed and replaced, its requests migrated (router/stall_watch.py). 0: never (vLLM's engine
+    # iteration timeout is 60 s too). Far above any step: a token budget bounds each.
+    worker_stall_timeout_s: float = 60.0
     standby_workers: bool = True         # keep a warm spare per worker kind (CPU engines): ~1 s replacements
     security: ServerSecurity | None = None  # TLS / mTLS / bearer token on the gRPC port; None: plaintext, open
     metrics_host: str = "127.0.0.1"      # the metrics port's own bind address (not ``host``: scrapes stay local)
@@ -124,6 +128,8 @@ class ClusterConfig:
         _require(self.max_worker_restarts is None or self.max_worker_restarts >= 0, "max_worker_restarts",
                  f"must be >= 0, got {self.max_worker_restarts}")
         _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s", f"must be > 0, got {self.worker_start_timeout_s}")
+        _require(self.worker_stall_timeout_s >= 0, "worker_stall_timeout_s",
+                 f"must be >= 0 (0: off), got {self.worker_stall_timeout_s}")
         _require(self.stop_timeout_s >= 0, "stop_timeout_s", f"must be >= 0, got {self.stop_timeout_s}")
         _require(self.tool_call_parser is None or self.tool_call_parser in PARSERS, "tool_call_parser",
                  f"must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
@@ -181,7 +187,10 @@ class Cluster:
         self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg,
                                    max_queued=limits.max_queued_requests)
         self.supervisor = Supervisor(self.registry, self._spawn, on_down=self._on_worker_down,
-                                     on_ready=self._on_worker_ready, max_restarts=cfg.max_worker_restarts)
+                                     on_ready=self._on_worker_ready, max_restarts=cfg.max_worker_restarts,
+                                     stall_timeout_s=cfg.worker_stall_timeout_s or None,
+                                     local_node_id=_this_node_id(),
+                                     on_stalled=lambda w: self.metrics.worker_stalled(w.worker_id, w.role))
         self.streams = DecodeStreams(self.registry, on_stats=self._on_worker_stats, on_lost=self.supervisor.worker_lost)
         self.streams.start()
         self.supervisor.start()

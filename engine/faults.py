@@ -4,7 +4,8 @@
 Kinds (``FaultKind``): ``step`` — the next forward raises (the engine fails that batch, keeps serving);
 ``poison`` — every forward that includes a request whose prompt starts with ``token_id``
 raises (the engine retries the batch request by request and fails only that one);
-``die`` — the worker process exits at once (a crashed actor); ``hang_shutdown`` — the worker's
+``die`` — the worker process exits at once (a crashed actor); ``hang_step`` — the next forward
+never returns (a deadlocked step: the router's stall watch must kill the worker); ``hang_shutdown`` — the worker's
 ``shutdown()`` never returns and blocks its process (a wedged worker: the launcher's bounded
 stop must kill it). ``hang_shutdown`` is the worker's (``WorkerBase.inject_fault``), the others
 the engine's.
@@ -28,12 +29,13 @@ class FaultKind(enum.StrEnum):
     STEP = "step"
     POISON = "poison"
     DIE = "die"
+    HANG_STEP = "hang_step"
     HANG_SHUTDOWN = "hang_shutdown"
     KV_SEND = "kv_send"
     HANG_KV_SEND = "hang_kv_send"
 
 
-ENGINE_FAULTS = (FaultKind.STEP, FaultKind.POISON, FaultKind.DIE)
+ENGINE_FAULTS = (FaultKind.STEP, FaultKind.POISON, FaultKind.DIE, FaultKind.HANG_STEP)
 SEND_FAULTS = (FaultKind.KV_SEND, FaultKind.HANG_KV_SEND)
 
 
@@ -60,6 +62,11 @@ def inject(engine: LLMEngine, kind: FaultKind | str, token_id: int | None = None
         _poison(engine, token_id)
     elif kind is FaultKind.DIE:
         os._exit(1)
+    elif kind is FaultKind.HANG_STEP:
+        def hung(inputs):
+            wedge()
+
+        engine.runner.execute = hung
     else:
         raise ValueError(f"{kind} is not a fault of the engine")
 

@@ -10,13 +10,17 @@ or its blocks held by parked requests) also blocks, until a call or a finished c
 that leave the engine idle send an empty ``StepResult(between_steps=True)`` so the fresh stats
 (blocks released between steps) are published too. ``latest_stats`` is refreshed before a
 call's future resolves.
-``stop`` ends the thread after the current step.
+``turn_s`` says how long the loop's current turn (a batch of calls and a step) has run, 0
+while it waits for work: the router's stall watchdog reads it through the worker's
+``heartbeat`` to tell a hung step (a deadlock, a collective waiting on a lost peer) from a
+busy one. ``stop`` ends the thread after the current step.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Callable, TypeVar
@@ -37,6 +41,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._stopped = False
         self._nudged = False   # a grammar compiled since the loop last looked
+        self._turn_started: float | None = None   # monotonic; None while waiting (the loop thread writes it)
         engine.grammars.on_compiled = self._nudge
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         # Published after every step and batch of calls: other threads read it without locks
@@ -63,14 +68,22 @@ class EngineLoop:
             self._wake.notify()
         return future
 
+    def turn_s(self) -> float:
+        """Seconds the current turn has run; 0 while the loop waits for work. Any thread may read it."""
+        started = self._turn_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopped and not self._calls and not self.engine.has_work():
-                    self._wake.wait()
+                if not self._stopped and not self._calls and not self.engine.has_work():
+                    self._turn_started = None
+                    while not self._stopped and not self._calls and not self.engine.has_work():
+                        self._wake.wait()
                 if self._stopped:
                     break
                 calls, self._calls = self._calls, deque()
+            self._turn_started = time.monotonic()
             self._apply(calls)
             if self.engine.has_work():
                 if self._step().stalled:

@@ -1,12 +1,12 @@
 """The methods every worker's Ray actor has, whatever its role: a standby spare's readiness and
-activation, joining the KV transfer group, the lifeline the router watches, stats, the leak
+activation, joining the KV transfer group, the lifeline and heartbeat the router watches, stats, the leak
 report, fault injection for tests, and shutdown. ``PrefillActor`` and ``DecodeActor`` add their
 role's calls (and ``start``) on top; each wraps its worker as ``self.worker`` (made in its
 constructor, in the actor's process), which owns all state: these only forward.
 
 Life cycle (the launcher's): construct -> ``ping`` (model loaded) -> [``activate`` for a spare
 taking a dead worker's place] -> ``start`` -> [``join_kv_group``] -> serve, ``lifeline`` held
-open by the router -> ``shutdown``.
+open by the router, ``heartbeat`` answered every few seconds -> ``shutdown``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ class WorkerActor:
 
     async def lifeline(self) -> None:
         await self.worker.lifeline()
+
+    async def heartbeat(self) -> float:
+        return await self.worker.heartbeat()
 
     async def stats(self) -> WorkerStats:
         return self.worker.stats()

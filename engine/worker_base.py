@@ -169,6 +169,11 @@ class WorkerBase:
             return
         await self.call(lambda e: faults.inject(e, kind))
 
+    async def heartbeat(self) -> float:
+        """How long the engine loop's current turn has run (0 while it waits for work): the
+        router's stall watchdog (``router.stall_watch``) takes a long one, or no answer, as hung."""
+        return self.loop.turn_s() if self.loop is not None else 0.0
+
     async def lifeline(self) -> None:
         """Returns only at shutdown: the router awaits it to learn at once that this process
         died (the call fails then), without polling."""

@@ -238,6 +238,9 @@ class RouterMetrics:
                                         "Requests that finished within their SLO (goodput = rate).", registry=r)
         self.worker_restarts = Counter("pdserve_worker_restarts_total", "Workers replaced after their actor died.",
                                        ["worker", "role"], registry=r)
+        self.worker_stalls = Counter("pdserve_worker_stalls_total",
+                                     "Workers killed (then replaced) as hung: a step that never ended, or no heartbeat.",
+                                     ["worker", "role"], registry=r)
         self.migrations = Counter("pdserve_request_migrations_total",
                                   "Requests moved to another worker after theirs died mid-request.", registry=r)
         self.handoffs = Counter("pdserve_kv_handoff_total",
@@ -395,8 +398,12 @@ class RouterMetrics:
         """A worker went down, or came (back) up; ``restarted``: as a replacement."""
         self.worker_up.labels(worker_id, role).set(1 if up else 0)
         restarts = self.worker_restarts.labels(worker_id, role)   # exported at 0 from the start: rate() needs a series
+        self.worker_stalls.labels(worker_id, role)
         if restarted:
             restarts.inc()
+
+    def worker_stalled(self, worker_id: str, role: str) -> None:
+        self.worker_stalls.labels(worker_id, role).inc()
 
     def update_worker(self, stats: WorkerStats) -> None:
         """Fresh stats from one worker: kept for the gauges (read at scrape time), running

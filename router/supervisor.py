@@ -12,6 +12,9 @@ exponentially, so a worker that crashes on start cannot cause a restart storm; a
 lost generation served (ran engine steps: its model loads and runs) or stayed up ``STABLE_S``
 after it was ready starts over at no delay; ``max_restarts`` (None: no limit) gives up on a
 slot, which then stays DEAD. Once ``stop`` began, a lost slot goes DEAD at once (no restart).
+A worker alive but hung (``router.stall_watch``: a step that never ends, a frozen process) is
+``worker_stalled``: killed at once (SIGKILL where its process is on this node: Ray's own kill
+waits out a grace period a frozen process never uses) and then lost like a crashed one.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from typing import Awaitable, Callable
 
 import ray
 
 from router.registry import WorkerHandle, WorkerRegistry
+from router.stall_watch import Stall, watch_stalls
 from router.worker_calls import WorkerLost, await_ref
 
 logger = logging.getLogger(__name__)
@@ -45,12 +50,17 @@ Spawn = Callable[[WorkerHandle], Awaitable[tuple[object, dict]]]
 
 class Supervisor:
     def __init__(self, registry: WorkerRegistry, spawn: Spawn, *, on_down: Callable[[WorkerHandle], None],
-                 on_ready: Callable[[WorkerHandle], None], max_restarts: int | None = None) -> None:
+                 on_ready: Callable[[WorkerHandle], None], max_restarts: int | None = None,
+                 stall_timeout_s: float | None = None, local_node_id: str | None = None,
+                 on_stalled: Callable[[WorkerHandle], None] | None = None) -> None:
         self.registry = registry
         self._spawn = spawn
         self._on_down = on_down
         self._on_ready = on_ready
+        self._on_stalled = on_stalled
         self.max_restarts = max_restarts
+        self.stall_timeout_s = stall_timeout_s   # None: hung workers are not looked for
+        self._local_node_id = local_node_id     # the router's node: its workers' pids are ours to kill
         self._tasks: set[asyncio.Task] = set()
         self._backoff: dict[str, float] = {}        # worker id -> the delay its next restart waits
         self._up_since: dict[str, float] = {}
@@ -63,6 +73,9 @@ class Supervisor:
     def watch(self, worker: WorkerHandle) -> None:
         self._up_since[worker.worker_id] = time.monotonic()
         self._spawn_task(self._lifeline(worker, worker.generation), f"lifeline-{worker.worker_id}")
+        if self.stall_timeout_s:
+            self._spawn_task(watch_stalls(worker, worker.generation, self.stall_timeout_s, self.worker_stalled),
+                             f"stalls-{worker.worker_id}")
 
     async def _lifeline(self, worker: WorkerHandle, generation: int) -> None:
         actor = worker.actor
@@ -85,6 +98,18 @@ class Supervisor:
         self._on_down(worker)
         self._spawn_task(self._restart(worker, worker.actor, worker.shm_path, worker.served),
                          f"restart-{worker.worker_id}")
+
+    def worker_stalled(self, worker: WorkerHandle, generation: int, stall: Stall, seconds: float) -> None:
+        """``worker``'s actor of ``generation`` is alive but hung: kill it, then replace it as lost."""
+        if generation != worker.generation or not worker.alive:
+            return
+        cause = f"worker {worker.worker_id} hung ({seconds:.1f} s): {stall.value}"
+        logger.error("%s; killing it", cause)
+        if worker.pid and self._local_node_id is not None and worker.node_id == self._local_node_id:
+            _kill_pid(worker.pid)   # alive (it is hung, not dead), so the pid is still its own
+        if self._on_stalled is not None:
+            self._on_stalled(worker)
+        self.worker_lost(WorkerLost(worker, generation, cause))
 
     def _lost_while_stopping(self, lost: WorkerLost) -> None:
         """No replacement comes, but the slot must not read as serving: requests in flight would
@@ -149,6 +174,13 @@ def _kill(actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already gone
         logger.debug("kill of a dead actor: %s", exc)
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError) as exc:
+        logger.warning("kill of hung worker process %d: %s", pid, exc)
 
 
 def _unlink(path: str | None) -> None:
