@@ -141,7 +141,7 @@ class GenerationCore:
                         outcome = delta.finish_reason
                     if stream_span is None and span is not None:   # first token: streaming begins
                         stream_span = tracing.child(span, "stream")
-                    yield self._event(delta, detok, trim, spec, trace)
+                    yield self._event(delta, detok, trim, spec, trace, self._ended_by_stop_token(delta, spec))
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
             rejected = not isinstance(exc, SlowReaderError)
             raise
@@ -228,10 +228,21 @@ class GenerationCore:
         skip = convert.skip_special_tokens_from_proto(request)
         return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, skip_special_tokens=skip)
 
+    def _ended_by_stop_token(self, delta: TokenDelta, spec: RequestSpec) -> bool:
+        """The delta's last token is the EOS or stop token id that ended the request: its text is
+        not output text unless ``include_stop_str_in_output`` (vLLM's rule; the id stays in
+        ``token_ids``). Matters where it has text: a non-special stop token, or special tokens kept."""
+        sampling = spec.sampling
+        if delta.finish_reason is not FinishReason.STOP or not delta.token_ids or sampling.include_stop_str_in_output:
+            return False
+        last = delta.token_ids[-1]
+        return last in sampling.stop_token_ids or (not sampling.ignore_eos and last in self.defaults.eos_token_ids)
+
     @staticmethod
     def _event(delta: TokenDelta, detok, trim: StopTextTrimmer | None, spec: RequestSpec,
-               trace: RequestTrace) -> GenerationEvent:
-        text = detok.push(delta.token_ids, finished=delta.finished) if detok else ""
+               trace: RequestTrace, drop_stop_token: bool = False) -> GenerationEvent:
+        text_ids = delta.token_ids[:-1] if drop_stop_token else delta.token_ids
+        text = detok.push(text_ids, finished=delta.finished) if detok else ""
         if trim is not None:   # a stop string and what follows it are not output text
             text = trim.push(text, finished=delta.finished)
         if not delta.finished:

@@ -312,6 +312,32 @@ def test_special_tokens_skipped_or_kept(tokenizer):
     assert "".join(stream_text(tokenizer, ids, skip_special_tokens=False)) == "hi<eos>"
 
 
+@pytest.mark.parametrize("sampling, finish, has_text", [
+    ({}, FinishReason.STOP, False),                                         # EOS
+    ({"stop_token_ids": (5,)}, FinishReason.STOP, False),                   # a stop token id, plain or special
+    ({"include_stop_str_in_output": True}, FinishReason.STOP, True),        # asked for
+    ({"ignore_eos": True}, FinishReason.LENGTH, True),                      # not what stopped it
+])
+def test_the_token_that_stopped_a_request_is_not_output_text(tokenizer, sampling, finish, has_text):
+    """vLLM's rule: the EOS or stop token id that ended a request stays in its token ids, its
+    text (special tokens kept, or a plain stop token) is not output text."""
+    from types import SimpleNamespace
+
+    from router.generation import GenerationCore as Generation
+    from router.orchestrator import RequestTrace
+
+    eos = tokenizer.eos_token_id
+    stopper = sampling.get("stop_token_ids", (eos,))[0]
+    spec = SimpleNamespace(sampling=SamplingParams(**sampling), prompt_token_ids=[1])
+    owner = SimpleNamespace(defaults=SimpleNamespace(eos_token_ids=(eos,)))
+    delta = TokenDelta("r", (*tokenizer.encode("hi"), stopper), finish)
+    drop = Generation._ended_by_stop_token(owner, delta, spec)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    event = Generation._event(delta, detok, None, spec, RequestTrace(), drop)
+    assert event.text == "hi" + (tokenizer.decode([stopper], skip_special_tokens=False) if has_text else "")
+    assert event.delta.token_ids[-1] == stopper
+
+
 def test_finish_flushes_an_incomplete_character(tokenizer):
     ids = tokenizer.encode("a😀")[:-1]  # the model stopped mid-emoji
     deltas = stream_text(tokenizer, ids)

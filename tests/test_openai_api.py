@@ -223,7 +223,12 @@ def test_seed_reproduces_sampling_and_stop_token_ids_stop(cluster, model_name):
                                               extra_body={"ignore_eos": True}).choices[0].text)
     stopped = client.completions.create(model=model_name, prompt="abc", max_tokens=16,
                                         extra_body={"ignore_eos": True, "stop_token_ids": [greedy[3]]})
-    assert ids_of(stopped.choices[0].text) == greedy[:4] and stopped.choices[0].finish_reason == "stop"
+    # the stop token ends the output; its text is not output text (vLLM's rule), unless asked for
+    assert ids_of(stopped.choices[0].text) == greedy[:3] and stopped.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model=model_name, prompt="abc", max_tokens=16,
+                                     extra_body={"ignore_eos": True, "stop_token_ids": [greedy[3]],
+                                                 "include_stop_str_in_output": True})
+    assert ids_of(kept.choices[0].text) == greedy[:4]
 
 
 def test_logprobs_as_openai_defines_them(cluster, model_name):

@@ -1,4 +1,4 @@
-"""tool_choice "auto" without a cluster: each tool-call syntax (``tool_parsers.py``) finds the
+"""tool_choice "auto" without a cluster: each tool-call syntax (``tool_parsers/``) finds the
 model's calls in free text, leaves the rest as content, gives the same calls and content however
 a stream cuts the text; the plan, the finish reason (``tool_calls``) and the serve flags."""
 
@@ -17,7 +17,8 @@ from router.openai_api.protocol import ChatCompletionRequest
 from router.openai_api.requests import parse
 from router.openai_api.responses import ResponseFormat
 from router.openai_api.tool_calls import ToolCallOutput, ToolChoice, plan
-from router.openai_api.tool_parsers import PARSERS, HermesParser, Llama3JsonParser, ParsedCall
+from router.openai_api.tool_parsers import (PARSERS, HermesParser, Llama3JsonParser, MistralParser, ParsedCall,
+                                            PythonicParser)
 
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
@@ -61,26 +62,63 @@ def test_llama3_json_finds_calls_only_where_the_reply_is_one():
     assert whole(Llama3JsonParser, "  ") == ([], "  ")
 
 
+def test_mistral_finds_both_forms_after_its_tag():
+    text = 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"a": [1, "]"]}}, {"name": "g", "arguments": {}}]'
+    assert whole(MistralParser, text) == ([ParsedCall("f", '{"a": [1, "]"]}'), ParsedCall("g", "{}")], "Sure. ")
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]g[ARGS]{}'
+    assert whole(MistralParser, v11) == ([ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("g", "{}")], "")
+    assert whole(MistralParser, '[TOOL_CALLS]f{"n": 1}') == ([ParsedCall("f", '{"n": 1}')], "")   # no [ARGS]
+    assert whole(MistralParser, "no calls [TOOL") == ([], "no calls [TOOL")
+    # what is no call stays as the model wrote it; text after a call is dropped
+    for bad in ['[TOOL_CALLS] [{"x": 1}]', "[TOOL_CALLS] not a name at all {}", '[TOOL_CALLS] [{"name": "f", "argu',
+                "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS] "]:
+        assert whole(MistralParser, bad) == ([], bad)
+    assert whole(MistralParser, '[TOOL_CALLS]f[ARGS]{} and text') == ([ParsedCall("f", "{}")], "")
+
+
+def test_pythonic_reads_a_list_of_calls_never_evaluating_it():
+    text = '[get_weather(city="Paris", days=[1, 2], opts={"metric": True, "x": None}), tools.now()]'
+    assert whole(PythonicParser, text) == ([ParsedCall("get_weather", '{"city": "Paris", "days": [1, 2], '
+                                                                      '"opts": {"metric": true, "x": null}}'),
+                                            ParsedCall("tools.now", "{}")], "")
+    assert whole(PythonicParser, "<|python_start|>[f(s='it\\'s ]')]<|python_end|>") == \
+        ([ParsedCall("f", '{"s": "it\'s ]"}')], "")
+    assert whole(PythonicParser, " [f(a=1)] and after") == ([ParsedCall("f", '{"a": 1}')], "")
+    # not calls, not literals, not JSON's, cut short, or text: the reply as written
+    for text in ["Hello [f()]", "[1, 2]", "[f(x)]", "[f(a=g())]", "[f(a=set())]", "[f(a=1e999)]", "[f(**k)]",
+                 "[__import__('os').system('x')]", " [f(a=1)", "[]", "  "]:
+        assert whole(PythonicParser, text) == ([], text)
+
+
 _ARGS = st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(max_size=8), st.booleans()), max_size=3)
 _TEXT = st.text(alphabet=st.sampled_from(list("ab <>{}/_\"\\\n")), max_size=12)
 
 
 @settings(max_examples=200, deadline=None, database=None)
 @given(before=_TEXT, calls=st.lists(st.tuples(st.sampled_from(["f", "g"]), _ARGS), max_size=3),
-       cut_at=st.lists(st.integers(0, 10_000), max_size=10), style=st.sampled_from(["hermes", "llama3_json"]))
-def test_a_stream_cut_anywhere_gives_the_whole_replys_calls_and_content(before, calls, cut_at, style):
+       cut_at=st.lists(st.integers(0, 10_000), max_size=10), style=st.sampled_from(sorted(PARSERS)),
+       v11=st.booleans())
+def test_a_stream_cut_anywhere_gives_the_whole_replys_calls_and_content(before, calls, cut_at, style, v11):
     if style == "hermes":
         text = before + "".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>\n'
                                 for n, a in calls)
-    else:
+    elif style == "llama3_json":
         text = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls) or before
+    elif style == "mistral" and v11:
+        text = before + "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+    elif style == "mistral":
+        text = before + ("[TOOL_CALLS] " + json.dumps([{"name": n, "arguments": a} for n, a in calls]) if calls else "")
+    else:
+        text = ("[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items() if k.isidentifier()) + ")"
+                                for n, a in calls) + "]") if calls else before
+        calls = [(n, {k: v for k, v in a.items() if k.isidentifier()}) for n, a in calls]
     kind = PARSERS[style]
     cuts = sorted({c % (len(text) + 1) for c in cut_at})
     assert streamed(kind, text, cuts) == whole(kind, text)
     got, content = whole(kind, text)
     if calls:
         assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    if style == "hermes" and "<tool_call>" not in before:
+    if style in ("hermes", "mistral") and "<tool_call>" not in before and "[TOOL_CALLS]" not in before:
         assert content == (before if calls else text)
 
 
@@ -112,6 +150,17 @@ def test_auto_calls_finish_as_tool_calls_and_text_as_stop():
         assert len(sent) == calls and "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
             body["message"]["content"]
     assert ToolCallOutput(tools).calls("plain")[1] == "plain"
+
+
+def test_a_parser_whose_syntax_starts_with_a_special_token_keeps_them_in_the_text():
+    from router.openai_api.requests import chat_request
+
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    req = parse(ChatCompletionRequest, body)
+    assert not chat_request(req, None, plan(req, "mistral")).skip_special_tokens
+    assert not chat_request(req, None, plan(req, "hermes")).HasField("skip_special_tokens")
+    told = parse(ChatCompletionRequest, body | {"skip_special_tokens": True})
+    assert chat_request(told, None, plan(told, "mistral")).skip_special_tokens, "the client decided"
 
 
 def test_serve_flags_turn_auto_on_as_vllms_do():

@@ -67,7 +67,7 @@ class ApiConfig:
     model: str                       # the served model's name: /v1/models lists it, requests must name it
     max_model_len: int
     auth_token: str | None = None
-    tool_call_parser: str | None = None   # the model's tool-call syntax (tool_parsers.py): tool_choice "auto"
+    tool_call_parser: str | None = None   # the model's tool-call syntax (tool_parsers/): tool_choice "auto"
 
 
 def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) -> FastAPI:

@@ -32,6 +32,7 @@ from engine.types import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 from router.openai_api.tool_calls import ToolPlan
+from router.openai_api.tool_parsers import PARSERS
 
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos")
 # Sampling fields sent only when not at SamplingParams' default, the value that turns them off
@@ -119,6 +120,8 @@ def chat_request(req: ChatCompletionRequest, label: str | None, tools: ToolPlan 
         guides = _structured_outputs(req)
         _refuse(not guides, "tool_choice", f"a tool call cannot be combined with {guides[0][0] if guides else ''}")
         msg.sampling.structured_output.json = _json_text(tools.schema, "tools")
+    if tools is not None and tools.parser and PARSERS[tools.parser].keeps_special_tokens and req.skip_special_tokens is None:
+        msg.skip_special_tokens = False   # the model's call syntax starts with a special token (mistral's [TOOL_CALLS])
     _set_chat(msg, req.messages, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:

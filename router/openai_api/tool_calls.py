@@ -18,7 +18,7 @@ the end (``calls``), or streamed (``feed``): a named call's arguments as they co
 - none: the tools go to the chat template, the reply is text;
 - auto (``tool_choice``'s default when tools are sent): with ``--tool-call-parser`` (vLLM's
   flags), the reply is free text and the parser finds the model's own calls in it
-  (``tool_parsers.py``; the finish reason is then ``tool_calls``, as vLLM reports it); without
+  (``tool_parsers/``; the finish reason is then ``tool_calls``, as vLLM reports it); without
   one, refused, as vLLM refuses it: telling a call from text needs the model's call syntax.
 
 Otherwise the finish reason stays the generation's (``stop``, or ``length`` when max_tokens cut
