@@ -26,7 +26,9 @@ class StopChecker:
             return FinishReason.STOP
         if token in sampling.stop_token_ids:
             return FinishReason.STOP
-        if sampling.stop and self._hits_stop_string(request):
+        # Stop strings count from the token after min_tokens on (vLLM's rule: one that token
+        # completes counts, one completed earlier never does).
+        if sampling.stop and request.num_generated > sampling.min_tokens and self._hits_stop_string(request):
             return FinishReason.STOP
         if len(request.output_token_ids) >= sampling.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

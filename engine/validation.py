@@ -47,8 +47,6 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
     require(all(s.bad_words_token_ids), prefix + "bad_words", "a bad word must have at least one token")
     require(0 <= s.min_tokens <= s.max_tokens, prefix + "min_tokens",
             f"must be in [0, max_tokens ({s.max_tokens})], got {s.min_tokens}")
-    require(not (s.min_tokens and s.stop), prefix + "min_tokens",
-            "cannot be combined with stop strings (stop_token_ids and EOS can)")
     held = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
     require(not (s.min_tokens and s.allowed_token_ids and set(s.allowed_token_ids) <= held),
             prefix + "allowed_token_ids", "every allowed token is EOS or a stop token id, which min_tokens holds back")

@@ -242,9 +242,8 @@ class GenerationCore:
     def _event(delta: TokenDelta, detok, trim: StopTextTrimmer | None, spec: RequestSpec,
                trace: RequestTrace, drop_stop_token: bool = False) -> GenerationEvent:
         text_ids = delta.token_ids[:-1] if drop_stop_token else delta.token_ids
-        text = detok.push(text_ids, finished=delta.finished) if detok else ""
-        if trim is not None:   # a stop string and what follows it are not output text
-            text = trim.push(text, finished=delta.finished)
+        within_min = spec.sampling.min_tokens - (len(trace.token_times) - len(delta.token_ids))
+        text = _text(text_ids, delta.finished, detok, trim, within_min) if detok else ""
         if not delta.finished:
             return GenerationEvent(delta, text)
         usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=len(trace.token_times))
@@ -265,3 +264,19 @@ class GenerationCore:
 
     def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _text(ids, finished: bool, detok: IncrementalDetokenizer, trim: StopTextTrimmer | None, within_min: int) -> str:
+    """The output text of ``ids``: a stop string and what follows it are not (``trim``). The
+    first ``within_min`` of them are still within min_tokens: a stop string they complete does
+    not count, so their text goes to the trimmer apart."""
+    if trim is None:
+        return detok.push(ids, finished=finished)
+    if within_min <= 0:
+        return trim.push(detok.push(ids, finished=finished), finished=finished)
+    last = within_min >= len(ids)
+    head = trim.push(detok.push(ids[:within_min], finished=finished and last), finished=finished and last,
+                     checked=False)
+    if last:
+        return head
+    return head + trim.push(detok.push(ids[within_min:], finished=finished), finished=finished)

@@ -6,7 +6,9 @@ streams. Token ids are left as generated (vLLM does the same).
 Life cycle: one ``StopTextTrimmer`` per request with stop strings, fed every text delta in order
 by ``GenerationCore``; text that could still be the start of a stop string is held back until
 the next delta decides (at most the longest stop string's length), and flushed when the request
-finishes without one.
+finishes without one. Text of the first ``min_tokens`` tokens is pushed ``checked=False``: a stop
+string that ends inside it does not count, one that begins there and ends later does (the
+engine's rule, ``engine/stop.py``: the token that completes it must come after min_tokens).
 
 Cost: each stop string keeps a Knuth-Morris-Pratt state (the longest end of the text so far that
 begins it), advanced over the new characters only, so a delta costs O(stops x its length)
@@ -58,12 +60,20 @@ class StopTextTrimmer:
         self._matchers = [_PrefixMatcher(s) for s in self._stops]
         self._held = ""
         self._stopped = False
+        self._sent = 0           # characters returned so far: where the held text begins
+        self._checked_from = 0   # a stop string must end after this many characters of the text
 
-    def push(self, text: str, *, finished: bool = False) -> str:
+    def push(self, text: str, *, finished: bool = False, checked: bool = True) -> str:
+        """The part of ``text`` (and of what was held) that is output text now. ``checked``:
+        False for the text of tokens within min_tokens, where no stop string may end."""
         if self._stopped:
             return ""
         held = self._held + text
-        found = min(((i, n) for i, n in ((held.find(s), n) for n, s in enumerate(self._stops)) if i >= 0), default=None)
+        if not checked:
+            self._checked_from = self._sent + len(held)
+        skip = self._checked_from - self._sent + 1   # a match must start past skip - len(stop)
+        found = min(((i, n) for i, n in ((held.find(s, max(0, skip - len(s))), n) for n, s in enumerate(self._stops))
+                     if i >= 0), default=None)
         if found is not None:   # the earliest match; at one place, the first stop string listed
             cut, n = found
             self._stopped, self._held = True, ""
@@ -72,4 +82,5 @@ class StopTextTrimmer:
             matcher.feed(text)
         keep = 0 if finished else max((m.state for m in self._matchers), default=0)
         self._held = held[len(held) - keep:] if keep else ""
+        self._sent += len(held) - keep
         return held[:len(held) - keep]

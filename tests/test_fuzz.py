@@ -178,9 +178,9 @@ def valid_requests(draw) -> pb.GenerateRequest:
         s.top_logprobs = draw(st.sampled_from([0, 1, 5, 20]))
     if draw(st.booleans()):
         s.prompt_logprobs = draw(st.sampled_from([0, 1, 20]))
-    if draw(st.booleans()):   # min_tokens, or stop strings (not both: INVALID_ARGUMENT)
+    if draw(st.booleans()):
         s.min_tokens = draw(st.integers(0, s.max_tokens))
-    else:
+    if draw(st.booleans()):   # with min_tokens too: stop strings count after min_tokens tokens
         s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
     s.stop_token_ids.extend(draw(st.lists(st.integers(0, 511), max_size=3)))
     s.bad_words.extend(draw(st.lists(st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1,

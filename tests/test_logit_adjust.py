@@ -212,7 +212,6 @@ def test_min_tokens_after_a_migration_counts_the_tokens_streamed_before(tiny_mod
     (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
     (dict(min_tokens=-1), "min_tokens"),
     (dict(max_tokens=5, min_tokens=6), "min_tokens"),
-    (dict(min_tokens=2, stop=("x",)), "min_tokens"),
     (dict(allowed_token_ids=(3, VOCAB)), "allowed_token_ids"),
     (dict(allowed_token_ids=(0,) * (VOCAB + 1)), "allowed_token_ids"),
     (dict(bad_words_token_ids=((5,), ())), "bad_words"),

@@ -175,6 +175,20 @@ def test_stop_string():
     assert_empty(s)
 
 
+@pytest.mark.parametrize("min_tokens, text, out, reason", [
+    (2, "cdxcdy", "cdxcd", FinishReason.STOP),    # completed by tokens 2 (within min_tokens) and 5: 5 stops it
+    (1, "cdxx", "cd", FinishReason.STOP),         # begun within min_tokens, completed after: it counts
+    (4, "cdcdx", "cdcdx", FinishReason.LENGTH),   # each completed within min_tokens: none counts
+])
+def test_stop_strings_count_from_the_token_after_min_tokens(min_tokens, text, out, reason):
+    s = make_scheduler(tokenizer=_CharTokenizer())
+    s.add(req("a", 3, max_tokens=len(text) if reason is FinishReason.LENGTH else 20, stop=("cd",),
+              min_tokens=min_tokens))
+    finished = _feed_until_finished(s, [ord(c) for c in text])
+    assert bytes(finished[0].output_token_ids).decode() == out and finished[0].finish_reason is reason
+    assert_empty(s)
+
+
 class _ByteLevelTokenizer:
     """Fake byte-level tokenizer: token id i is the byte i, so one character may take up to four
     tokens, as in GPT-2-style BPE (SmolLM2 splits "😀" into 3 tokens, each decoding to U+FFFD)."""

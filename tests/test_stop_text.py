@@ -47,6 +47,34 @@ def test_trimmed_stream_equals_reference(stops, deltas, include):
     assert sent == _reference(stops, deltas, include)
 
 
+def _reference_after_min_tokens(stops: list[str], deltas: list[str], unchecked: int, include: bool) -> str:
+    """The engine's rule with min_tokens: the first ``unchecked`` deltas are the text of tokens
+    within min_tokens; a stop string counts only if it ends after their text."""
+    checked_from = len("".join(deltas[:unchecked]))
+    text = ""
+    for i, delta in enumerate(deltas):
+        text += delta
+        if i < unchecked:
+            continue
+        found = sorted((at, n) for n, s in enumerate(stops)
+                       if (at := text.find(s, max(0, checked_from - len(s) + 1))) >= 0)
+        if found:
+            cut, n = found[0]
+            return text[:cut + len(stops[n])] if include else text[:cut]
+    return text
+
+
+@settings(max_examples=400, deadline=None)
+@given(stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=5), min_size=1, max_size=3),
+       deltas=st.lists(_TEXT, min_size=1, max_size=10), unchecked=st.integers(0, 10), include=st.booleans())
+def test_stop_strings_within_min_tokens_do_not_count(stops, deltas, unchecked, include):
+    trimmer = StopTextTrimmer(stops, include_stop=include)
+    sent = ""
+    for i, delta in enumerate(deltas):
+        sent += trimmer.push(delta, finished=i == len(deltas) - 1, checked=i >= unchecked)
+    assert sent == _reference_after_min_tokens(stops, deltas, unchecked, include)
+
+
 def test_long_stop_strings_do_not_slow_each_delta():
     """Work per delta is counted in matcher steps: 16 stop strings of 256 characters cost a
     bounded number of steps per character, not a rescan of the held text per stop prefix."""
