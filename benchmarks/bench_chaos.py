@@ -11,6 +11,8 @@ What it does (one run, one cluster, defaults in brackets):
     everything admitted);
   - every ``--kill-every`` seconds [60] it sends SIGKILL to a worker's process, alternating decode
     and prefill (decode first), round the workers (decode-0, prefill-0, decode-1, ...);
+    ``--freeze``: SIGSTOP instead, and the process is left stopped (a hung worker: the router's
+    stall watch, ``--stall-timeout`` seconds [60], must kill and replace it);
   - records, per request: submitted / completed / failed (and the gRPC status) / refused by
     admission at arrival (load shedding, not a lost request), TTFT, TPOT,
     migrations; per kill: time to the replacement being ready and to the first token the
@@ -106,6 +108,8 @@ def parse() -> argparse.Namespace:
                    help="every request's output held to this regular expression (structured output; SmolLM2 only)")
     p.add_argument("--no-admission", action="store_true",
                    help="admit everything (default: SLO admission at --slo, as a deployment runs)")
+    p.add_argument("--freeze", action="store_true", help="SIGSTOP the worker and leave it stopped (a hung worker)")
+    p.add_argument("--stall-timeout", type=float, default=60.0, help="the cluster's --worker-stall-timeout")
     p.add_argument("--out", default="benchmarks/results/chaos.txt")
     args = p.parse_args()
     if args.guided and args.quick:
@@ -122,7 +126,7 @@ def start(args) -> ClusterThread:
                            random_model={"seed": 0} if args.quick else None, port=0,
                            prefill_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
                            decode_engine=EngineConfig(max_num_batched_tokens=512, num_kv_blocks=1024),
-                           admission=not args.no_admission,
+                           admission=not args.no_admission, worker_stall_timeout_s=args.stall_timeout,
                            defaults=dict(zip(("ttft_s", "tpot_s"), (float(x) / 1e3 for x in args.slo.split(",")))))
     cluster = ClusterThread(config)
     cluster.start()
@@ -174,7 +178,8 @@ async def drive(args, cluster: ClusterThread, outcomes: list[Outcome], kills: li
 
 
 def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> None:
-    """Kills (SIGKILL) the workers in turn, decode and prefill alternately; waits for each replacement."""
+    """Kills (SIGKILL, or SIGSTOP with --freeze) the workers in turn, decode and prefill alternately;
+    waits for each replacement."""
     registry = cluster.cluster.registry
     decoding = [w.worker_id for w in registry.all if w.role != "prefill"]
     prefilling = [w.worker_id for w in registry.all if w.role == "prefill"]
@@ -184,7 +189,7 @@ def kill_loop(args, cluster: ClusterThread, kills: list[Kill], t0: float) -> Non
         time.sleep(max(0.0, at - (time.monotonic() - t0)))
         worker = registry.get(roles[len(kills) % len(roles)])
         kill = Kill(time.monotonic() - t0, worker.worker_id, worker.generation, worker.pid)
-        os.kill(worker.pid, signal.SIGKILL)
+        os.kill(worker.pid, signal.SIGSTOP if args.freeze else signal.SIGKILL)
         kills.append(kill)
         while not (worker.alive and worker.generation > kill.generation):
             time.sleep(0.02)
@@ -246,7 +251,9 @@ def report(args, outcomes: list[Outcome], kills: list[Kill], leaks: dict, stale:
         f"# bench_chaos: {'tiny random model' if args.quick else 'SmolLM2-135M-Instruct'}, "
         f"{workers} worker(s) "
         f"(2 CPUs shared, 1 thread each), Poisson {args.rate} req/s for {args.duration:.0f} s, prompt {args.input_len} / "
-        f"output {args.output_len} tokens +-50%{shared}, SIGKILL every {args.kill_every:.0f} s (decode, prefill, ...)",
+        f"output {args.output_len} tokens +-50%{shared}, "
+        + (f"SIGSTOP (left stopped; stall timeout {args.stall_timeout:.0f} s)" if args.freeze else "SIGKILL")
+        + f" every {args.kill_every:.0f} s (decode, prefill, ...)",
         f"# date {time.strftime('%Y-%m-%d %H:%M')}, wall {wall_s:.0f} s, SLO TTFT <= {ttft_t * 1e3:.0f} ms, "
         f"TPOT <= {tpot_t * 1e3:.0f} ms, admission {'off' if args.no_admission else 'on'}, "
         f"load average at start {args.load_at_start:.1f}",
