@@ -152,6 +152,19 @@ def test_auto_calls_finish_as_tool_calls_and_text_as_stop():
     assert ToolCallOutput(tools).calls("plain")[1] == "plain"
 
 
+def test_auto_without_parallel_tool_calls_gives_the_first_call_only():
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "parallel_tool_calls": False}
+    tools = plan(parse(ChatCompletionRequest, body), "hermes")
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    calls, _ = ToolCallOutput(tools).calls(text)
+    assert [c["function"]["arguments"] for c in calls] == ['{"a": 1}']
+    streamed = ToolCallOutput(tools)
+    deltas = [d for i in range(0, len(text), 5) for d in streamed.feed(text[i:i + 5], i + 5 >= len(text))[0]]
+    assert [d["index"] for d in deltas] == [0]
+    both = plan(parse(ChatCompletionRequest, body | {"parallel_tool_calls": True}), "hermes")
+    assert len(ToolCallOutput(both).calls(text)[0]) == 2
+
+
 def test_a_parser_whose_syntax_starts_with_a_special_token_keeps_them_in_the_text():
     from router.openai_api.requests import chat_request
 

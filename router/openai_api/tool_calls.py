@@ -18,7 +18,8 @@ the end (``calls``), or streamed (``feed``): a named call's arguments as they co
 - none: the tools go to the chat template, the reply is text;
 - auto (``tool_choice``'s default when tools are sent): with ``--tool-call-parser`` (vLLM's
   flags), the reply is free text and the parser finds the model's own calls in it
-  (``tool_parsers/``; the finish reason is then ``tool_calls``, as vLLM reports it); without
+  (``tool_parsers/``; the finish reason is then ``tool_calls``, as vLLM reports it; with
+  ``parallel_tool_calls: false`` only the first call goes out, as vLLM sends it); without
   one, refused, as vLLM refuses it: telling a call from text needs the model's call syntax.
 
 Otherwise the finish reason stays the generation's (``stop``, or ``length`` when max_tokens cut
@@ -53,6 +54,7 @@ class ToolPlan:
     name: str | None = None               # NAMED: the function called
     schema: dict[str, Any] | None = None  # the reply's JSON schema (NAMED, REQUIRED)
     parser: str | None = None             # AUTO: the model's call syntax (``tool_parsers.PARSERS``)
+    single: bool = False                  # AUTO with ``parallel_tool_calls: false``: calls after the first are dropped
 
 
 def plan(req, parser: str | None = None) -> ToolPlan | None:
@@ -70,7 +72,7 @@ def plan(req, parser: str | None = None) -> ToolPlan | None:
                 f"the name {tool.function.name!r} is given to two tools")
         functions[tool.function.name] = tool.function.parameters
     if (choice is None or choice == "auto") and parser is not None:
-        return ToolPlan(ToolChoice.AUTO, parser=parser)
+        return ToolPlan(ToolChoice.AUTO, parser=parser, single=req.parallel_tool_calls is False)
     if choice is None or choice == "auto":
         raise InvalidRequestError("tool_choice", '"auto" (the default with tools) needs a tool-call parser, which '
                                   'this server was started without (--enable-auto-tool-choice --tool-call-parser): '
@@ -143,6 +145,8 @@ class ToolCallOutput:
         generated is lost."""
         if self.plan.choice is ToolChoice.AUTO:
             calls, content = self._parser.feed(text, finished)
+            if self.plan.single:   # vLLM's rule: the model may write more; the client gets the first
+                calls = calls[:max(0, 1 - self._sent)]
             deltas = [{"index": self._sent + i} | _call(c.name, c.arguments) for i, c in enumerate(calls)]
             self._sent += len(calls)
             self.called = self.called or bool(calls)
