@@ -2,8 +2,9 @@
 the engine in-process, ``bench`` a server.
 
 ``serve`` life cycle: start Ray (embedded and bound to loopback, or ``--address``), the workers
-and the router; print where it listens; on Ctrl-C (SIGINT) or SIGTERM stop the router, shut
-every worker down (each unlinks its /dev/shm pool; one that hangs is killed after
+and the router; print where it listens; on Ctrl-C (SIGINT) or SIGTERM drain (health says
+NOT_SERVING, new requests are refused with UNAVAILABLE, live ones may finish for up to
+``--drain-timeout``; a second signal ends the drain), then stop the router, shut every worker down (each unlinks its /dev/shm pool; one that hangs is killed after
 ``--stop-timeout``) and leave Ray, then exit 0. A signal during start-up cancels the start,
 tears down what was started, and exits 128 + the signal number.
 """
@@ -133,6 +134,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="no warm spare workers: a dead worker is replaced by a cold start (a new process, ~10 s)")
     # Tests and CI: serve a tiny random-weight Llama (no tokenizer: token_ids prompts only).
     p.add_argument("--random-model", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM, live requests may finish this long while new ones are refused "
+                        "(UNAVAILABLE / HTTP 503) and health says NOT_SERVING; a second signal stops at once "
+                        "(default 30; 0: cut them)")
     p.add_argument("--stop-timeout", type=float, default=30.0,
                    help="seconds a graceful stop may take before hanging workers are killed")
     p.add_argument("--event-loop", choices=[k.value for k in LoopKind], default=None,
@@ -203,6 +208,7 @@ def cluster_config(args: argparse.Namespace):
         kv_transport=args.kv_transport, metrics_port=args.metrics_port, defaults=defaults,
         admission=not args.no_admission, conditional_disagg=not args.no_conditional_disagg,
         migration_limit=args.migration_limit, max_worker_restarts=args.max_worker_restarts,
+        drain_timeout_s=args.drain_timeout,
         worker_stall_timeout_s=args.worker_stall_timeout,
         standby_workers=not args.no_standby,
         random_model={"seed": 0} if args.random_model else None,
@@ -260,10 +266,31 @@ async def _serve(config) -> int:
               + (f", metrics on http://{config.metrics_host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
               + f" ({config.mode}). Ctrl-C stops.", flush=True)
         await stop.wait()
-        print(f"pdserve: {signals[0].name}, shutting down", flush=True)
+        await _drain(cluster, config.drain_timeout_s, signals)
     finally:
         await cluster.stop()
     return 0
+
+
+async def _drain(cluster, timeout_s: float, signals: list) -> None:
+    """Live requests may finish (up to ``timeout_s``) while new ones are refused; a second
+    signal stops at once."""
+    live = len(cluster.servicer.core.live) if timeout_s else 0
+    if not live:
+        print(f"pdserve: {signals[0].name}, shutting down", flush=True)
+        return
+    print(f"pdserve: {signals[0].name}, draining {live} live request(s) for up to {timeout_s:.0f} s "
+          f"(new ones are refused; Ctrl-C again stops now)", flush=True)
+    drain = asyncio.ensure_future(cluster.drain(timeout_s))
+    while not drain.done() and len(signals) < 2:
+        await asyncio.wait([drain], timeout=0.1)
+    if not drain.done():
+        drain.cancel()
+        print(f"pdserve: {signals[-1].name} again, stopping now", flush=True)
+        return
+    left = drain.result()
+    print(f"pdserve: shutting down ({left} request(s) still live, cut)" if left else "pdserve: drained, shutting down",
+          flush=True)
 
 
 def _request_kwargs(args: argparse.Namespace) -> dict:

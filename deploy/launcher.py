@@ -99,6 +99,7 @@ class ClusterConfig:
     security: ServerSecurity | None = None  # TLS / mTLS / bearer token on the gRPC port; None: plaintext, open
     metrics_host: str = "127.0.0.1"      # the metrics port's own bind address (not ``host``: scrapes stay local)
     stop_timeout_s: float = 30.0         # stop()'s graceful phases share this; then workers are killed regardless
+    drain_timeout_s: float = 30.0        # `pdserve serve`'s stop first lets live requests finish this long (0: cut them)
     http_port: int | None = None         # the OpenAI-compatible HTTP API; None: off, 0: any free port
     http_host: str | None = None         # its bind address; None: ``host``
     served_model_name: str | None = None  # the model's name (HTTP API, ServerInfo); None: its clean name (model_name)
@@ -130,6 +131,7 @@ class ClusterConfig:
         _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s", f"must be > 0, got {self.worker_start_timeout_s}")
         _require(self.worker_stall_timeout_s >= 0, "worker_stall_timeout_s",
                  f"must be >= 0 (0: off), got {self.worker_stall_timeout_s}")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         _require(self.stop_timeout_s >= 0, "stop_timeout_s", f"must be >= 0, got {self.stop_timeout_s}")
         _require(self.tool_call_parser is None or self.tool_call_parser in PARSERS, "tool_call_parser",
                  f"must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
@@ -416,6 +418,21 @@ class Cluster:
         reports = await asyncio.gather(*(w.actor.leak_report.remote() for w in alive))
         return {w.worker_id: r | {"router_requests": w.num_inflight, "router_prefill_tokens": w.num_prefill_tokens}
                 for w, r in zip(alive, reports)}
+
+    async def drain(self, timeout_s: float) -> int:
+        """Before a stop: health goes NOT_SERVING for good, new requests are refused (UNAVAILABLE,
+        HTTP 503: a load balancer retries them elsewhere) and the live ones may finish, for up to
+        ``timeout_s``. Returns how many were still live when it ended (cut by ``stop``)."""
+        if self.health is not None:
+            await self.health.stopping()
+        servicer = getattr(self, "servicer", None)
+        if servicer is None:   # stopped before it served
+            return 0
+        try:
+            await asyncio.wait_for(servicer.core.live.drained(), timeout_s)
+        except TimeoutError:
+            pass
+        return len(servicer.core.live)
 
     async def stop(self) -> None:
         """Bounded: the graceful phases (server grace, request cleanups, streams, each worker's

@@ -1,7 +1,8 @@
 """The one place where errors become gRPC status codes and messages.
 
 Client mistakes keep their message, which names the field: INVALID_ARGUMENT (bad input),
-ALREADY_EXISTS (a request_id already live), RESOURCE_EXHAUSTED (a limit or no capacity).
+ALREADY_EXISTS (a request_id already live), RESOURCE_EXHAUSTED (a limit or no capacity),
+UNAVAILABLE naming the stop (the server drains before it shuts down).
 Everything else is ours: the client gets a short message with a reference to grep the router's
 log for (UNAVAILABLE, naming the cause in the router's own words, when no worker could serve
 the request; INTERNAL otherwise), and the full error, a worker's exception text or stack
@@ -17,7 +18,7 @@ import grpc
 from ray.exceptions import RayTaskError
 
 from engine.errors import CapacityError, InvalidRequestError, WorkerFailedError
-from router.identity import DuplicateRequestError
+from router.identity import DuplicateRequestError, ShuttingDownError
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def status_for(exc: BaseException, req_id: str = "") -> tuple[grpc.StatusCode, s
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, ShuttingDownError):   # expected at every stop: the client's to retry elsewhere
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, WorkerFailedError):   # our own words (the cause: which worker, what limit)
         return grpc.StatusCode.UNAVAILABLE, _logged(f"unavailable: {exc}", exc, req_id)
     return grpc.StatusCode.INTERNAL, _logged("internal error", exc, req_id)

@@ -36,7 +36,7 @@ from router.chat_prompt import chat_from_proto
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
 from router.errors import RequestFailedError, status_for
-from router.identity import DuplicateRequestError, LiveRequests, RequestIdentity
+from router.identity import DuplicateRequestError, LiveRequests, RequestIdentity, ShuttingDownError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
 from router.stop_text import StopTextTrimmer
@@ -63,6 +63,10 @@ class GenerationEvent:
     timings: RequestTimings | None = None  # last event only
 
 
+# A request refused when it arrives, by why (the metrics' rejection reason).
+_REJECTED_AS = {DuplicateRequestError: "duplicate_id", CapacityError: "max_streams", ShuttingDownError: "shutting_down"}
+
+
 class GenerationCore:
     def __init__(self, orchestrator: Orchestrator, tokenizer: Any | None, defaults: ServerDefaults,
                  metrics: RouterMetrics | None = None) -> None:
@@ -84,9 +88,9 @@ class GenerationCore:
         request_limits.check_request(request, self.limits)
         try:
             return self.live.claim(convert.label_from_proto(request))
-        except (DuplicateRequestError, CapacityError) as exc:   # refused before admission: counted too
+        except (DuplicateRequestError, CapacityError, ShuttingDownError) as exc:   # refused before admission: counted too
             if self.metrics is not None:
-                self.metrics.request_rejected("duplicate_id" if isinstance(exc, DuplicateRequestError) else "max_streams")
+                self.metrics.request_rejected(_REJECTED_AS[type(exc)])
             raise
 
     def release(self, identity: RequestIdentity | None) -> None:

@@ -4,7 +4,8 @@ Life cycle: ``start_server`` adds the servicer and reports the current state; th
 calls ``update`` whenever a worker goes down or comes back (``WorkerRegistry.can_serve``: a
 decode or colocated worker is up). Both the overall status ("") and the Pdserve service's
 follow it, so a load balancer stops sending traffic while nothing can serve and resumes once a
-replacement is ready.
+replacement is ready. ``stopping`` (the server drains before it shuts down) makes it NOT_SERVING
+for good: a replica on its way out takes no new traffic.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ class ServingHealth:
     def __init__(self) -> None:
         self.servicer = health_aio.HealthServicer()
         self.serving: bool | None = None
+        self._stopping = False
+
+    async def stopping(self) -> None:
+        self._stopping = True
+        await self.update(False)
 
     async def update(self, serving: bool) -> None:
+        serving = serving and not self._stopping
         if serving == self.serving:
             return
         self.serving = serving

@@ -9,11 +9,14 @@ ALREADY_EXISTS and the running one is left untouched.
 
 Life cycle: ``claim`` when the call arrives (before tokenizing, so a duplicate or a call over
 ``max_concurrent_streams`` costs nothing), ``release`` when it ends, whatever way it ends.
+At shutdown ``drain`` refuses every later call (``ShuttingDownError``: UNAVAILABLE, so a client
+goes to another replica) and ``drained`` waits for the live ones to end.
 Single-threaded: only the router's event loop touches it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
@@ -22,6 +25,10 @@ from engine.errors import CapacityError, PdserveError
 
 class DuplicateRequestError(PdserveError):
     """A client request_id already live (maps to ALREADY_EXISTS)."""
+
+
+class ShuttingDownError(PdserveError):
+    """The server is draining before it stops: no new request (maps to UNAVAILABLE)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +41,15 @@ class LiveRequests:
     def __init__(self, max_live: int) -> None:
         self.max_live = max_live
         self._live: dict[str, str] = {}   # label -> req_id
+        self._emptied: asyncio.Event | None = None   # set once draining and nothing is live
 
     def __len__(self) -> int:
         return len(self._live)
 
     def claim(self, label: str | None) -> RequestIdentity:
-        """Raises DuplicateRequestError or CapacityError (max_concurrent_streams)."""
+        """Raises DuplicateRequestError, CapacityError (max_concurrent_streams) or ShuttingDownError."""
+        if self._emptied is not None:
+            raise ShuttingDownError("the server is shutting down: send the request to another replica")
         if label is not None and label in self._live:
             raise DuplicateRequestError(f"request_id: {label!r} is already live on this server")
         if len(self._live) >= self.max_live:
@@ -51,3 +61,16 @@ class LiveRequests:
     def release(self, identity: RequestIdentity) -> None:
         if self._live.get(identity.label) == identity.req_id:
             del self._live[identity.label]
+            if self._emptied is not None and not self._live:
+                self._emptied.set()
+
+    def drain(self) -> None:
+        """Refuse every request from now on; ``drained`` then waits for the live ones."""
+        if self._emptied is None:
+            self._emptied = asyncio.Event()
+            if not self._live:
+                self._emptied.set()
+
+    async def drained(self) -> None:
+        self.drain()
+        await self._emptied.wait()

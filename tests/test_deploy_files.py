@@ -224,7 +224,8 @@ def test_router_service_restarts_and_stops_gracefully():
     assert "exec pdserve serve $$PDSERVE_ARGS" in svc["ExecStart"]
     # SIGTERM is pdserve serve's graceful stop; systemd must wait longer than that stop may take.
     assert svc.get("KillSignal", "SIGTERM") == "SIGTERM"
-    assert float(svc["TimeoutStopSec"]) > _parser().parse_args(["serve"]).stop_timeout
+    defaults = _parser().parse_args(["serve"])
+    assert float(svc["TimeoutStopSec"]) > defaults.drain_timeout + defaults.stop_timeout
     assert svc["User"] == load_cluster()["auth"]["ssh_user"]
     assert unit["Install"]["WantedBy"] == "multi-user.target"
 

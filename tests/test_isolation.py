@@ -279,3 +279,27 @@ def test_slow_reader_is_cancelled_with_bounded_memory(orchestrator_type):
             time.sleep(0.05)
         assert len(servicer.live) == 0
         print("slow reader got", info.value.code(), info.value.details())
+
+
+def test_draining_refuses_new_requests_and_waits_for_the_live_ones():
+    from router.errors import status_for
+    from router.identity import LiveRequests, ShuttingDownError
+
+    async def run():
+        live = LiveRequests(max_live=4)
+        first, second = live.claim("a"), live.claim(None)
+        live.drain()
+        drained = asyncio.ensure_future(live.drained())
+        with pytest.raises(ShuttingDownError) as refused:
+            live.claim("b")
+        assert status_for(refused.value) == (grpc.StatusCode.UNAVAILABLE, str(refused.value))
+        assert "shutting down" in str(refused.value)
+        live.release(first)
+        await asyncio.sleep(0)
+        assert not drained.done(), "one request is still live"
+        live.release(second)
+        await asyncio.wait_for(drained, 1)
+        empty = LiveRequests(max_live=1)
+        await asyncio.wait_for(empty.drained(), 1)   # nothing live: drained at once
+
+    asyncio.run(run())

@@ -1,8 +1,9 @@
 """``pdserve serve`` as a real process (tiny random Llama, embedded Ray): a crash of the whole
 process tree leaves /dev/shm pools that the next start reclaims; start-up's heap is frozen out of
 garbage collection before it serves; SIGTERM stops it gracefully
-(exit 0, no pool left, no Ray process left); SIGINT during start-up stops the start; the
-embedded Ray listens on loopback only.
+(exit 0, no pool left, no Ray process left), first draining: a live request finishes while new
+ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once;
+SIGINT during start-up stops the start; the embedded Ray listens on loopback only.
 
 Each run starts in its own session (``start_new_session``), and every process Ray starts stays
 in it (checked: GCS, raylet, agents, workers), so "the router's tree" is exactly the processes
@@ -21,8 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtransfer.shm_reclaim import Owner, owner_pid, owner_state
 from router.client import PdserveClient
@@ -200,3 +203,69 @@ def test_sigint_while_workers_start_tears_them_down(runs):
         assert time.monotonic() < deadline and run.proc.poll() is None, run.text
         time.sleep(0.05)
     assert_start_stopped_by_sigint(run)
+
+
+def _actor_process(run: Serve, actor_class: str) -> psutil.Process:
+    found = [p for p in run.session if actor_class in " ".join(p.cmdline())]
+    assert len(found) == 1, [" ".join(p.cmdline()) for p in found]
+    return found[0]
+
+
+def _health(addr: str) -> int:
+    with grpc.insecure_channel(addr) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def _live_stream_held(run: Serve, client: PdserveClient, max_tokens: int):
+    """A stream with its first tokens read, held live by a suspended decode worker (resume it)."""
+    decode = _actor_process(run, "DecodeActor")
+    stream = client.generate(token_ids=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True)
+    got = list(next(stream).token_ids)
+    decode.suspend()
+    return stream, got, decode
+
+
+def test_sigterm_drains_live_requests_and_refuses_new_ones(runs):
+    run = runs("--no-standby")
+    addr = address(run)
+    with PdserveClient(addr, timeout_s=120) as client:
+        stream, got, decode = _live_stream_held(run, client, 64)
+        try:
+            run.proc.send_signal(signal.SIGTERM)
+            run.wait_for("draining 1 live request", 30)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate_text(token_ids=[5, 6], max_tokens=2)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert "shutting down" in refused.value.details()
+            assert _health(addr) == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            decode.resume()
+        got += [t for msg in stream for t in msg.token_ids]
+    assert len(got) == 64, "the live request ran to its end"
+    assert run.exit_code(STOP_BOUND_S) == 0, run.text
+    assert "drained, shutting down" in run.text
+    assert run.session_gone(30), [p.name() for p in run.session]
+    assert not orphaned(run.pools_before)
+
+
+def test_a_second_signal_ends_the_drain(runs):
+    run = runs("--no-standby", "--stop-timeout", "5")
+    addr = address(run)
+    with PdserveClient(addr, timeout_s=120) as client:
+        stream, _, decode = _live_stream_held(run, client, 64)
+        try:
+            run.proc.send_signal(signal.SIGTERM)
+            run.wait_for("draining 1 live request", 30)
+            started = time.monotonic()
+            run.proc.send_signal(signal.SIGINT)
+            run.wait_for("SIGINT again, stopping now", 10)
+            with pytest.raises(grpc.RpcError):
+                list(stream)   # cut by the stop
+            assert run.exit_code(STOP_BOUND_S) == 0, run.text
+            assert time.monotonic() - started < 30, "the stop did not wait out the drain"
+        finally:
+            if decode.is_running():   # the stop killed it, as it should; a failure may have left it stopped
+                decode.resume()
+    assert run.session_gone(30), [p.name() for p in run.session]
+    assert not orphaned(run.pools_before)
+
