@@ -279,16 +279,17 @@ class Cluster:
         """A fresh actor for ``worker``'s slot, with a fresh engine and KV pool (a new /dev/shm
         file): a warm spare when there is one, else a new process from the slot's recipe."""
         spare = await self.standby.take(worker.role) if self.standby else None
+        if self.standby is not None and worker.role in self._standby_recipes:
+            # The next loss's spare, whatever became of this one (taken, dead idle, or failed to
+            # load: without a refill then, every later replacement would be a cold start).
+            self.standby.refill(worker.role)
         if spare is not None:
             try:
                 await spare.activate.remote(worker.worker_id)
-                info = await spare.start.remote()
-                self.standby.refill(worker.role)
-                return spare, info
+                return spare, await spare.start.remote()
             except Exception as exc:
                 logger.warning("standby for %s failed (%s); cold start", worker.worker_id, exc)
                 ray.kill(spare, no_restart=True)
-                self.standby.refill(worker.role)
         opts, args = self._recipes[worker.worker_id]
         actor = opts.remote(*args)
         try:

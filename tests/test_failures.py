@@ -324,9 +324,27 @@ def test_a_spare_that_died_idle_falls_back_to_a_cold_start(ray_session, workload
         results = asyncio.run(_streams(address(cluster), prompts[:2], max_tokens[:2], lambda: _kill(decode.pid)))
         assert [t for t, _ in results] == refs[:2]
         assert decode.restarts == 1 and decode.alive
+        # The next spare dies while it loads: that loss too is a cold start, and a spare is built
+        # again for the one after (none would be, and every later replacement would start cold).
+        standby = cluster.cluster.standby
+        cluster.run(_fail_spare(standby, "decode"))
+        _kill(decode.pid)
+        _wait_ready(cluster, "decode-0", 2)
+        assert cluster.run(standby.peek("decode"), 120) is not None, "no spare after a spare failed to load"
         assert cluster_leaks(cluster) == {}
     finally:
         cluster.stop()
+
+
+async def _fail_spare(standby, kind: str) -> None:
+    """The spare of ``kind`` dies while it loads (its build fails, as when its process is killed)."""
+    import ray
+
+    spare = await standby.take(kind)
+    ray.kill(spare, no_restart=True)
+    failed = asyncio.get_running_loop().create_future()
+    failed.set_exception(RuntimeError("the spare's process died while it loaded"))
+    standby._spares[kind] = failed
 
 
 def test_no_reservation_is_freed_under_a_paused_writer(cluster, long_workload):
