@@ -117,6 +117,8 @@ def label_from_proto(request: pb.GenerateRequest) -> str | None:
         return None
     rid = request.request_id
     require(0 < len(rid) <= MAX_REQUEST_ID_LEN, "request_id", f"must be 1 to {MAX_REQUEST_ID_LEN} characters")
+    # Echoed in responses and written to logs: a control character (a newline) would forge log lines.
+    require(rid.isprintable(), "request_id", "must be printable text (no control characters)")
     return rid
 
 

@@ -90,6 +90,8 @@ BAD_REQUESTS = [
     ("ttft hint negative", dict(ttft_ms=-5.0), "ttft_ms"),
     ("tpot hint zero", dict(tpot_ms=0.0), "tpot_ms"),
     ("request id empty", dict(request_id=""), "request_id"),
+    ("request id with a newline", dict(request_id="a\nforged log line"), "request_id"),
+    ("request id with a NUL", dict(request_id="a\x00"), "request_id"),
     ("chat without messages", dict(token_ids=None, chat=[]), "chat.messages"),
     ("chat empty role", dict(token_ids=None, chat=[("", "hi")]), "chat.messages[0].role"),
     ("chat unknown role", dict(token_ids=None, chat=[("user", "hi"), ("wizard", "hi")]), "chat.messages[1].role"),

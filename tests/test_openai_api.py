@@ -500,6 +500,13 @@ def test_bad_completion_input_unknown_model_and_bad_json(cluster, model_name):
         with pytest.raises(urllib.error.HTTPError) as bad:
             urllib.request.urlopen(request, timeout=10)
         assert bad.value.code == 400 and "nested too deeply" in json.load(bad.value)["error"]["message"]
+    for path, body in (("/completions", b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}"),   # found by a probe
+                       ("/tokenize", b'{"prompt": "x", "extra": ' + b"9" * 5000 + b"}")):
+        root = base_url(cluster) if path == "/completions" else base_url(cluster).removesuffix("/v1")
+        request = urllib.request.Request(root + path, data=body, headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(request, timeout=10)
+        assert bad.value.code == 400 and "digits" in json.load(bad.value)["error"]["message"]
     # JSON's \\u escapes can spell a lone surrogate (no UTF-8 text holds one; the openai client cannot send it)
     request = urllib.request.Request(base_url(cluster) + "/completions", headers={"content-type": "application/json"},
                                      data=b'{"prompt": "a\\ud800", "max_tokens": 1}')

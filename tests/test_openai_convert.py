@@ -92,6 +92,7 @@ def test_the_developer_role_is_openais_new_name_for_system():
     ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 1.0, "05": 2.0}}, "logit_bias"),
     ({"prompt": ["a"] * 17, "n": 4}, "prompt"),   # a batch's prompts x n past MAX_GENERATIONS
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),   # vLLM's rule: nothing could be generated
 ])
 def test_unsupported_completion_parameters_are_named(body, param):
     with pytest.raises(InvalidRequestError) as err:
@@ -268,7 +269,7 @@ def test_logprob_bytes_rebuild_characters_split_across_tokens():
 
 def _sentencepiece_tokenizer():
     """Llama's word-leading-space rule (Metaspace), with SentencePiece's byte fallback pieces."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", "."] + [f"<0x{b:02X}>" for b in range(256)]

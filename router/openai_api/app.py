@@ -22,6 +22,7 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -192,6 +193,8 @@ class _Api:
             raise self._bad("body", f"not valid JSON: {exc}") from None
         except RecursionError:   # Python's parser recurses per level: '[' * 5000 would be a 500
             raise self._bad("body", "JSON nested too deeply") from None
+        except ValueError:   # an integer past Python's int-from-text limit (4,300 digits) would be a 500
+            raise self._bad("body", f"a number in it has more than {sys.get_int_max_str_digits()} digits") from None
         req = self._checked(parse, model, data)
         if req.model is not None:
             self._check_model(req.model)

@@ -264,6 +264,8 @@ def _common(req, label: str | None) -> pb.GenerateRequest:
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     msg.sampling.stop.extend(stops)
     msg.sampling.stop_token_ids.extend(req.stop_token_ids or [])
+    _refuse(req.allowed_token_ids != [], "allowed_token_ids", "is empty: no token could be generated "
+            "(leave it out for no restriction)")   # vLLM's rule; gRPC's empty list is unset
     msg.sampling.allowed_token_ids.extend(req.allowed_token_ids or [])
     msg.sampling.bad_words.extend(req.bad_words or [])
     if req.truncate_prompt_tokens is not None:
