@@ -12,6 +12,7 @@ of that session; a test kills whatever of it is left, so a failure never leaks a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -216,30 +217,33 @@ def _health(addr: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
-def _live_stream_held(run: Serve, client: PdserveClient, max_tokens: int):
-    """A stream with its first tokens read, held live by a suspended decode worker (resume it)."""
+@contextlib.contextmanager
+def _draining_with_a_held_stream(run: Serve, client: PdserveClient, max_tokens: int):
+    """A stream with its first tokens read, held live by a suspended decode worker, then SIGTERM:
+    the drain is under way. The worker resumes on exit (unless the stop killed it)."""
     decode = _actor_process(run, "DecodeActor")
     stream = client.generate(token_ids=[5, 6, 7], max_tokens=max_tokens, ignore_eos=True)
     got = list(next(stream).token_ids)
     decode.suspend()
-    return stream, got, decode
+    try:
+        run.proc.send_signal(signal.SIGTERM)
+        run.wait_for("draining 1 live request", 30)
+        yield stream, got
+    finally:
+        if decode.is_running():
+            decode.resume()
 
 
 def test_sigterm_drains_live_requests_and_refuses_new_ones(runs):
     run = runs("--no-standby")
     addr = address(run)
     with PdserveClient(addr, timeout_s=120) as client:
-        stream, got, decode = _live_stream_held(run, client, 64)
-        try:
-            run.proc.send_signal(signal.SIGTERM)
-            run.wait_for("draining 1 live request", 30)
+        with _draining_with_a_held_stream(run, client, 64) as (stream, got):
             with pytest.raises(grpc.RpcError) as refused:
                 client.generate_text(token_ids=[5, 6], max_tokens=2)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
             assert "shutting down" in refused.value.details()
             assert _health(addr) == health_pb2.HealthCheckResponse.NOT_SERVING
-        finally:
-            decode.resume()
         got += [t for msg in stream for t in msg.token_ids]
     assert len(got) == 64, "the live request ran to its end"
     assert run.exit_code(STOP_BOUND_S) == 0, run.text
@@ -250,12 +254,8 @@ def test_sigterm_drains_live_requests_and_refuses_new_ones(runs):
 
 def test_a_second_signal_ends_the_drain(runs):
     run = runs("--no-standby", "--stop-timeout", "5")
-    addr = address(run)
-    with PdserveClient(addr, timeout_s=120) as client:
-        stream, _, decode = _live_stream_held(run, client, 64)
-        try:
-            run.proc.send_signal(signal.SIGTERM)
-            run.wait_for("draining 1 live request", 30)
+    with PdserveClient(address(run), timeout_s=120) as client:
+        with _draining_with_a_held_stream(run, client, 64) as (stream, _):
             started = time.monotonic()
             run.proc.send_signal(signal.SIGINT)
             run.wait_for("SIGINT again, stopping now", 10)
@@ -263,9 +263,5 @@ def test_a_second_signal_ends_the_drain(runs):
                 list(stream)   # cut by the stop
             assert run.exit_code(STOP_BOUND_S) == 0, run.text
             assert time.monotonic() - started < 30, "the stop did not wait out the drain"
-        finally:
-            if decode.is_running():   # the stop killed it, as it should; a failure may have left it stopped
-                decode.resume()
     assert run.session_gone(30), [p.name() for p in run.session]
     assert not orphaned(run.pools_before)
-
