@@ -37,7 +37,7 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
     require(not math.isnan(s.top_p) and 0.0 < s.top_p <= 1.0, prefix + "top_p", f"must be in (0, 1], got {s.top_p}")
     require(s.top_k >= 0, prefix + "top_k", f"must be >= 0 (0 disables it), got {s.top_k}")
     require(not math.isnan(s.min_p) and 0.0 <= s.min_p <= 1.0, prefix + "min_p", f"must be in [0, 1], got {s.min_p}")
-    require(s.seed is None or s.seed >= 0, prefix + "seed", f"must be >= 0, got {s.seed}")
+    require(s.seed is None or -2**63 <= s.seed < 2**63, prefix + "seed", f"must be a 64-bit integer, got {s.seed}")
     require(0 <= s.top_logprobs <= MAX_TOP_LOGPROBS, prefix + "top_logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
     require(s.logprobs or not s.top_logprobs, prefix + "top_logprobs", "needs logprobs")

@@ -83,7 +83,6 @@ BAD_REQUESTS = [
     ("top_p above 1", dict(top_p=1.5), "sampling.top_p"),
     ("top_p NaN", dict(top_p=math.nan), "sampling.top_p"),
     ("top_k negative", dict(top_k=-1), "sampling.top_k"),
-    ("seed negative", dict(seed=-7), "sampling.seed"),
     ("stop string empty", dict(stop=["ok", ""]), "sampling.stop"),
     ("stop token outside vocab", dict(stop_token_ids=[100]), "sampling.stop_token_ids"),
     ("ttft hint zero", dict(ttft_ms=0.0), "ttft_ms"),

@@ -543,6 +543,7 @@ def test_duplicate_request_id_is_409_and_the_first_goes_on(cluster, model_name):
     err = _error(lambda: client.completions.create(model=model_name, prompt="x", max_tokens=2,
                                                    extra_headers={"X-Request-Id": "dup-1"}))
     assert isinstance(err, openai.ConflictError) and "dup-1" in err.body["message"]
+    assert err.body["param"] == "request_id"
     rest = list(first)
     assert head.id == "cmpl-dup-1" and rest[-1].choices[0].finish_reason == "length"
     assert len(ids_of(head.choices[0].text + "".join(c.choices[0].text for c in rest))) == 200

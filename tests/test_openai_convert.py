@@ -345,6 +345,23 @@ def test_stop_strings_are_trimmed_from_streamed_text():
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
      "chat_template"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    # found by a probe: each was answered as if it had not been sent
+    (CompletionRequest, {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    (CompletionRequest, {"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    (CompletionRequest, {"prompt": "x", "return_token_ids": True}, "return_token_ids"),
+    (CompletionRequest, {"prompt": "x", "cache_salt": "tenant-a"}, "cache_salt"),
+    (CompletionRequest, {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    (CompletionRequest, {"prompt": "x", "vllm_xargs": {"k": 1}}, "vllm_xargs"),
+    (CompletionRequest, {"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    (CompletionRequest, {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    (CompletionRequest, {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
+     "add_special_tokens"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
+     "reasoning_effort"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"a": 1}},
+     "mm_processor_kwargs"),
 ])
 def test_vllm_extensions_that_would_change_the_output_are_refused_by_name(model, body, param):
     """A vLLM client's extras (``extra_body``) that pdserve does not implement: a 400 naming the
@@ -353,6 +370,20 @@ def test_vllm_extensions_that_would_change_the_output_are_refused_by_name(model,
     with pytest.raises(InvalidRequestError) as err:
         convert(parse(model, body), None)
     assert err.value.field == param and "not supported" in str(err.value)
+
+
+def test_extensions_at_their_no_op_values_are_served():
+    body = {"prompt": "x", "prompt_embeds": None, "return_token_ids": False, "cache_salt": None, "vllm_xargs": {},
+            "spaces_between_special_tokens": True, "add_special_tokens": True, "seed": -7}
+    assert completion_request(parse(CompletionRequest, body), None).sampling.seed == -7   # any int64, as OpenAI's
+    chat = {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": False, "reasoning_effort": None}
+    assert chat_request(parse(ChatCompletionRequest, chat), None).chat.messages
+
+
+def test_stream_options_go_with_a_stream_only():
+    with pytest.raises(InvalidRequestError) as err:
+        completion_request(parse(CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}), None)
+    assert err.value.field == "stream_options"
 
 
 def test_penalties_logit_bias_min_p_and_min_tokens_become_the_grpc_fields():

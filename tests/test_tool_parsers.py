@@ -71,8 +71,13 @@ def test_mistral_finds_both_forms_after_its_tag():
     assert whole(MistralParser, "no calls [TOOL") == ([], "no calls [TOOL")
     # what is no call stays as the model wrote it; text after a call is dropped
     for bad in ['[TOOL_CALLS] [{"x": 1}]', "[TOOL_CALLS] not a name at all {}", '[TOOL_CALLS] [{"name": "f", "argu',
-                "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS] "]:
+                "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS] ", '[TOOL_CALLS] ["a"]', "[TOOL_CALLS] []", "[TOOL_CALLS] [[1]]",
+                "[TOOL_CALLS]" + "x" * 300 + '[ARGS]{"a": 1}']:   # (found by a probe: the first three were lost)
         assert whole(MistralParser, bad) == ([], bad)
+        assert streamed(MistralParser, bad, list(range(1, len(bad), 7))) == ([], bad)
+    # the calls up to the first item that is none; what follows a call is dropped
+    assert whole(MistralParser, '[TOOL_CALLS] [{"name": "f", "arguments": {}}, 5, {"name": "g"}]') == \
+        ([ParsedCall("f", "{}")], "")
     assert whole(MistralParser, '[TOOL_CALLS]f[ARGS]{} and text') == ([ParsedCall("f", "{}")], "")
 
 
@@ -84,6 +89,12 @@ def test_pythonic_reads_a_list_of_calls_never_evaluating_it():
     assert whole(PythonicParser, "<|python_start|>[f(s='it\\'s ]')]<|python_end|>") == \
         ([ParsedCall("f", '{"s": "it\'s ]"}')], "")
     assert whole(PythonicParser, " [f(a=1)] and after") == ([ParsedCall("f", '{"a": 1}')], "")
+    for text, value in [("[f(a=\'\'\'it's ]\'\'\')]", "it's ]"), ('[f(a="""x"y""")]', 'x"y'), ("[f(a='')]", ""),
+                        ("[f(a='\\'')]", "'")]:   # triple quotes (found by a probe), empty and escaped quotes
+        expected = ([ParsedCall("f", json.dumps({"a": value}))], "")
+        assert whole(PythonicParser, text) == expected
+        for step in (1, 2, 3):
+            assert streamed(PythonicParser, text, list(range(step, len(text), step))) == expected, (text, step)
     # not calls, not literals, not JSON's, cut short, or text: the reply as written
     for text in ["Hello [f()]", "[1, 2]", "[f(x)]", "[f(a=g())]", "[f(a=set())]", "[f(a=1e999)]", "[f(**k)]",
                  "[__import__('os').system('x')]", " [f(a=1)", "[]", "  "]:

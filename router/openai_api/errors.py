@@ -23,6 +23,7 @@ import grpc
 
 from engine.errors import InvalidRequestError
 from router.errors import unwrap
+from router.identity import DuplicateRequestError
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -61,6 +62,8 @@ def from_status(code: grpc.StatusCode, message: str, exc: BaseException | None =
     if isinstance(cause, InvalidRequestError):
         param = param_for(cause.field) if param_for else cause.field
         message = f"{param}: {cause.message}"
+    elif isinstance(cause, DuplicateRequestError):
+        param = "request_id"   # the X-Request-Id header's (or the body's) label, already live
     return ApiError(status, message, kind, param, code.name.lower())
 
 

@@ -29,7 +29,7 @@ from router.delta_queue import SLOW_READER
 from router.generation import GenerationCore, GenerationEvent
 from router.identity import RequestIdentity
 
-SEED_RANGE = 2**63   # GenerateRequest.sampling.seed is an int64 >= 0
+SEED_RANGE = 2**63   # seed + i kept an int64; the sampler reads seeds mod 2**63, so it samples as seed + i
 
 
 def choices(request: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:

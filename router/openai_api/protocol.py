@@ -57,6 +57,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's usage in every chunk: refused (requests.py), never dropped
 
 
 class ContentPart(_Body):

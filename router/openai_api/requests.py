@@ -55,12 +55,20 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "use_beam_search": (False,), "length_penalty": (1.0,),
     "logits_processors": (),
     "guided_whitespace_pattern": (),
+    # what a response carries, or where a prompt comes from / its cache lives: null or the default is a no-op
+    "prompt_embeds": (None,), "return_tokens_as_token_ids": (False, None), "return_token_ids": (False, None),
+    "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}), "mm_processor_kwargs": (None, {}),
+    "spaces_between_special_tokens": (True, None),
+}
+COMPLETION_NOT_IMPLEMENTED: dict[str, tuple] = {   # a text prompt always gets the tokenizer's special tokens
+    "add_special_tokens": (True, None),
 }
 # vLLM's structured output kinds, as its structured_outputs names them (its guided_* fields add the prefix).
 _GUIDE_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {   # chat's (vLLM's; OpenAI's deprecated functions: send tools; audio)
     "echo": (False,), "chat_template": (), "documents": (), "functions": ([],), "function_call": ("none", "auto"),
-    "modalities": (["text"],), "audio": (),
+    "modalities": (["text"],), "audio": (), "reasoning_effort": (None,),
+    "add_special_tokens": (False, None),   # the chat template places the special tokens
 }
 
 
@@ -195,6 +203,7 @@ def completion_requests(req: CompletionRequest, label: str | None) -> list[pb.Ge
     """One ``GenerateRequest`` per prompt of the body (a batch: a list of texts or of token-id
     lists, as OpenAI's and vLLM's completions take it); only the first carries the client's label
     (one live request per label: the router labels the others)."""
+    _refuse_extensions(req, COMPLETION_NOT_IMPLEMENTED)
     _refuse(req.suffix is None, "suffix", "suffix is not supported")
     _refuse(req.best_of is None or req.best_of == 1, "best_of", "only 1 is supported")
     _refuse(not (req.echo and req.truncate_prompt_tokens is not None), "truncate_prompt_tokens",
@@ -243,6 +252,9 @@ def echo_texts(req: CompletionRequest, tokenizer) -> list[str]:
 def _common(req, label: str | None) -> pb.GenerateRequest:
     _refuse(1 <= req.n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {req.n}")
     _refuse_extensions(req, NOT_IMPLEMENTED)
+    _refuse(req.stream_options is None or req.stream, "stream_options", "goes with stream: true only")   # vLLM's rule
+    _refuse(not (req.stream_options and req.stream_options.continuous_usage_stats), "stream_options.continuous_usage_stats",
+            "is not supported by this server: the usage comes in the last chunk (include_usage)")
     msg = pb.GenerateRequest()
     if label is not None:
         msg.request_id = label

@@ -49,7 +49,8 @@ class ObjectScan:
     """Finds JSON objects at ``depth`` (0: top-level values, 1: an array's items) as a text grows:
     where each begins and ends, strings and their escapes skipped; each character is read once,
     so a long reply fed token by token costs linear time. ``closed``: the enclosing value ended
-    (``end``: just after its closing bracket)."""
+    (``end``: just after its closing bracket). ``stray``: where an array's first item that is no
+    object begins (depth 1; -1: none so far)."""
 
     depth: int = 0
     _level: int = 0
@@ -58,6 +59,7 @@ class ObjectScan:
     _start: int = -1
     closed: bool = False
     end: int = -1
+    stray: int = -1
 
     def items(self, text: str, start: int) -> list[tuple[int, int]]:
         """The objects that ``text[start:]`` completes, as (begin, end) offsets into ``text``."""
@@ -71,6 +73,11 @@ class ObjectScan:
                     self._escaped = True
                 elif ch == '"':
                     self._in_string = False
+            elif self._level == self.depth and self.depth and ch not in "{ \t\r\n,]":
+                if self.stray < 0 and not self.closed:
+                    self.stray = i
+                self._in_string = ch == '"'
+                self._level += ch == "["
             elif ch == '"':
                 self._in_string = True
             elif ch in "[{":
@@ -92,3 +99,5 @@ class ObjectScan:
             self._start -= cut
         if self.end >= 0:
             self.end -= cut
+        if self.stray >= 0:
+            self.stray -= cut

@@ -83,9 +83,12 @@ class MistralParser:
         return ""
 
     def _array(self, calls, finished: bool) -> str | None:
+        """Each object of the array as a call, in order, up to the first item that is none (a
+        string, a number, an object that is no call: from there on it gives up); an array
+        without a call is no call either."""
         scan = self._scan
         for begin, end in scan.items(self._pending, self._scanned):
-            if scan.closed and begin >= scan.end:
+            if (scan.closed and begin >= scan.end) or 0 <= scan.stray < begin:
                 break
             call = json_call(self._pending[begin:end])
             if call is None:
@@ -93,6 +96,8 @@ class MistralParser:
             calls.append(call)
             self._called = True
         self._scanned = len(self._pending)
+        if scan.stray >= 0 or (scan.closed and not self._called):
+            return self._give_up()
         if not scan.closed:
             return None
         self._pending, self._at = self._pending[scan.end:], _At.TEXT
@@ -102,9 +107,10 @@ class MistralParser:
         brace = self._pending.find("{")
         name_part = self._pending if brace < 0 else self._pending[:brace]
         name = name_part.strip().removesuffix(self.ARGS).strip()
+        if len(name_part) > _NAME_MAX_CHARS:   # whether its "{" has come or not: a stream and a body agree
+            return self._give_up()
         if brace < 0:
-            looks_like_name = len(name_part) <= _NAME_MAX_CHARS and (not name or _NAME.fullmatch(name.split("[")[0]))
-            return None if looks_like_name else self._give_up()
+            return None if not name or _NAME.fullmatch(name.split("[")[0]) else self._give_up()
         if not _NAME.fullmatch(name):
             return self._give_up()
         found = self._scan.items(self._pending, max(self._scanned, brace))

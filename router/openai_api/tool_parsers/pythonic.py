@@ -28,33 +28,53 @@ class _Reply(enum.Enum):
 
 @dataclass(slots=True)
 class PythonListScan:
-    """Finds where a Python list that opens the text closes, strings (either quote, escapes)
-    skipped; each character is read once."""
+    """Finds where a Python list that opens the text closes, strings skipped (either quote, tripled
+    or not, with escapes); each character is read once. A quote whose next two characters have
+    not come yet waits for them (``'`` may begin ``'''``), unless the text is finished."""
 
+    _pos: int = 0      # the next character to read
     _level: int = 0
-    _quote: str = ""
+    _quote: str = ""   # the open string's delimiter: ', ", ''' or """
     _escaped: bool = False
 
-    def end(self, text: str, start: int) -> int:
-        """Just past the list's closing bracket, if ``text[start:]`` reaches it; else -1."""
-        for i in range(start, len(text)):
-            ch = text[i]
+    def end(self, text: str, finished: bool) -> int:
+        """Just past the list's closing bracket, once ``text`` reaches it; else -1."""
+        while self._pos < len(text):
+            i, ch = self._pos, text[self._pos]
+            undecided = len(text) - i < 3 and not finished
             if self._quote:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == self._quote:
-                    self._quote = ""
-            elif ch in "\"'":
-                self._quote = ch
-            elif ch in "[({":
+                step = self._in_string(text, i, ch, undecided)
+                if step == 0:
+                    return -1
+                self._pos += step
+                continue
+            if ch in "\"'":
+                if undecided:
+                    return -1
+                self._quote = ch * 3 if text.startswith(ch * 3, i) else ch
+                self._pos += len(self._quote)
+                continue
+            self._pos += 1
+            if ch in "[({":
                 self._level += 1
             elif ch in "])}":
                 self._level -= 1
                 if self._level == 0:
-                    return i + 1
+                    return self._pos
         return -1
+
+    def _in_string(self, text: str, i: int, ch: str, undecided: bool) -> int:
+        """How far to move inside a string (0: wait for more text)."""
+        if self._escaped:
+            self._escaped = False
+        elif ch == "\\":
+            self._escaped = True
+        elif text.startswith(self._quote, i):
+            step, self._quote = len(self._quote), ""
+            return step
+        elif len(self._quote) == 3 and ch == self._quote[0] and undecided:
+            return 0   # perhaps the closing delimiter, its rest not here yet
+        return 1
 
 
 @dataclass(slots=True)
@@ -64,7 +84,6 @@ class PythonicParser:
     _pending: str = ""
     _reply: _Reply = _Reply.UNDECIDED
     _scan: PythonListScan | None = None
-    _scanned: int = 0
     _lead: str = ""   # CALLS: what came before the list (blanks, the opening tag), for the text as written
 
     def feed(self, text: str, finished: bool) -> tuple[list[ParsedCall], str]:
@@ -84,14 +103,13 @@ class PythonicParser:
         head = self._pending.lstrip()
         body = head.removeprefix(_OPEN_TAG).lstrip()
         if body.startswith("["):
-            self._reply, self._scan, self._scanned = _Reply.CALLS, PythonListScan(), 0
+            self._reply, self._scan = _Reply.CALLS, PythonListScan()
             self._lead, self._pending = self._pending[:len(self._pending) - len(body)], body
         elif (head and not _OPEN_TAG.startswith(head) and body) or finished:
             self._reply = _Reply.TEXT
 
     def _list(self, finished: bool) -> tuple[list[ParsedCall], str]:
-        end = self._scan.end(self._pending, self._scanned)
-        self._scanned = len(self._pending)
+        end = self._scan.end(self._pending, finished)
         if end < 0:
             if not finished:
                 return [], ""
