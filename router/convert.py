@@ -425,9 +425,10 @@ class IncrementalDetokenizer:
         return self._ids[self._num_context:]
 
     def push(self, token_ids: Sequence[int], *, finished: bool = False) -> str:
-        """New text for ``token_ids``. With ``finished`` it flushes whatever is held back, an
-        incomplete trailing character included (as U+FFFD), so the concatenated deltas equal
-        ``decode(output_token_ids)``."""
+        """New text for ``token_ids``. With ``finished`` it lets out whatever is held back but a
+        character the output's last bytes left incomplete (max_tokens cut it): vLLM's detokenizer
+        never emits one either. So the concatenated deltas equal ``decode(output_token_ids)``
+        less a trailing U+FFFD."""
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._prefix, self._read)
         full_text = self._decode(self._prefix, len(self._ids))
@@ -436,7 +437,8 @@ class IncrementalDetokenizer:
         if not finished and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR)):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
-        return full_text[len(prefix_text):]
+        text = full_text[len(prefix_text):]
+        return text.rstrip(REPLACEMENT_CHAR) if finished else text
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:

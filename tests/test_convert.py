@@ -339,10 +339,14 @@ def test_the_token_that_stopped_a_request_is_not_output_text(tokenizer, sampling
     assert event.delta.token_ids[-1] == stopper
 
 
-def test_finish_flushes_an_incomplete_character(tokenizer):
+def test_a_character_the_end_cut_is_not_output(tokenizer):
+    """vLLM's rule: the text never ends in U+FFFD for bytes max_tokens cut short; the token ids
+    keep them."""
     ids = tokenizer.encode("a😀")[:-1]  # the model stopped mid-emoji
     deltas = stream_text(tokenizer, ids)
-    assert "".join(deltas) == tokenizer.decode(ids) and deltas[-1].endswith("\ufffd")
+    assert tokenizer.decode(ids) == "a\ufffd" and "".join(deltas) == "a"
+    complete = tokenizer.encode("a😀b")
+    assert "".join(stream_text(tokenizer, complete)) == "a😀b"
 
 
 # ---------------------------------------------------------------- torch-free router

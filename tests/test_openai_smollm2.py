@@ -70,7 +70,8 @@ def test_emoji_stop_string_stops_and_logprob_bytes_rebuild_the_emoji(smol_cluste
     assert text.startswith("👌🏼👌🏼"), text   # the greedy answer this test is built on
     entries = whole.choices[0].logprobs.content
     joined = b"".join(bytes(e.bytes) for e in entries)
-    assert joined.decode("utf-8", errors="replace") == text and joined.startswith("👌🏼👌🏼".encode())
+    # the text is the bytes' characters; one that max_tokens cut short is not text (vLLM's rule)
+    assert joined.decode("utf-8", errors="replace").rstrip("\ufffd") == text and joined.startswith("👌🏼👌🏼".encode())
     stopped = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=16,
                                              temperature=0, stop=["🏼"])
     assert stopped.choices[0].message.content == "👌" and stopped.choices[0].finish_reason == "stop"
