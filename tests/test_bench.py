@@ -131,6 +131,15 @@ def test_loopback_only_by_default():
         main(["--address", "10.1.2.3:50051"])
 
 
+@pytest.mark.parametrize("args", [["--output-len", "-4"], ["--input-len", "0"], ["--range-ratio", "1.5"],
+                                  ["--burstiness", "0"], ["--max-concurrency", "0"]])
+def test_bad_options_are_a_usage_error_naming_them(args, capsys):
+    """Found by a probe: a negative --output-len ended in a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--address", "127.0.0.1:1", *args])
+    assert exit_.value.code == 2 and args[0] in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- OpenAI backend vs a fake SSE server
 
 

@@ -139,6 +139,14 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("chat completions and transformers serve take text prompts: pass --tokenizer DIR")
     if args.num_prompts < 1 or args.num_warmups < 0:
         raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
+    if args.input_len < 1 or args.output_len < 1:
+        raise ValueError(f"--input-len and --output-len must be >= 1, got {args.input_len} and {args.output_len}")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.launch:
         return
     host = _host_of(args.address) if args.backend == "grpc" else (urlsplit(args.base_url).hostname or "")
