@@ -41,6 +41,16 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:  # Ctrl-C before serve's own handlers are in place (imports)
         return 128 + signal.SIGINT
+    except (OSError, ValueError) as exc:   # a file that cannot be read, a value no run could use: the user's
+        logger.debug("usage error", exc_info=True)
+        print(f"pdserve {args.command}: error: {_said(exc)}", file=sys.stderr)
+        return 2
+
+
+def _said(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return str(exc)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -381,6 +381,7 @@ class Cluster:
         if not cfg.use_placement_group or cfg.prefill_resources or cfg.decode_resources:
             return None
         bundles = [{"CPU": cfg.cpus_per_worker, **({"GPU": g} if g else {})} for g in gpus_per_bundle]
+        check_cpus(len(bundles), cfg.cpus_per_worker, ray.cluster_resources().get("CPU", 0.0), embedded=self._started_ray)
         self._pg = placement_group(bundles, strategy="PACK")
         return self._pg
 
@@ -469,6 +470,20 @@ class Cluster:
         if self.config.tracing is not None:
             tracing.reset()   # flush the router's spans; back to the no-op tracer
         reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)
+
+
+def check_cpus(num_workers: int, cpus_per_worker: float, have: float, embedded: bool) -> None:
+    """Workers that ask for more CPUs than the Ray cluster ``have``s would wait for a placement that
+    never comes, in silence: on an embedded Ray (no node will join) that is an error naming the fix;
+    on a cluster an autoscaler may grow, a warning."""
+    need = num_workers * cpus_per_worker
+    if need <= have:
+        return
+    message = (f"{num_workers} workers x {cpus_per_worker:g} CPUs (--cpus-per-worker) need {need:g} CPUs; the Ray "
+               f"cluster has {have:g}: lower --cpus-per-worker (e.g. {have / num_workers:.2g}) or the number of workers")
+    if embedded:
+        raise ValueError(message)
+    logger.warning("%s; waiting for nodes to join", message)
 
 
 async def _prepare_model_remote(source: str | None):

@@ -10,6 +10,7 @@ with the system's CA roots) and the same token file / variable.
 from __future__ import annotations
 
 import argparse
+import ssl
 from typing import Any
 
 from router.security import AUTH_TOKEN_ENV, ServerSecurity, token_from
@@ -31,6 +32,11 @@ def server_security(args: argparse.Namespace) -> ServerSecurity | None:
     """The settings the flags ask for (files read now, so a bad path fails before Ray starts);
     None when there are none."""
     security = ServerSecurity.from_files(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file)
+    try:   # a certificate, key or CA that is no PEM, or a key that is not the certificate's: now, before Ray
+        security.ssl_context()
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-cert / --tls-key / --tls-client-ca: not a PEM certificate, its key and a CA "
+                         f"({exc.reason or exc})") from None
     return None if security == ServerSecurity() else security
 
 

@@ -333,3 +333,9 @@ def test_launched_cluster_end_to_end(ray_session, tmp_path, capsys):
     merged = tmp_path / "merged"
     assert main(["plot", str(result), str(tmp_path / "other.json"), "--out", str(merged)]) == 0
     assert len(list(Path(merged).glob("*.png"))) == 4
+
+
+def test_a_server_that_is_not_there_is_named_not_a_traceback(capsys):
+    """Found by a probe: the gRPC error of the first call (ServerInfo) ended in a traceback."""
+    assert main(["--address", "127.0.0.1:1", "--num-prompts", "2"]) == 1
+    assert "pdserve bench: error: 127.0.0.1:1: UNAVAILABLE" in capsys.readouterr().err

@@ -34,6 +34,11 @@ REFUSED = [
     ("--min-ttft-ms 0", "min_ttft_ms must be > 0"),
     ("--http-receive-timeout-s 0", "http_receive_timeout_s must be > 0"),
     ("--block-size 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
+    ("--worker-stall-timeout -1", "worker_stall_timeout_s must be >= 0"),
+    ("--drain-timeout -1", "drain_timeout_s must be >= 0"),
+    # files, read (and a certificate checked) before Ray starts: found by a probe (tracebacks, or a hang)
+    ("--auth-token-file /nonexistent", "/nonexistent: No such file or directory"),
+    ("--tls-cert /etc/hostname --tls-key /etc/hostname", "--tls-cert / --tls-key / --tls-client-ca: not a PEM"),
 ]
 
 
@@ -44,6 +49,23 @@ def test_serve_refuses_a_config_no_cluster_could_serve_with(args, message, capsy
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a refused config"))
     assert main(["serve", *args.split()]) == 2
     assert f"pdserve serve: error: {message}" in capsys.readouterr().err
+
+
+def test_workers_needing_more_cpus_than_ray_has_are_refused_on_an_embedded_ray(caplog):
+    """Found by a probe: --num-decode 2 on 2 cores (3 workers x 1 CPU) waited for a placement that
+    never came, in silence. Embedded Ray: an error naming the fix; a cluster that may grow: a warning."""
+    from deploy.launcher import check_cpus
+
+    check_cpus(2, 1.0, have=2.0, embedded=True)
+    with pytest.raises(ValueError, match=r"need 3 CPUs; the Ray cluster has 2: lower --cpus-per-worker \(e.g. 0.67\)"):
+        check_cpus(3, 1.0, have=2.0, embedded=True)
+    check_cpus(3, 1.0, have=2.0, embedded=False)
+    assert "waiting for nodes to join" in caplog.text
+
+
+def test_client_commands_name_a_file_they_cannot_read(capsys):
+    assert main(["generate", "hi", "--tls-ca", "/nonexistent.pem"]) == 2
+    assert "pdserve generate: error: /nonexistent.pem: No such file or directory" in capsys.readouterr().err
 
 
 def test_programmatic_configs_follow_the_same_rules():

@@ -24,6 +24,8 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+import grpc
+
 from deploy import security_args
 from deploy.bench import report
 from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend
@@ -121,7 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    return _run_main(args, slos)
+    try:
+        return _run_main(args, slos)
+    except (OSError, ValueError) as exc:   # an unreadable file (a token, a certificate): the user's to fix
+        parser.error(f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc))
+    except grpc.RpcError as exc:   # the server is not there, or refused us (a wrong token)
+        target = args.address if args.backend == "grpc" else args.base_url
+        print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
 
 
 def _plot_main(args: argparse.Namespace) -> int:
