@@ -246,7 +246,7 @@ class LLMEngine:
 
     @staticmethod
     def _prefill_done(r: Request, blocks: tuple[int, ...]) -> PrefillDone:
-        scheduled = r.first_scheduled_s or r.added_s
+        queue_s, prefill_s = _phases(r)
         return PrefillDone(
             req_id=r.req_id,
             block_ids=blocks,
@@ -255,8 +255,8 @@ class LLMEngine:
             first_logprob=r.output_logprobs[0] if r.output_logprobs else None,
             first_top_logprobs=r.output_top_logprobs[0] if r.output_top_logprobs else None,
             prompt_logprobs=prompt_logprobs.result(r),
-            queue_s=scheduled - r.added_s,
-            prefill_s=time.perf_counter() - scheduled,
+            queue_s=queue_s,
+            prefill_s=prefill_s,
             num_cached_tokens=r.num_cached_tokens,
         )
 
@@ -275,8 +275,9 @@ class LLMEngine:
         tops = tuple(request.output_top_logprobs[done:]) if request.output_top_logprobs else None
         request.num_reported_tokens = len(request.output_token_ids)
         reason = request.finish_reason if request.is_finished else None
+        phases = _phases(request) if first and reason is not None and self.config.role is EngineRole.PREFILL else None
         return TokenDelta(request.req_id, new, reason, logprobs, error, request.num_cached_tokens if first else 0, tops,
-                          prompt_logprobs.result(request) if first else None, error_field)
+                          prompt_logprobs.result(request) if first else None, error_field, phases)
 
     def _record_timing(self, out: SchedulerOutput, duration_s: float) -> StepTiming:
         timing = StepTiming(
@@ -346,3 +347,9 @@ def _check_dtype(model: torch.nn.Module, kv_dtype: str) -> None:
 def _describe(exc: BaseException) -> str:
     """What a failed request's delta carries: the router logs it (clients get a reference)."""
     return f"{type(exc).__name__}: {exc}"
+
+
+def _phases(r: Request) -> tuple[float, float]:
+    """A prefilled request's queue (added -> first scheduled) and compute (-> now) seconds."""
+    scheduled = r.first_scheduled_s or r.added_s
+    return scheduled - r.added_s, time.perf_counter() - scheduled

@@ -161,6 +161,9 @@ class TokenDelta:
     # output whose grammar cannot go on, every token ruled out): the client's mistake, answered
     # INVALID_ARGUMENT naming it. None: a failure of ours.
     error_field: str | None = None
+    # Prefill role, a request that ended at its first token (no hand-off, so no PrefillDone):
+    # its queue and compute seconds, which its result and trace report.
+    phase_s: tuple[float, float] | None = None
 
     @property
     def finished(self) -> bool:

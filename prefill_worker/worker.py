@@ -196,9 +196,10 @@ class PrefillWorker(WorkerBase):
             await asyncio.wrap_future(added)
             outcome = await waiter
             if isinstance(outcome, TokenDelta):
+                _phase_spans(*(outcome.phase_s or (0.0, 0.0)), len(spec.prompt_token_ids))
                 result = _ended_at_prefill(outcome)
             else:
-                _phase_spans(outcome)
+                _phase_spans(outcome.queue_s, outcome.prefill_s, outcome.num_tokens)
                 with tracing.current_child("kv_handoff") as span:   # None: untraced
                     result = await self._hand_off(outcome, reservation, decode)
                     if span is not None:
@@ -372,17 +373,17 @@ class PrefillWorker(WorkerBase):
             sender.close()
 
 
-def _phase_spans(done: PrefillDone) -> None:
+def _phase_spans(queue_s: float, prefill_s: float, num_tokens: int) -> None:
     """The engine's queue and compute times of a finished prefill as spans under the current one
     (their ends are known now; the engine loop thread is not traced)."""
     span = tracing.trace.get_current_span()
     if not span.is_recording():
         return
     now = time.time_ns()
-    compute_start = now - int(done.prefill_s * 1e9)
-    queue_start = compute_start - int(done.queue_s * 1e9)
+    compute_start = now - int(prefill_s * 1e9)
+    queue_start = compute_start - int(queue_s * 1e9)
     for name, start, end in (("prefill.queue", queue_start, compute_start), ("prefill.compute", compute_start, now)):
-        tracing.tracer().start_span(name, start_time=start, attributes={"pdserve.tokens": done.num_tokens}).end(end)
+        tracing.tracer().start_span(name, start_time=start, attributes={"pdserve.tokens": num_tokens}).end(end)
 
 
 def _resolving(awaitable) -> asyncio.Task:
@@ -403,8 +404,10 @@ def _ended_at_prefill(delta: TokenDelta) -> PrefillResult:
     logprob = delta.logprobs[0] if delta.logprobs else None
     top = delta.top_logprobs[0] if delta.top_logprobs else None
     outcome = HandoffOutcome.ABORTED if delta.finish_reason is FinishReason.ABORT else HandoffOutcome.ENDED_AT_PREFILL
+    queue_s, prefill_s = delta.phase_s or (0.0, 0.0)   # none: it ended before its first token (an abort)
     return PrefillResult(delta.req_id, first, delta.finish_reason, logprob, delta.error, outcome=outcome,
-                         first_top_logprobs=top, prompt_logprobs=delta.prompt_logprobs, error_field=delta.error_field)
+                         first_top_logprobs=top, prompt_logprobs=delta.prompt_logprobs, error_field=delta.error_field,
+                         queue_s=queue_s, prefill_s=prefill_s, cached_tokens=delta.num_cached_tokens)
 
 
 def _result(done: PrefillDone, reason: FinishReason | None, transfer_s: float = 0.0, num_bytes: int = 0,

@@ -389,3 +389,15 @@ def test_a_burst_past_the_decode_pool_prefills_each_prompt_once(ray_session, hf_
         assert cluster_leaks(cluster) == {}
     finally:
         cluster.stop()
+
+
+def test_a_request_that_ends_at_its_first_token_reports_its_prefill(disagg):
+    """Found by a probe: max_tokens 1 (no hand-off) reported no prefill time and no cache hit."""
+    prompt = [(i * 13) % 400 + 20 for i in range(100)]
+    with PdserveClient(address(disagg)) as client:
+        cold = client.generate_text(token_ids=prompt, max_tokens=1, ignore_eos=True).timings
+        warm = client.generate_text(token_ids=prompt, max_tokens=1, ignore_eos=True).timings
+    assert cold.kv_handoff == warm.kv_handoff == "ended_at_prefill"
+    assert cold.prefill_s > 0 and warm.prefill_s > 0
+    assert cold.prefill_cached_tokens == 0 and warm.prefill_cached_tokens >= 96   # six full 16-token blocks
+    assert cluster_leaks(disagg) == {}
