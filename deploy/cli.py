@@ -354,6 +354,8 @@ def _run_chat(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from deploy.demo import run_demo
 
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")   # main: a usage error
     return run_demo(args.model, args.num_requests)
 
 

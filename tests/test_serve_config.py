@@ -93,3 +93,8 @@ def test_generate_and_chat_sampling_flags_become_the_requests_fields():
         (0.7, 0.1, 4, 1.2, 0.5, -0.5)
     plain = build_request(text="hi", **_request_kwargs(_parser().parse_args(["chat"]))).sampling
     assert not plain.HasField("min_p") and not plain.HasField("repetition_penalty")
+
+
+def test_demo_refuses_a_request_count_it_cannot_run(capsys):
+    assert main(["demo", "--num-requests", "0"]) == 2
+    assert "pdserve demo: error: --num-requests must be >= 1, got 0" in capsys.readouterr().err
