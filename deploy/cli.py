@@ -43,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except (OSError, ValueError) as exc:   # a file that cannot be read, a value no run could use: the user's
         logger.debug("usage error", exc_info=True)
-        print(f"pdserve {args.command}: error: {_said(exc)}", file=sys.stderr)
+        print(f"pdserve {args.command}: error: {said(exc)}", file=sys.stderr)
         return 2
 
 
-def _said(exc: BaseException) -> str:
+def said(exc: BaseException) -> str:
+    """A usage error in the user's words: the file and why it cannot be read, or the message."""
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.filename}: {exc.strerror or exc}"
     return str(exc)
@@ -249,13 +250,13 @@ async def _serve(config) -> int:
 
     cluster = Cluster(config)
     starting = asyncio.ensure_future(cluster.start())
-    stop = asyncio.Event()
+    stop, again = asyncio.Event(), asyncio.Event()   # the first signal; a second one (ends a drain)
     signals: list[signal.Signals] = []
 
     def on_signal(sig: signal.Signals) -> None:
         signals.append(sig)
         starting.cancel()  # a no-op once started
-        stop.set()
+        (again if stop.is_set() else stop).set()
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -276,13 +277,13 @@ async def _serve(config) -> int:
               + (f", metrics on http://{config.metrics_host}:{cluster.metrics_port}/metrics" if cluster.metrics_port else "")
               + f" ({config.mode}). Ctrl-C stops.", flush=True)
         await stop.wait()
-        await _drain(cluster, config.drain_timeout_s, signals)
+        await _drain(cluster, config.drain_timeout_s, signals, again)
     finally:
         await cluster.stop()
     return 0
 
 
-async def _drain(cluster, timeout_s: float, signals: list) -> None:
+async def _drain(cluster, timeout_s: float, signals: list, again: asyncio.Event) -> None:
     """Live requests may finish (up to ``timeout_s``) while new ones are refused; a second
     signal stops at once."""
     live = len(cluster.servicer.core.live) if timeout_s else 0
@@ -291,9 +292,9 @@ async def _drain(cluster, timeout_s: float, signals: list) -> None:
         return
     print(f"pdserve: {signals[0].name}, draining {live} live request(s) for up to {timeout_s:.0f} s "
           f"(new ones are refused; Ctrl-C again stops now)", flush=True)
-    drain = asyncio.ensure_future(cluster.drain(timeout_s))
-    while not drain.done() and len(signals) < 2:
-        await asyncio.wait([drain], timeout=0.1)
+    drain, second = asyncio.ensure_future(cluster.drain(timeout_s)), asyncio.ensure_future(again.wait())
+    await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
+    second.cancel()
     if not drain.done():
         drain.cancel()
         print(f"pdserve: {signals[-1].name} again, stopping now", flush=True)

@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run_main(args, slos)
     except (OSError, ValueError) as exc:   # an unreadable file (a token, a certificate): the user's to fix
-        parser.error(f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else str(exc))
+        from deploy.cli import said
+
+        parser.error(said(exc))
     except grpc.RpcError as exc:   # the server is not there, or refused us (a wrong token)
         target = args.address if args.backend == "grpc" else args.base_url
         print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
