@@ -34,7 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool
-from deploy.ray_init import init_ray, shutdown_ray
+from deploy.ray_init import init_ray, shutdown_ray, valid_address
 from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
@@ -123,6 +123,8 @@ class ClusterConfig:
         for name in ("port", "metrics_port", "http_port"):
             port = getattr(self, name)
             _require(port is None or 0 <= port <= 65535, name, f"must be in [0, 65535] (0: any free port), got {port}")
+        _require(valid_address(self.address), "address",
+                 f"must be auto, local or [ray://]host:port with a port in 1-65535, got {self.address!r}")
         _require(self.kv_transport is None or self.kv_transport in TRANSPORTS, "kv_transport",
                  f"must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
         _require(self.migration_limit >= 0, "migration_limit", f"must be >= 0, got {self.migration_limit}")

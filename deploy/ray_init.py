@@ -15,8 +15,10 @@ Leaving: ``shutdown_ray`` waits (bounded) until the processes of an embedded Ray
 that what they left behind (a worker killed mid-start keeps its /dev/shm pool) can be reclaimed
 at once rather than at the next start.
 
-SIGTERM: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit`` wherever the main
-thread happens to be; the caller's handler (``pdserve serve``: a graceful stop) is put back.
+SIGTERM: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit(15)`` wherever the main
+thread happens to be, first thing, for the whole start (seconds); the caller's handler
+(``pdserve serve``: a graceful stop, or a cancelled start exiting 143) stays in place instead:
+Ray's installer is a no-op for the call.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 import psutil
 import ray
 from ray._private import ray_constants
+from ray._private import utils as ray_utils
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,15 @@ def shutdown_ray(wait_s: float = 10.0) -> None:
     _, alive = psutil.wait_procs(descendants, timeout=wait_s)
     if alive:
         logger.warning("%d Ray processes still running %.0f s after shutdown", len(alive), wait_s)
+
+
+def valid_address(address: str | None) -> bool:
+    """What Ray can join: none (embedded), ``auto``, ``local``, ``[ray://]host:port`` with a port in
+    1-65535 (anything else is refused at once, not after a minute of connection retries)."""
+    if address is None or address in ("auto", "local"):
+        return True
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def init_ray(address: str | None, **kwargs) -> None:
@@ -69,8 +81,11 @@ def _keep_sigterm_handler() -> Iterator[None]:
         yield  # ray.init only touches signals from the main thread
         return
     previous = signal.getsignal(signal.SIGTERM)
+    install = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None   # a SIGTERM mid-init reaches the caller's handler
     try:
         yield
     finally:
-        if previous is not None:  # None: set outside Python, nothing of ours to restore
+        ray_utils.set_sigterm_handler = install
+        if previous is not None and signal.getsignal(signal.SIGTERM) is not previous:   # belt and braces
             signal.signal(signal.SIGTERM, previous)

@@ -3,7 +3,7 @@ process tree leaves /dev/shm pools that the next start reclaims; start-up's heap
 garbage collection before it serves; SIGTERM stops it gracefully
 (exit 0, no pool left, no Ray process left), first draining: a live request finishes while new
 ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once;
-SIGINT during start-up stops the start; the embedded Ray listens on loopback only.
+SIGINT or SIGTERM during start-up stops the start (exit 130 / 143); the embedded Ray listens on loopback only.
 
 Each run starts in its own session (``start_new_session``), and every process Ray starts stays
 in it (checked: GCS, raylet, agents, workers), so "the router's tree" is exactly the processes
@@ -179,21 +179,24 @@ def test_crash_leaves_pools_the_next_start_reclaims_and_sigterm_stops_cleanly(ru
     assert not orphaned(first.pools_before)
 
 
-def assert_start_stopped_by_sigint(run: Serve) -> None:
+def assert_start_stopped_by(run: Serve, sig: signal.Signals = signal.SIGINT) -> None:
     started = time.monotonic()
-    run.proc.send_signal(signal.SIGINT)
-    assert run.exit_code(STOP_BOUND_S) == 128 + signal.SIGINT, run.text
+    run.proc.send_signal(sig)
+    assert run.exit_code(STOP_BOUND_S) == 128 + sig, run.text
     assert time.monotonic() - started < 30
-    assert not READY.search(run.text), "it finished starting despite the Ctrl-C"
-    assert "SIGINT during start-up" in run.text
+    assert not READY.search(run.text), f"it finished starting despite the {sig.name}"
+    assert f"{sig.name} during start-up" in run.text
     assert run.session_gone(30), [p.name() for p in run.session]
     assert not orphaned(run.pools_before), "a worker killed mid-start left its pool"
 
 
-def test_sigint_during_start_up_stops_the_start(runs):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_signal_during_start_up_stops_the_start(runs, sig):
+    """Sent as Ray logs its start, inside ``ray.init`` (the driver still connecting): Ray's own
+    SIGTERM handler (``sys.exit(15)``) is kept out, so SIGTERM is the same cancelled start."""
     run = runs()
     run.wait_for("Started a local Ray instance", START_TIMEOUT_S)  # ~2 s in: Ray up, workers not yet
-    assert_start_stopped_by_sigint(run)
+    assert_start_stopped_by(run, sig)
 
 
 def test_sigint_while_workers_start_tears_them_down(runs):
@@ -203,7 +206,7 @@ def test_sigint_while_workers_start_tears_them_down(runs):
     while not run.segments():  # the decode worker has made its pool: it is mid-construction
         assert time.monotonic() < deadline and run.proc.poll() is None, run.text
         time.sleep(0.05)
-    assert_start_stopped_by_sigint(run)
+    assert_start_stopped_by(run)
 
 
 def _actor_process(run: Serve, actor_class: str) -> psutil.Process:

@@ -36,6 +36,8 @@ REFUSED = [
     ("--block-size 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
     ("--worker-stall-timeout -1", "worker_stall_timeout_s must be >= 0"),
     ("--drain-timeout -1", "drain_timeout_s must be >= 0"),
+    ("--address head:99999", "address must be auto, local or [ray://]host:port with a port in 1-65535"),
+    ("--address ray://head", "address must be auto, local or [ray://]host:port"),
     # files, read (and a certificate checked) before Ray starts: found by a probe (tracebacks, or a hang)
     ("--auth-token-file /nonexistent", "/nonexistent: No such file or directory"),
     ("--tls-cert /etc/hostname --tls-key /etc/hostname", "--tls-cert / --tls-key / --tls-client-ca: not a PEM"),
