@@ -66,7 +66,7 @@ def _machine_tag() -> str:
     cpu = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [l for l in f if l.startswith(("model name", "flags"))]
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
         cpu += "".join(sorted(set(lines)))
     except OSError:
         cpu += platform.processor()

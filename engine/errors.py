@@ -26,7 +26,17 @@ def require(ok: object, field: str, message: str) -> None:
 
 
 class CapacityError(PdserveError):
-    """No room now or within the request's SLO (maps to RESOURCE_EXHAUSTED)."""
+    """No room now or within the request's SLO (maps to RESOURCE_EXHAUSTED). ``reason`` says
+    which limit refused it, the ``reason`` label of the router's rejection count: ``ttft``
+    (admission's prediction), ``queue_full`` (max_queued_requests), ``queue_deadline`` (queued
+    past its TTFT), ``max_streams`` (max_concurrent_streams), else ``capacity``."""
+
+    def __init__(self, message: str, reason: str = "capacity") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):   # the reason survives pickling (Ray carries a worker's errors)
+        return type(self), (str(self), self.reason)
 
 
 class KVTransferError(PdserveError):

@@ -265,14 +265,14 @@ class Admission:
                 if ticket is None:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
-                                            f"({decision.reason}); retry later")
+                                            f"({decision.reason}); retry later", "queue_full")
                     ticket = self._waiters.enter(None if resuming else lambda worker: self._could_take(worker, spec))
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0 and decision.prediction is None:
                     raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
                 if remaining <= 0:
-                    raise CapacityError(f"queued past its TTFT deadline ({decision.reason})")
+                    raise CapacityError(f"queued past its TTFT deadline ({decision.reason})", "queue_deadline")
                 # Woken by one worker's report, the check ran in ``notify``, but earlier waiters may
                 # have taken that worker's room since: checked again (a decision only if still free).
                 source = await self._waiters.wait(ticket, remaining)
@@ -285,7 +285,8 @@ class Admission:
                 self._count_queue(-1, metrics)
         queued = ticket is not None
         if decision.action is Action.REJECT:
-            raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""))
+            raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""),
+                                decision.cause.value)
         if metrics is not None:
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction

@@ -64,7 +64,11 @@ class GenerationEvent:
 
 
 # A request refused when it arrives, by why (the metrics' rejection reason).
-_REJECTED_AS = {DuplicateRequestError: "duplicate_id", CapacityError: "max_streams", ShuttingDownError: "shutting_down"}
+def _rejected_as(exc: Exception) -> str:
+    """The ``reason`` label a refusal is counted under."""
+    if isinstance(exc, CapacityError):
+        return exc.reason
+    return "duplicate_id" if isinstance(exc, DuplicateRequestError) else "shutting_down"
 
 
 class GenerationCore:
@@ -90,7 +94,7 @@ class GenerationCore:
             return self.live.claim(convert.label_from_proto(request))
         except (DuplicateRequestError, CapacityError, ShuttingDownError) as exc:   # refused before admission: counted too
             if self.metrics is not None:
-                self.metrics.request_rejected(_REJECTED_AS[type(exc)])
+                self.metrics.request_rejected(_rejected_as(exc))
             raise
 
     def release(self, identity: RequestIdentity | None) -> None:
@@ -130,7 +134,7 @@ class GenerationCore:
         detok = self._detokenizer(request, spec)
         trim = StopTextTrimmer(spec.sampling.stop, spec.sampling.include_stop_str_in_output) if spec.sampling.stop else None
         outcome = FinishReason.ABORT  # until the stream says otherwise
-        rejected = False
+        rejected: str | None = None   # refused by admission: the reason it is counted under
         QUEUE_POLICY.set(self._queue_policy)  # read by the request's DeltaQueue
         try:
             async with contextlib.aclosing(self.orchestrator.generate(spec, trace)) as deltas:
@@ -147,7 +151,7 @@ class GenerationCore:
                         stream_span = tracing.child(span, "stream")
                     yield self._event(delta, detok, trim, spec, trace, self._ended_by_stop_token(delta, spec))
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
-            rejected = not isinstance(exc, SlowReaderError)
+            rejected = None if isinstance(exc, SlowReaderError) else _rejected_as(exc)
             raise
         except Exception:
             outcome = FinishReason.ERROR
@@ -253,11 +257,11 @@ class GenerationCore:
         usage = Usage(prompt_tokens=len(spec.prompt_token_ids), completion_tokens=len(trace.token_times))
         return GenerationEvent(delta, text, usage, trace.timings())
 
-    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason, rejected: bool) -> None:
+    def _record(self, spec: RequestSpec, trace: RequestTrace, outcome: FinishReason, rejected: str | None) -> None:
         if self.metrics is None:
             return
-        if rejected:
-            self.metrics.request_rejected("capacity")
+        if rejected is not None:
+            self.metrics.request_rejected(rejected)
             return
         times = trace.token_times
         itls = [b - a for a, b in zip(times, times[1:])]

@@ -53,7 +53,8 @@ class LiveRequests:
         if label is not None and label in self._live:
             raise DuplicateRequestError(f"request_id: {label!r} is already live on this server")
         if len(self._live) >= self.max_live:
-            raise CapacityError(f"max_concurrent_streams: {self.max_live} requests are live; retry later")
+            raise CapacityError(f"max_concurrent_streams: {self.max_live} requests are live; retry later",
+                                "max_streams")
         identity = RequestIdentity(label if label is not None else uuid.uuid4().hex, uuid.uuid4().hex)
         self._live[identity.label] = identity.req_id
         return identity

@@ -25,7 +25,9 @@ Metrics (every name starts with ``pdserve_``):
   counters
     requests_total                               outcome: finished_stop, finished_length,
                                                  aborted, error, rejected, invalid
-    admission_decisions_total                    decision: admit, queue, reject; reason
+    admission_decisions_total                    decision: admit, queue, reject; reason (admission.Cause's,
+                                                 or a refusal's: ttft, queue_full, queue_deadline,
+                                                 max_streams, duplicate_id, shutting_down, capacity)
     preemptions_total                            worker      (from WorkerStats deltas)
     prefix_cache_query_tokens_total,             worker      (from WorkerStats deltas: prompt
     prefix_cache_hit_tokens_total                             tokens looked up / found cached)

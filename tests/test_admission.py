@@ -148,8 +148,9 @@ def test_queue_waits_for_capacity_then_admits_or_times_out():
         pair = await asyncio.wait_for(waiter, 1.0)
         assert pair.decode is decode and admission.num_queued == 0
         sent_to_decode(decode, 60)       # queued again: the time it waits counts toward its TTFT
-        with pytest.raises(CapacityError, match=r"TTFT \d+ ms \(\d+ ms of it queued\)"):
+        with pytest.raises(CapacityError, match=r"TTFT \d+ ms \(\d+ ms of it queued\)") as refused:
             await admission.acquire(spec(ttft=0.2, tpot=0.05))
+        assert refused.value.reason == "ttft", "counted under its cause (found by a probe: every refusal read 'capacity')"
         assert admission.num_queued == 0
 
     asyncio.run(scenario())
@@ -459,3 +460,12 @@ def test_best_effort_on_a_colocated_worker_queues_in_its_engine_not_here():
     admission = Admission(registry)
     assert admission.decide(spec(prompt=320)).action is Action.ADMIT
     assert admission._could_take(d, spec(prompt=320))
+
+
+def test_a_refusals_reason_survives_the_trip_from_a_worker():
+    """Ray carries a worker's errors pickled: the reason label must come through."""
+    import pickle
+
+    back = pickle.loads(pickle.dumps(CapacityError("predicted TTFT 900 ms > target 300 ms", "ttft")))
+    assert (str(back), back.reason) == ("predicted TTFT 900 ms > target 300 ms", "ttft")
+    assert CapacityError("no room").reason == "capacity"

@@ -79,6 +79,10 @@ def test_burst_is_shed_and_admitted_requests_meet_ttft_then_metrics_validate(clu
     assert sum(float(c) for c in counts) == len(warm) + len(served)
     rejected_total = re.search(r'^pdserve_requests_total\{outcome="rejected"\} (\S+)$', text, re.M)
     assert float(rejected_total.group(1)) == len(rejected)
+    # Each refusal counted under its cause (a probe found all of them under "capacity"): the
+    # prediction (ttft), or a wait in the queue that ran past the target (queue_deadline).
+    reasons = dict(re.findall(r'^pdserve_admission_decisions_total\{decision="reject",reason="(\w+)"\} (\S+)$', text, re.M))
+    assert set(reasons) <= {"ttft", "queue_deadline"} and sum(map(float, reasons.values())) == len(rejected), reasons
     promtool = require_promtool()
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -208,8 +208,9 @@ def test_admission_queue_cap_answers_at_once():
         waiters = [asyncio.create_task(admission.acquire(admission_spec(ttft=5.0, tpot=0.05))) for _ in range(2)]
         await asyncio.sleep(0.05)
         assert admission.num_queued == 2   # at the cap: both wait
-        with pytest.raises(CapacityError, match="^max_queued_requests: "):
+        with pytest.raises(CapacityError, match="^max_queued_requests: ") as refused:
             await asyncio.wait_for(admission.acquire(admission_spec(ttft=5.0, tpot=0.05)), 0.5)
+        assert refused.value.reason == "queue_full"
         sent_to_decode(admission.registry.decode[0], 0)
         admission.notify()
         await asyncio.wait_for(asyncio.gather(*waiters), 1.0)

@@ -239,9 +239,10 @@ class _Api:
         cap = self.core.limits.max_concurrent_streams
         if self._receiving < cap:
             return
-        exc = CapacityError(f"max_concurrent_streams: {cap} request bodies are being received; retry later")
+        exc = CapacityError(f"max_concurrent_streams: {cap} request bodies are being received; retry later",
+                            "max_streams")
         if self.core.metrics is not None:   # refused before admission: counted as gRPC's max_streams refusals
-            self.core.metrics.request_rejected("max_streams")
+            self.core.metrics.request_rejected(exc.reason)
         code, message = self.core.failure(exc, None)
         raise errors.from_status(code, message, exc)
 
