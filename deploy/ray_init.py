@@ -18,7 +18,8 @@ at once rather than at the next start.
 SIGTERM: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit(15)`` wherever the main
 thread happens to be, first thing, for the whole start (seconds); the caller's handler
 (``pdserve serve``: a graceful stop, or a cancelled start exiting 143) stays in place instead:
-Ray's installer is a no-op for the call.
+Ray's installer is a no-op for the call. The driver's C++ core worker also installs a
+failure-signal handler for SIGTERM as it connects; the caller's is installed again after the call.
 """
 
 from __future__ import annotations
@@ -87,5 +88,8 @@ def _keep_sigterm_handler() -> Iterator[None]:
         yield
     finally:
         ray_utils.set_sigterm_handler = install
-        if previous is not None and signal.getsignal(signal.SIGTERM) is not previous:   # belt and braces
+        if previous is not None:   # None: set outside Python, nothing of ours to restore
+            # Always: the core worker's C++ failure-signal handler took SIGTERM over at the OS
+            # level (invisible to signal.getsignal); left there, it prints a stack on every
+            # SIGTERM and the process later dies of SIGABRT.
             signal.signal(signal.SIGTERM, previous)

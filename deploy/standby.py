@@ -8,9 +8,14 @@ decode spare's pool is its own /dev/shm file, touched once like every pool), the
 engine loop, no CPU reservation. ``take(kind)`` hands one to the supervisor's spawn, which
 ``activate``s it under the dead worker's id (its loop starts; its engine and pool were never
 used) and ``start``s it; a spare still loading is awaited (it is ahead of a cold start).
-``refill`` then builds the next one. A spare that died while idle fails its activation: the
-caller falls back to a cold start. The price: one more process, copy of the weights and KV
-pool per kind. GPU workers get no spare (it would compete for the GPU's memory).
+``refill`` then builds the next one. A ready spare is watched through its lifeline (as the
+supervisor watches a worker): one that dies while idle (the OOM killer, a stray kill) is dropped
+and built again at once, so the next loss still gets a warm spare and the new spare's pool
+creation reclaims the dead one's /dev/shm file (``kvtransfer.shm_reclaim``) rather than leaving
+it for the next worker loss; spares that keep dying are rebuilt after a doubling pause
+(``IDLE_DEATH_PAUSE_MAX_S``). A spare that dies between that check and its activation fails the
+activation: the caller falls back to a cold start. The price: one more process, copy of the
+weights and KV pool per kind. GPU workers get no spare (it would compete for the GPU's memory).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import ray
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_S = 5.0   # a spare's shutdown (unlinking its pool) gets this long before it is killed
+IDLE_DEATH_PAUSE_MAX_S = 60.0   # the longest pause before rebuilding a kind whose spares keep dying idle
 
 
 class StandbyPool:
@@ -31,16 +37,19 @@ class StandbyPool:
         """``make(kind)`` creates a spare actor of that kind (its constructor loads the model)."""
         self._make = make
         self._spares: dict[str, asyncio.Task] = {}
+        self._watches: dict[str, asyncio.Task] = {}     # kind -> the ready spare's lifeline watch
+        self._idle_deaths: dict[str, int] = {}          # kind -> spares in a row that died idle
 
     def fill(self, kinds: set[str]) -> None:
         for kind in kinds:
             self.refill(kind)
 
-    def refill(self, kind: str) -> None:
+    def refill(self, kind: str, pause_s: float = 0.0) -> None:
         if kind not in self._spares:
-            self._spares[kind] = asyncio.get_running_loop().create_task(self._build(kind), name=f"standby-{kind}")
+            self._spares[kind] = asyncio.get_running_loop().create_task(self._build(kind, pause_s), name=f"standby-{kind}")
 
-    async def _build(self, kind: str) -> Any:
+    async def _build(self, kind: str, pause_s: float = 0.0) -> Any:
+        await asyncio.sleep(pause_s)
         actor = self._make(kind)
         try:
             await actor.ping.remote()   # returns once the constructor (the model load) is done
@@ -48,7 +57,28 @@ class StandbyPool:
             ray.kill(actor, no_restart=True)
             raise
         logger.info("standby %s worker ready", kind)
+        build = asyncio.current_task()
+        if self._spares.get(kind) is build:   # still the pool's (not taken while it loaded)
+            self._watches[kind] = asyncio.get_running_loop().create_task(
+                self._watch(kind, actor, build), name=f"standby-{kind}-lifeline")
         return actor
+
+    async def _watch(self, kind: str, actor: Any, build: asyncio.Task) -> None:
+        """Drops and rebuilds the ready spare of ``kind`` if it dies while still in the pool."""
+        try:
+            await actor.lifeline.remote()
+            return   # it shut down: the pool is stopping
+        except ray.exceptions.RayError as exc:
+            cause = exc
+        if self._spares.get(kind) is not build:
+            return   # taken since (its death is the supervisor's) or the pool stopped
+        del self._spares[kind]
+        self._watches.pop(kind, None)
+        deaths = self._idle_deaths[kind] = self._idle_deaths.get(kind, 0) + 1
+        pause_s = 0.0 if deaths == 1 else min(IDLE_DEATH_PAUSE_MAX_S, 2.0 ** (deaths - 1))
+        logger.warning("standby %s worker died while idle (%s); building another%s", kind,
+                       str(cause).splitlines()[0], f" in {pause_s:.0f} s" if pause_s else "")
+        self.refill(kind, pause_s)
 
     async def peek(self, kind: str) -> Any | None:
         """The spare of ``kind`` once it is ready, left in the pool (introspection, tests)."""
@@ -60,6 +90,8 @@ class StandbyPool:
         task = self._spares.pop(kind, None)
         if task is None:
             return None
+        self._stop_watch(kind)
+        self._idle_deaths.pop(kind, None)
         try:
             return await task
         except Exception as exc:
@@ -71,6 +103,8 @@ class StandbyPool:
         its KV pool), then are killed."""
         tasks = list(self._spares.values())
         self._spares.clear()
+        for kind in list(self._watches):
+            self._stop_watch(kind)
         for task in tasks:
             if not task.done():
                 task.cancel()
@@ -79,3 +113,8 @@ class StandbyPool:
                              return_exceptions=True)
         for spare in spares:
             ray.kill(spare, no_restart=True)
+
+    def _stop_watch(self, kind: str) -> None:
+        watch = self._watches.pop(kind, None)
+        if watch is not None:
+            watch.cancel()   # the spare's own lifeline call stays pending in it, harmlessly

@@ -84,7 +84,7 @@ class WorkerBase:
             raise
         self.startup_s["kv_cache_and_engine"] = time.perf_counter() - begin
         self.aio: asyncio.AbstractEventLoop | None = None
-        self.closed: asyncio.Event | None = None
+        self.closed = asyncio.Event()   # set at shutdown; a spare's lifeline waits on it before it starts
         self._kv_events: list[KVEvent] = []    # taken by the next message to the router
         self.loop: EngineLoop | None = None   # a standby spare has none until ``activate``
         if not standby:
@@ -116,7 +116,6 @@ class WorkerBase:
     def start(self) -> None:
         """Call from the event loop the worker's coroutines will run on."""
         self.aio = asyncio.get_running_loop()
-        self.closed = asyncio.Event()
         self.loop.start()
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -187,5 +186,4 @@ class WorkerBase:
         if self.loop is not None:
             self.loop.stop()
         tracing.reset()   # flushes spans still batched for export
-        if self.closed is not None:
-            self.closed.set()
+        self.closed.set()

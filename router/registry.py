@@ -17,6 +17,7 @@ the old actor held is gone with its process). DEAD: given up (restart limit) or 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from router.prefix_index import PrefixIndex
 PREFILL_RATE_TAU_S = 60.0   # the prefill load a request decodes under: a minute, not a burst
 MIN_RATE_WINDOW_S = 5.0     # a young estimate divides by at least this much history
 PAIR_FAILURE_LIMIT = 2      # failed hand-offs in a row before a pair gives up on its transport
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerState(str, enum.Enum):
@@ -238,12 +241,15 @@ class WorkerRegistry:
 
     def lose_kv_group(self) -> None:
         """A member of the torch.distributed group died, which breaks the group for everyone:
-        route pairs around it (the object store) from now on."""
+        route pairs around it from now on (shm on one node, the object store across nodes; the
+        group is not formed again, so this lasts until the cluster restarts: said in the log)."""
         if self.dist_ready or self.forced_transport == "torch_dist":
             self.dist_ready = False
             if self.forced_transport == "torch_dist":
                 self.forced_transport = None
             self._transports.clear()
+            logger.warning("the torch.distributed KV group lost a member: KV moves over shm on one node and "
+                           "the object store across nodes from now on, until the cluster restarts")
 
     def transport(self, p: WorkerHandle, d: WorkerHandle) -> str:
         key = (p.worker_id, d.worker_id)

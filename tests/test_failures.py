@@ -310,23 +310,28 @@ def test_colocated_worker_killed_mid_stream_streams_complete(ray_session, worklo
         cluster.stop()
 
 
-def test_a_spare_that_died_idle_falls_back_to_a_cold_start(ray_session, workload):
-    """The spare is killed while it waits; the next worker loss finds it dead, starts a new
-    process instead, and the request still completes."""
-    import ray
+def test_a_spare_that_dies_idle_is_rebuilt_one_that_dies_loading_falls_back_to_a_cold_start(ray_session, workload):
+    """The spare is killed while it waits (a probe found it stayed dead, its 2 GiB pool left in
+    /dev/shm, and the next loss then started cold): the pool notices at once, builds another
+    (whose pool creation reclaims the dead one's file), and the next worker loss is taken by the
+    new spare, its requests complete. Then a spare that dies while it loads: that loss is a cold
+    start, and a spare is built again for the one after."""
+    from pathlib import Path
 
     prompts, max_tokens, refs = workload
     cluster = start_cluster("disaggregated", standby_workers=True)
     try:
-        spare = cluster.run(cluster.cluster.standby.peek("decode"), 120)
+        standby = cluster.cluster.standby
+        spare = cluster.run(standby.peek("decode"), 120)
+        (spare_pool,) = Path("/dev/shm").glob("pdserve-*-decode-standby-*.kv")   # its worker id: <kind>-standby
         ray.kill(spare, no_restart=True)
+        rebuilt = _new_spare(cluster, "decode", spare)
+        assert not spare_pool.exists(), "the dead spare's pool was left in /dev/shm"
         decode = cluster.cluster.registry.get("decode-0")
         results = asyncio.run(_streams(address(cluster), prompts[:2], max_tokens[:2], lambda: _kill(decode.pid)))
         assert [t for t, _ in results] == refs[:2]
         assert decode.restarts == 1 and decode.alive
-        # The next spare dies while it loads: that loss too is a cold start, and a spare is built
-        # again for the one after (none would be, and every later replacement would start cold).
-        standby = cluster.cluster.standby
+        assert decode.actor._actor_id == rebuilt._actor_id, "the loss should be taken by the rebuilt spare"
         cluster.run(_fail_spare(standby, "decode"))
         _kill(decode.pid)
         _wait_ready(cluster, "decode-0", 2)
@@ -334,6 +339,17 @@ def test_a_spare_that_died_idle_falls_back_to_a_cold_start(ray_session, workload
         assert cluster_leaks(cluster) == {}
     finally:
         cluster.stop()
+
+
+def _new_spare(cluster: ClusterThread, kind: str, dead) -> object:
+    """The pool's ready spare of ``kind`` once it is another actor than ``dead``."""
+    deadline = time.monotonic() + RECOVERY_S
+    while True:
+        spare = cluster.run(cluster.cluster.standby.peek(kind), RECOVERY_S)
+        if spare._actor_id != dead._actor_id:
+            return spare
+        assert time.monotonic() < deadline, "the spare that died idle was not rebuilt"
+        time.sleep(0.1)
 
 
 async def _fail_spare(standby, kind: str) -> None:

@@ -426,6 +426,21 @@ def test_a_pair_whose_transport_keeps_failing_routes_around_it():
     assert registry.transport(p, d) == "object_store" and not registry.dist_ready
 
 
+def test_losing_the_kv_group_is_said_once_and_pairs_fall_back(caplog):
+    """A probe found a forced torch_dist given up without a word after a worker died."""
+    registry = WorkerRegistry(forced_transport="torch_dist", dist_ready=True)
+    p, d = WorkerHandle("p0", "prefill", None, "n1", "cpu"), WorkerHandle("d0", "decode", None, "n1", "cpu")
+    registry.add(p)
+    registry.add(d)
+    assert registry.transport(p, d) == "torch_dist"
+    with caplog.at_level("WARNING", logger="router.registry"):
+        registry.lose_kv_group()
+        registry.lose_kv_group()
+    assert registry.transport(p, d) == "shm", "one node: shared memory once the group is gone"
+    said = [r.getMessage() for r in caplog.records if r.name == "router.registry"]
+    assert len(said) == 1 and "KV group lost a member" in said[0], said
+
+
 def test_a_migrating_request_waits_for_room_for_its_prompt_instead_of_failing():
     from engine.types import WorkerStats
     from router.admission import Action, Admission
