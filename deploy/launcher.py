@@ -33,7 +33,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.standby import StandbyPool
+from deploy.standby import StandbyPool, first_line
 from deploy.ray_init import init_ray, shutdown_ray, valid_address
 from engine import tracing
 from engine.config import EngineConfig
@@ -290,7 +290,7 @@ class Cluster:
                 await spare.activate.remote(worker.worker_id)
                 return spare, await spare.start.remote()
             except Exception as exc:
-                logger.warning("standby for %s failed (%s); cold start", worker.worker_id, exc)
+                logger.warning("standby for %s failed (%s); cold start", worker.worker_id, first_line(exc))
                 ray.kill(spare, no_restart=True)
         opts, args = self._recipes[worker.worker_id]
         actor = opts.remote(*args)

@@ -8,20 +8,23 @@ decode spare's pool is its own /dev/shm file, touched once like every pool), the
 engine loop, no CPU reservation. ``take(kind)`` hands one to the supervisor's spawn, which
 ``activate``s it under the dead worker's id (its loop starts; its engine and pool were never
 used) and ``start``s it; a spare still loading is awaited (it is ahead of a cold start).
-``refill`` then builds the next one. A ready spare is watched through its lifeline (as the
-supervisor watches a worker): one that dies while idle (the OOM killer, a stray kill) is dropped
-and built again at once, so the next loss still gets a warm spare and the new spare's pool
-creation reclaims the dead one's /dev/shm file (``kvtransfer.shm_reclaim``) rather than leaving
-it for the next worker loss; spares that keep dying are rebuilt after a doubling pause
-(``IDLE_DEATH_PAUSE_MAX_S``). A spare that dies between that check and its activation fails the
-activation: the caller falls back to a cold start. The price: one more process, copy of the
-weights and KV pool per kind. GPU workers get no spare (it would compete for the GPU's memory).
+``refill`` then builds the next one. A spare is watched while it is the pool's: one that dies
+while loading or while idle (the OOM killer, a stray kill) is dropped and built again at once,
+so the next loss still gets a warm spare, and the new spare's pool creation reclaims the dead
+one's /dev/shm file (``kvtransfer.shm_reclaim``) rather than leaving it for the next worker loss.
+Spares that keep dying (each within ``STABLE_S`` of the last death) are rebuilt after a doubling
+pause (up to ``DEATH_PAUSE_MAX_S``); a loss during such a pause does not wait for it (``take``
+answers None: a cold start is sooner). A spare that dies between that watch and its activation
+fails the activation: the caller falls back to a cold start. The price: one more process, copy
+of the weights and KV pool per kind. GPU workers get no spare (it would compete for the GPU's
+memory).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 import ray
@@ -29,7 +32,8 @@ import ray
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_S = 5.0   # a spare's shutdown (unlinking its pool) gets this long before it is killed
-IDLE_DEATH_PAUSE_MAX_S = 60.0   # the longest pause before rebuilding a kind whose spares keep dying idle
+DEATH_PAUSE_MAX_S = 60.0   # the longest pause before rebuilding a kind whose spares keep dying
+STABLE_S = 300.0           # a spare death this long after the last one starts the pauses over
 
 
 class StandbyPool:
@@ -37,8 +41,9 @@ class StandbyPool:
         """``make(kind)`` creates a spare actor of that kind (its constructor loads the model)."""
         self._make = make
         self._spares: dict[str, asyncio.Task] = {}
-        self._watches: dict[str, asyncio.Task] = {}     # kind -> the ready spare's lifeline watch
-        self._idle_deaths: dict[str, int] = {}          # kind -> spares in a row that died idle
+        self._watches: dict[str, asyncio.Task] = {}          # kind -> the ready spare's lifeline watch
+        self._deaths: dict[str, tuple[int, float]] = {}      # kind -> (spares lost in a row, when the last was)
+        self._pausing: set[str] = set()                      # kinds whose build waits out a pause
 
     def fill(self, kinds: set[str]) -> None:
         for kind in kinds:
@@ -49,15 +54,22 @@ class StandbyPool:
             self._spares[kind] = asyncio.get_running_loop().create_task(self._build(kind, pause_s), name=f"standby-{kind}")
 
     async def _build(self, kind: str, pause_s: float = 0.0) -> Any:
-        await asyncio.sleep(pause_s)
+        if pause_s:
+            self._pausing.add(kind)
+            try:
+                await asyncio.sleep(pause_s)
+            finally:
+                self._pausing.discard(kind)
+        build = asyncio.current_task()
         actor = self._make(kind)
         try:
             await actor.ping.remote()   # returns once the constructor (the model load) is done
-        except BaseException:
+        except BaseException as exc:
             ray.kill(actor, no_restart=True)
+            if isinstance(exc, Exception) and self._lost(kind, build, "while loading", exc):
+                return None   # dropped and being built again: nobody awaits this one
             raise
         logger.info("standby %s worker ready", kind)
-        build = asyncio.current_task()
         if self._spares.get(kind) is build:   # still the pool's (not taken while it loaded)
             self._watches[kind] = asyncio.get_running_loop().create_task(
                 self._watch(kind, actor, build), name=f"standby-{kind}-lifeline")
@@ -69,16 +81,23 @@ class StandbyPool:
             await actor.lifeline.remote()
             return   # it shut down: the pool is stopping
         except ray.exceptions.RayError as exc:
-            cause = exc
+            self._watches.pop(kind, None)
+            self._lost(kind, build, "while idle", exc)
+
+    def _lost(self, kind: str, build: asyncio.Task, when: str, cause: BaseException) -> bool:
+        """The spare of ``build`` died: if it is still the pool's, drop it and build another (True)."""
         if self._spares.get(kind) is not build:
-            return   # taken since (its death is the supervisor's) or the pool stopped
+            return False   # taken since (its death is the supervisor's) or the pool stopped
         del self._spares[kind]
-        self._watches.pop(kind, None)
-        deaths = self._idle_deaths[kind] = self._idle_deaths.get(kind, 0) + 1
-        pause_s = 0.0 if deaths == 1 else min(IDLE_DEATH_PAUSE_MAX_S, 2.0 ** (deaths - 1))
-        logger.warning("standby %s worker died while idle (%s); building another%s", kind,
-                       str(cause).splitlines()[0], f" in {pause_s:.0f} s" if pause_s else "")
+        now = time.monotonic()
+        lost, last = self._deaths.get(kind, (0, now))
+        lost = 1 if now - last > STABLE_S else lost + 1
+        self._deaths[kind] = (lost, now)
+        pause_s = 0.0 if lost == 1 else min(DEATH_PAUSE_MAX_S, 2.0 ** (lost - 1))
+        logger.warning("standby %s worker died %s (%s); building another%s", kind, when, first_line(cause),
+                       f" in {pause_s:.0f} s" if pause_s else "")
         self.refill(kind, pause_s)
+        return True
 
     async def peek(self, kind: str) -> Any | None:
         """The spare of ``kind`` once it is ready, left in the pool (introspection, tests)."""
@@ -91,11 +110,14 @@ class StandbyPool:
         if task is None:
             return None
         self._stop_watch(kind)
-        self._idle_deaths.pop(kind, None)
+        self._deaths.pop(kind, None)
+        if kind in self._pausing:   # its spares kept dying: a cold start is sooner than this pause
+            task.cancel()
+            return None
         try:
             return await task
         except Exception as exc:
-            logger.warning("standby %s worker failed to start: %s", kind, exc)
+            logger.warning("standby %s worker failed to start: %s", kind, first_line(exc))
             return None
 
     async def stop(self) -> None:
@@ -118,3 +140,9 @@ class StandbyPool:
         watch = self._watches.pop(kind, None)
         if watch is not None:
             watch.cancel()   # the spare's own lifeline call stays pending in it, harmlessly
+
+
+def first_line(exc: BaseException) -> str:
+    """An error's first line: Ray's death notices run to a paragraph."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

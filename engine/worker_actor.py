@@ -11,6 +11,7 @@ open by the router, ``heartbeat`` answered every few seconds -> ``shutdown``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from engine.types import WorkerStats
@@ -19,8 +20,9 @@ from engine.types import WorkerStats
 class WorkerActor:
     worker: Any   # the role's worker (PrefillWorker or DecodeWorker)
 
-    async def ping(self) -> None:
-        """Answers once the constructor is done (a standby spare's model is loaded)."""
+    async def ping(self) -> int:
+        """Answers once the constructor is done (a standby spare's model is loaded): its pid."""
+        return os.getpid()
 
     async def activate(self, worker_id: str) -> None:
         """A standby spare takes a dead worker's place (then ``start``)."""

@@ -323,7 +323,7 @@ def test_a_spare_that_dies_idle_is_rebuilt_one_that_dies_loading_falls_back_to_a
     try:
         standby = cluster.cluster.standby
         spare = cluster.run(standby.peek("decode"), 120)
-        (spare_pool,) = Path("/dev/shm").glob("pdserve-*-decode-standby-*.kv")   # its worker id: <kind>-standby
+        (spare_pool,) = Path("/dev/shm").glob(f"pdserve-{ray.get(spare.ping.remote(), timeout=30)}-*.kv")   # pid-named
         ray.kill(spare, no_restart=True)
         rebuilt = _new_spare(cluster, "decode", spare)
         assert not spare_pool.exists(), "the dead spare's pool was left in /dev/shm"
