@@ -60,7 +60,8 @@ class Serve:
                                      text=True, start_new_session=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -114,7 +115,11 @@ class Serve:
         self.proc.wait(30)
 
     def exit_code(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout_s)
+        """The exit status, once the output is read to its end (a failed assertion then shows
+        what the process printed last: a traceback after the stop, for one)."""
+        code = self.proc.wait(timeout_s)
+        self._reader.join(10)
+        return code
 
     def session_gone(self, timeout_s: float) -> bool:
         _, alive = psutil.wait_procs(self.session, timeout=timeout_s)
