@@ -63,9 +63,8 @@ class GenerationEvent:
     timings: RequestTimings | None = None  # last event only
 
 
-# A request refused when it arrives, by why (the metrics' rejection reason).
 def _rejected_as(exc: Exception) -> str:
-    """The ``reason`` label a refusal is counted under."""
+    """The ``reason`` label a refusal (on arrival, or by admission) is counted under."""
     if isinstance(exc, CapacityError):
         return exc.reason
     return "duplicate_id" if isinstance(exc, DuplicateRequestError) else "shutting_down"
