@@ -26,6 +26,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,8 @@ from router.supervisor import Supervisor
 from router.worker_calls import call
 
 logger = logging.getLogger(__name__)
+
+END_TASKS_S = 5.0   # for the cluster's own tasks to end once cancelled, before Ray shuts down
 
 
 @dataclass(slots=True)
@@ -169,9 +172,11 @@ class Cluster:
         self.supervisor: Supervisor | None = None
         self.standby: StandbyPool | None = None
         self._standby_recipes: dict[str, tuple[Any, tuple]] = {}   # worker kind -> (options, args)
+        self._callers_tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()   # start()'s snapshot
 
     async def start(self) -> int:
         cfg = self.config
+        self._callers_tasks.update(asyncio.all_tasks())   # what runs now is the caller's, not this cluster's
         reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
         tracing.configure(cfg.tracing, "pdserve-router")
         self._init_ray()
@@ -468,6 +473,7 @@ class Cluster:
         if getattr(self, "metrics", None):
             self.metrics.close()
         if self._started_ray:
+            await _end_tasks(asyncio.all_tasks() - set(self._callers_tasks) - {asyncio.current_task()})
             shutdown_ray()
         if self.config.tracing is not None:
             tracing.reset()   # flush the router's spans; back to the no-op tracer
@@ -500,6 +506,25 @@ async def _until(deadline: float, aw, what: str) -> None:
         await asyncio.wait_for(aw, max(0.0, deadline - time.monotonic()))
     except asyncio.TimeoutError:
         logger.warning("stop: %s did not finish within the stop timeout; going on without it", what)
+
+
+async def _end_tasks(tasks: set[asyncio.Task], timeout_s: float = END_TASKS_S) -> None:
+    """Cancel the tasks this cluster's life started and wait (up to ``timeout_s``) for them to end,
+    before Ray goes down. One left to unwind later (when the event loop closes) may read a Ray
+    streaming call after ``ray.shutdown()``, and Ray's core worker then ends the whole process
+    with status 1 and no message (``QuickExit``; caught with gdb on a stop whose phases ran out
+    of time). A task that swallows a cancellation (a wait that completed as it was cancelled) is
+    cancelled again."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    pending = {t for t in tasks if not t.done()}
+    while pending and (left := deadline - loop.time()) > 0:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(left, 0.2))
+    if pending:
+        logger.warning("stop: %d task(s) still running as Ray shuts down: %s", len(pending),
+                       ", ".join(sorted(t.get_name() for t in pending)))
 
 
 def _unlink(path: str | None) -> None:

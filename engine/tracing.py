@@ -12,7 +12,9 @@ each worker in its constructor); without an endpoint nothing is configured, ``en
 False and no span object is ever made: the router starts no span (``start``, ``child`` give
 None and a shared null context), specs carry no traceparent, and the workers, which trace a
 request only under its traceparent (``context_of``, ``current_child``), do nothing per request.
-``reset()`` flushes and goes back to off (``Cluster.stop``).
+``reset()`` flushes (for up to ``FLUSH_AT_STOP_S``: a collector that does not answer costs the stop
+that long, not the exporter's timeouts and retries) and goes back to off (``Cluster.stop``, a
+worker's shutdown).
 
 Exporters: OTLP over HTTP (``--otlp-traces-endpoint``, vLLM's flag name) behind a
 ``BatchSpanProcessor`` in every process: ending a span only queues it, a background thread
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -34,6 +38,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+logger = logging.getLogger(__name__)
+
+FLUSH_AT_STOP_S = 3.0   # for spans still batched to reach the collector when tracing is reset
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NOOP = trace.NoOpTracer()
 
@@ -106,11 +113,21 @@ def configure(config: TracingConfig | None, service: str) -> None:
     _state.update(tracer=provider.get_tracer("pdserve"), provider=provider)
 
 
-def reset() -> None:
+def reset(flush_s: float = FLUSH_AT_STOP_S) -> None:
+    """Back to off, flushing the spans still batched for up to ``flush_s``. The provider's own
+    shutdown waits out the exporter's timeout and retries on a collector that accepts and never
+    answers (~15 s measured), so it runs in a daemon thread that is waited for this long; what
+    it has not sent by then is dropped with the process."""
     provider = _state["provider"]
     _state.update(tracer=_NOOP, provider=None)
-    if provider is not None:
-        provider.shutdown()   # flushes what is batched
+    if provider is None:
+        return
+    flush = threading.Thread(target=provider.shutdown, name="pdserve-trace-flush", daemon=True)
+    flush.start()
+    flush.join(flush_s)
+    if flush.is_alive():
+        logger.warning("tracing: spans not exported within %.0f s (the OTLP collector does not answer); "
+                       "dropping them", flush_s)
 
 
 def otlp_url(endpoint: str) -> str:

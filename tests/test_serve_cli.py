@@ -263,7 +263,8 @@ def test_sigterm_drains_live_requests_and_refuses_new_ones(runs):
 def test_a_second_signal_ends_the_drain(runs):
     run = runs("--no-standby", "--stop-timeout", "5")
     with PdserveClient(address(run), timeout_s=120) as client:
-        with _draining_with_a_held_stream(run, client, 64) as (stream, _):
+        # Long enough that the suspended worker cannot have sent it all before it stopped.
+        with _draining_with_a_held_stream(run, client, 400) as (stream, _):
             started = time.monotonic()
             run.proc.send_signal(signal.SIGINT)
             run.wait_for("SIGINT again, stopping now", 10)

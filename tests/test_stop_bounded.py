@@ -1,5 +1,8 @@
 """``Cluster.stop()`` finishes within its bound even when every worker's shutdown hangs
-(fault injection ``hang_shutdown``): the hung workers are killed and the decode pool unlinked."""
+(fault injection ``hang_shutdown``): the hung workers are killed and the decode pool unlinked.
+Before it shuts down a Ray it started, every task of the cluster's life has ended (one left to
+unwind at the loop's close may read a Ray stream after ``ray.shutdown()``, which ends the process
+with status 1), while the caller's own tasks are left alone."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import time
 import pytest
 import ray
 
+from deploy import launcher
+from deploy.launcher import Cluster, ClusterConfig
 from engine.worker_base import WorkerBase, WorkerSpec
 from tests.test_cluster_e2e import start_cluster
 
@@ -39,3 +44,42 @@ def test_hang_shutdown_needs_fault_injection():
     worker.spec = WorkerSpec("w")
     with pytest.raises(PermissionError):
         asyncio.run(worker.inject_fault("hang_shutdown"))
+
+
+def test_stop_ends_the_clusters_own_tasks_before_it_shuts_ray_down(monkeypatch):
+    """A start that fails once Ray is up (say, the model cannot be prepared), then the stop; a task
+    started during the cluster's life swallows its first cancellation, as a wait that completed
+    just as it was cancelled does (how a stream read outlived a stop that ran out of time)."""
+    at_shutdown: dict[str, bool] = {}
+    ran_after_shutdown = []
+
+    def ray_up_then_fail(self):
+        self._started_ray = True
+        raise RuntimeError("the model cannot be prepared")
+
+    async def swallows_one_cancel():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ran_after_shutdown.append(bool(at_shutdown))
+
+    async def scenario():
+        callers = asyncio.create_task(asyncio.sleep(60), name="the caller's")
+        cluster = Cluster(ClusterConfig(random_model={"seed": 0}))
+        with pytest.raises(RuntimeError, match="cannot be prepared"):
+            await cluster.start()
+        own = asyncio.create_task(swallows_one_cancel(), name="the cluster's")
+        await asyncio.sleep(0)
+        monkeypatch.setattr(launcher, "shutdown_ray",
+                            lambda: at_shutdown.update(own=own.done(), callers=callers.done()))
+        await cluster.stop()
+        assert at_shutdown == {"own": True, "callers": False}
+        assert ran_after_shutdown == [False], "the task ran on after Ray shut down"
+        callers.cancel()
+
+    monkeypatch.setattr(Cluster, "_init_ray", ray_up_then_fail)
+    asyncio.run(scenario())

@@ -6,12 +6,14 @@ trace per request, with the router's ``request`` span as the root, the prefill w
 ``decode`` parented on it across the Ray calls. The same spans also go out over OTLP/HTTP
 (``--otlp-traces-endpoint``: the batched exporter every process runs in a deployment) to a
 local sink that decodes them: each request's trace arrives from all three processes. Without a
-tracing config nothing is traced.
+tracing config nothing is traced. A collector that accepts connections and never answers holds
+``reset()`` (each stop) for ``FLUSH_AT_STOP_S``, not the exporter's timeouts and retries.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections import defaultdict
 
@@ -37,6 +39,21 @@ def test_untraced_by_default_costs_nothing():
     assert not spans
     assert tracing.otlp_url("http://c:4318") == "http://c:4318/v1/traces"
     assert tracing.otlp_url("http://c:4318/v1/traces") == "http://c:4318/v1/traces"
+
+
+def test_a_collector_that_never_answers_holds_the_stop_only_briefly(caplog):
+    silent = socket.create_server(("127.0.0.1", 0))   # accepts (the kernel's backlog), never answers
+    try:
+        tracing.configure(tracing.TracingConfig(otlp_endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}"), "test")
+        tracing.tracer().start_span("request").end()   # batched for export
+        started = time.monotonic()
+        tracing.reset(flush_s=1.0)
+        waited = time.monotonic() - started
+    finally:
+        silent.close()
+    assert 0.9 < waited < 3.0, f"reset waited {waited:.1f} s"
+    assert "the OTLP collector does not answer" in caplog.text
+    assert tracing.tracer() is tracing._NOOP and not tracing.enabled()
 
 
 @pytest.fixture(scope="module")
