@@ -443,11 +443,20 @@ class Cluster:
             pass
         return len(servicer.core.live)
 
+    async def _cut_live_requests(self, deadline: float) -> None:
+        """Requests still live (the drain ran out, or there was none) are answered as cut by the
+        shutdown (gRPC UNAVAILABLE, HTTP 503 or an SSE error event, all naming it) while both
+        servers still run, rather than torn down with them; the workers, still up, free their KV."""
+        servicer = getattr(self, "servicer", None)
+        if servicer is not None and servicer.core.live.cut():
+            await _until(deadline, servicer.core.live.drained(), "requests cut at the stop")
+
     async def stop(self) -> None:
-        """Bounded: the graceful phases (server grace, request cleanups, streams, each worker's
-        shutdown) share ``stop_timeout_s``; one that runs out of it is cut short, and the workers
+        """Bounded: the graceful phases (requests still live answered as cut, server grace, request
+        cleanups, streams, each worker's shutdown) share ``stop_timeout_s``; one that runs out of it is cut short, and the workers
         are killed and their pools unlinked all the same. Safe on a half-started cluster."""
         deadline = time.monotonic() + self.config.stop_timeout_s
+        await self._cut_live_requests(deadline)
         if self.supervisor is not None:
             await self.supervisor.stop()
         if self.standby is not None:

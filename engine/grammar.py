@@ -130,7 +130,9 @@ class GrammarMatcher:
             raise GrammarError(f"the grammar cannot go on: {self._error()}")
 
     def _error(self) -> str:
-        return self._matcher.get_error().strip()[:1000] or "unknown"
+        """llguidance's reason, without the parser state it appends (``<state>``: tens of lines
+        of lexer internals, meaningless to a client and noise in the worker's log)."""
+        return self._matcher.get_error().split("<state>", 1)[0].strip()[:1000] or "unknown"
 
 
 def allowed_rows(matchers: Sequence[GrammarMatcher], vocab_size: int, num_threads: int) -> np.ndarray:

@@ -11,7 +11,8 @@ trimmed: ``router.stop_text``) -> one
 request's outcome is recorded in the metrics however it ends) -> ``release`` (always). An
 error anywhere becomes one status and message through ``failure`` (``router.errors``: never a
 worker's text). The consumer's task is the one the request's ``DeltaQueue`` cancels with
-``SLOW_READER`` when its client stops reading: ``slow_reader`` recognises that cancel.
+``SLOW_READER`` when its client stops reading, and the one ``LiveRequests.cut`` cancels with
+``CUT_AT_STOP`` at a stop: ``server_cancel`` recognises those two cancels of the server's own.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from router.chat_prompt import chat_from_proto
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
 from router.errors import RequestFailedError, status_for
-from router.identity import DuplicateRequestError, LiveRequests, RequestIdentity, ShuttingDownError
+from router.identity import CUT_AT_STOP, DuplicateRequestError, LiveRequests, RequestIdentity, ShuttingDownError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
 from router.stop_text import StopTextTrimmer
@@ -132,7 +133,7 @@ class GenerationCore:
         stream_span = None
         detok = self._detokenizer(request, spec)
         trim = StopTextTrimmer(spec.sampling.stop, spec.sampling.include_stop_str_in_output) if spec.sampling.stop else None
-        outcome = FinishReason.ABORT  # until the stream says otherwise
+        outcome: FinishReason | None = FinishReason.ABORT  # until the stream says otherwise (None: invalid)
         rejected: str | None = None   # refused by admission: the reason it is counted under
         QUEUE_POLICY.set(self._queue_policy)  # read by the request's DeltaQueue
         try:
@@ -140,9 +141,9 @@ class GenerationCore:
                 async for delta in deltas:
                     trace.on_tokens(len(delta.token_ids))
                     if delta.finish_reason is FinishReason.ERROR:
-                        outcome = FinishReason.ERROR
                         if delta.error_field:   # its own constraints left it nothing: the client's to fix
                             raise InvalidRequestError(f"sampling.{delta.error_field}", delta.error or "")
+                        outcome = FinishReason.ERROR
                         raise RequestFailedError(delta.error or "the worker failed the request")
                     if delta.finished:
                         outcome = delta.finish_reason
@@ -152,11 +153,15 @@ class GenerationCore:
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
             rejected = None if isinstance(exc, SlowReaderError) else _rejected_as(exc)
             raise
+        except InvalidRequestError:   # the client's to fix: counted once, as ``invalid``, by ``failure``
+            outcome = None
+            raise
         except Exception:
             outcome = FinishReason.ERROR
             raise
         finally:
-            self._record(spec, trace, outcome, rejected)
+            if outcome is not None:
+                self._record(spec, trace, outcome, rejected)
             if stream_span is not None:
                 stream_span.set_attribute("pdserve.completion_tokens", len(trace.token_times))
                 stream_span.end()
@@ -168,14 +173,20 @@ class GenerationCore:
             self.metrics.request_invalid()
         return code, message
 
-    def slow_reader(self, exc: asyncio.CancelledError) -> SlowReaderError | None:
-        """The error to answer when ``exc`` is the slow-reader cancel (the task is uncancelled
-        so it can answer); None for any other cancel (the client left, a deadline passed)."""
-        if exc.args[:1] != (SLOW_READER,):
+    def server_cancel(self, exc: asyncio.CancelledError) -> SlowReaderError | ShuttingDownError | None:
+        """The error to answer when ``exc`` is a cancel of the server's own: its client stopped
+        reading (``SLOW_READER``), or the stop cut it (``CUT_AT_STOP``); the task is uncancelled
+        so it can answer. None for any other cancel (the client left, a deadline passed)."""
+        if exc.args[:1] == (SLOW_READER,):
+            error = SlowReaderError(f"max_pending_tokens: the client left more than "
+                                    f"{self.limits.max_pending_tokens} tokens unread")
+        elif exc.args[:1] == (CUT_AT_STOP,):
+            error = ShuttingDownError("the server is shutting down: the request was cut before it finished; "
+                                      "retry it on another replica")
+        else:
             return None
         asyncio.current_task().uncancel()
-        return SlowReaderError(f"max_pending_tokens: the client left more than "
-                               f"{self.limits.max_pending_tokens} tokens unread")
+        return error
 
     # ---- pieces -----------------------------------------------------------------------------
     async def spec(self, request: pb.GenerateRequest, req_id: str) -> RequestSpec:

@@ -40,4 +40,6 @@ class ServingHealth:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", PDSERVE_SERVICE):
             await self.servicer.set(service, status)
-        logger.log(logging.INFO if serving else logging.ERROR, "health: %s", "SERVING" if serving else "NOT_SERVING")
+        # ERROR only when no path can serve; a drain the operator asked for is no fault.
+        level = logging.INFO if serving or self._stopping else logging.ERROR
+        logger.log(level, "health: %s%s", "SERVING" if serving else "NOT_SERVING", " (stopping)" if self._stopping else "")

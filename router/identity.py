@@ -10,7 +10,10 @@ ALREADY_EXISTS and the running one is left untouched.
 Life cycle: ``claim`` when the call arrives (before tokenizing, so a duplicate or a call over
 ``max_concurrent_streams`` costs nothing), ``release`` when it ends, whatever way it ends.
 At shutdown ``drain`` refuses every later call (``ShuttingDownError``: UNAVAILABLE, so a client
-goes to another replica) and ``drained`` waits for the live ones to end.
+goes to another replica) and ``drained`` waits for the live ones to end; ``cut`` (the stop, once
+the drain is over) cancels the task of each request still live with ``CUT_AT_STOP``, which its
+handler answers as a ``ShuttingDownError`` (gRPC UNAVAILABLE, HTTP 503 or an SSE error event)
+instead of a connection torn down by the server's own stop.
 Single-threaded: only the router's event loop touches it.
 """
 
@@ -28,7 +31,11 @@ class DuplicateRequestError(PdserveError):
 
 
 class ShuttingDownError(PdserveError):
-    """The server is draining before it stops: no new request (maps to UNAVAILABLE)."""
+    """The server is draining before it stops: no new request, or a live one cut at the stop
+    (maps to UNAVAILABLE)."""
+
+
+CUT_AT_STOP = "pdserve: cut at stop"   # the cancel message a request's handler answers as ShuttingDownError
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +48,7 @@ class LiveRequests:
     def __init__(self, max_live: int) -> None:
         self.max_live = max_live
         self._live: dict[str, str] = {}   # label -> req_id
+        self._tasks: dict[str, asyncio.Task] = {}   # label -> the task that claimed it (its handler)
         self._emptied: asyncio.Event | None = None   # set once draining and nothing is live
 
     def __len__(self) -> int:
@@ -57,11 +65,13 @@ class LiveRequests:
                                 "max_streams")
         identity = RequestIdentity(label if label is not None else uuid.uuid4().hex, uuid.uuid4().hex)
         self._live[identity.label] = identity.req_id
+        self._tasks[identity.label] = asyncio.current_task()
         return identity
 
     def release(self, identity: RequestIdentity) -> None:
         if self._live.get(identity.label) == identity.req_id:
             del self._live[identity.label]
+            del self._tasks[identity.label]
             if self._emptied is not None and not self._live:
                 self._emptied.set()
 
@@ -75,3 +85,13 @@ class LiveRequests:
     async def drained(self) -> None:
         self.drain()
         await self._emptied.wait()
+
+    def cut(self) -> int:
+        """Refuse every request from now on and cancel the live ones' handlers with
+        ``CUT_AT_STOP`` (each task once: an HTTP request with n choices holds n labels). Returns
+        how many were live; ``drained`` waits for their answers."""
+        self.drain()
+        for task in set(self._tasks.values()):
+            if task is not None and not task.done():
+                task.cancel(CUT_AT_STOP)
+        return len(self._live)

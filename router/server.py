@@ -121,10 +121,10 @@ class PdserveServicer(pb_grpc.PdserveServicer):
                     await headers.sent()
                     await context.write(_response(event, identity.label))
         except asyncio.CancelledError as exc:
-            slow = self.core.slow_reader(exc)
-            if slow is None:
+            ours = self.core.server_cancel(exc)   # a slow reader, or cut at the stop
+            if ours is None:
                 raise   # the client cancelled or its deadline passed
-            await self._abort(context, slow, identity, headers)
+            await self._abort(context, ours, identity, headers)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # typed ones map to their codes; anything else is INTERNAL, never UNKNOWN

@@ -2,7 +2,8 @@
 process tree leaves /dev/shm pools that the next start reclaims; start-up's heap is frozen out of
 garbage collection before it serves; SIGTERM stops it gracefully
 (exit 0, no pool left, no Ray process left), first draining: a live request finishes while new
-ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once;
+ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once
+(the request it cuts gets UNAVAILABLE naming the shutdown);
 SIGINT or SIGTERM during start-up stops the start (exit 130 / 143); the embedded Ray listens on loopback only.
 
 Each run starts in its own session (``start_new_session``), and every process Ray starts stays
@@ -268,8 +269,10 @@ def test_a_second_signal_ends_the_drain(runs):
             started = time.monotonic()
             run.proc.send_signal(signal.SIGINT)
             run.wait_for("SIGINT again, stopping now", 10)
-            with pytest.raises(grpc.RpcError):
-                list(stream)   # cut by the stop
+            with pytest.raises(grpc.RpcError) as cut:
+                list(stream)   # cut by the stop, and told so
+            assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+            assert "shutting down" in cut.value.details(), cut.value.details()
             assert run.exit_code(STOP_BOUND_S) == 0, run.text
             assert time.monotonic() - started < 30, "the stop did not wait out the drain"
     assert run.session_gone(30), [p.name() for p in run.session]

@@ -212,6 +212,8 @@ def test_a_client_leaving_a_guided_stream_frees_it(cluster):
     {"min_tokens": 5},           # nothing left once "yes" / "no" is out, EOS held: on the decode worker
 ])
 def test_constraints_that_leave_a_grammar_nothing_are_the_clients_error_naming_it(cluster, model, extra):
+    """Counted once each, as ``invalid`` (not also as a failure of ours, ``error``)."""
+    before = _outcomes(cluster)
     with pytest.raises(openai.BadRequestError) as err:
         http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=8,
                                          extra_body={"guided_choice": ["yes", "no"], **extra})
@@ -222,6 +224,14 @@ def test_constraints_that_leave_a_grammar_nothing_are_the_clients_error_naming_i
     assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert rpc.value.details().startswith("sampling.structured_output: every token is ruled out")
     assert wait_for(lambda: cluster_leaks(cluster) == {})
+    after = _outcomes(cluster)
+    assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {"invalid": 2}
+
+
+def _outcomes(cluster) -> dict[str, float]:
+    registry = cluster.cluster.metrics.registry
+    return {o: registry.get_sample_value("pdserve_requests_total", {"outcome": o}) or 0.0
+            for o in ("finished_stop", "finished_length", "aborted", "error", "rejected", "invalid")}
 
 
 def test_max_structured_output_chars_at_the_limit_served_past_it_refused(cluster, model):
@@ -245,11 +255,14 @@ def test_max_structured_output_chars_at_the_limit_served_past_it_refused(cluster
     ({"guided_choice": []}, "guided_choice", "choices"),
     ({"guided_regex": "a" * 2001}, "guided_regex", "at most 2000"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+    # compiles (llguidance's lexer is lazy), then past the lexer's limits at the first token
+    ({"guided_regex": "a{1000000}"}, "guided_regex", "too many expressions"),
 ])
 def test_a_bad_grammar_is_a_400_naming_the_parameter(cluster, model, extra, param, says):
     with pytest.raises(openai.BadRequestError) as err:
         http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == param and says in err.value.body["message"], err.value.body
+    assert "<state>" not in err.value.body["message"], "llguidance's parser state is no client's business"
     with PdserveClient(address(cluster)) as client, pytest.raises(grpc.RpcError) as rpc:
         client.generate_text(token_ids=[5, 6], max_tokens=4, structured_output=pb.StructuredOutput(regex="a(b"))
     assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "sampling.structured_output" in rpc.value.details()

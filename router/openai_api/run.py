@@ -6,7 +6,9 @@ then runs through ``GenerationCore.stream`` in this same task, so that
   - a client that disconnects (``http.disconnect``) cancels the task: the orchestrator's
     cleanup aborts the request on every worker and frees its KV, and nothing more is written;
   - a client that stops reading blocks this task in ``send`` (uvicorn's flow control) while the
-    request's ``DeltaQueue`` fills, which then cancels it with ``SLOW_READER``, as over gRPC.
+    request's ``DeltaQueue`` fills, which then cancels it with ``SLOW_READER``, as over gRPC;
+  - a request still live when the server stops is cancelled with ``CUT_AT_STOP``
+    (``LiveRequests.cut``) and answered 503, or an error event, naming the shutdown.
 Streaming waits for the first event before it sends a status, so everything refused before the
 first token (bad input 400, duplicate id 409, admission 429, no worker 503) is an HTTP status
 with OpenAI's error body; an error after that is one ``data: {"error": ...}`` event followed by
@@ -84,10 +86,10 @@ class GenerationResponse(Response):
             task.cancel(CLIENT_GONE)
 
     async def _cancelled(self, exc: asyncio.CancelledError, identity, send, task: asyncio.Task) -> None:
-        slow = self.core.slow_reader(exc)
-        if slow is not None:
-            with contextlib.suppress(asyncio.TimeoutError):   # it may not read this either
-                await asyncio.wait_for(self._fail(slow, identity, send), SLOW_READER_GRACE_S)
+        ours = self.core.server_cancel(exc)   # a slow reader, or cut at the stop
+        if ours is not None:
+            with contextlib.suppress(asyncio.TimeoutError):   # a slow reader may not read this either
+                await asyncio.wait_for(self._fail(ours, identity, send), SLOW_READER_GRACE_S)
             return
         if exc.args[:1] != (CLIENT_GONE,):
             raise   # the server is stopping
