@@ -5,7 +5,8 @@ an error event and ``data: [DONE]``; each generation ends (on a cluster: aborted
 no identity stays. Before, the servers' own stop tore them down: a bare ``500 Internal Server
 Error`` in text/plain, a stream cut without an event, gRPC's "Cancelling all calls".
 The real router (its servicer, uvicorn app, ``LiveRequests.cut``) over an endless fake
-orchestrator (``tests/test_isolation.py``)."""
+orchestrator (``tests/test_isolation.py``) whose requests stay live after their first token (the
+client never signals ``first_read``)."""
 
 from __future__ import annotations
 
@@ -28,22 +29,6 @@ from tests.test_isolation import EndlessOrchestrator
 from tests.test_openai_api import ExactTokenizer
 
 
-class _Held(EndlessOrchestrator):
-    """A first token, then nothing (the client never signals ``first_read``): a request that stays
-    live until something ends it; counts the generations that ended."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.num_ended = 0
-
-    async def generate(self, spec, trace):
-        try:
-            async for delta in super().generate(spec, trace):
-                yield delta
-        finally:
-            self.num_ended += 1
-
-
 def _wait(predicate, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -54,7 +39,7 @@ def _wait(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def test_a_grpc_stream_live_at_the_stop_ends_unavailable_naming_the_shutdown():
-    orchestrator = _Held()
+    orchestrator = EndlessOrchestrator()
     with router_on_a_thread(orchestrator, ServerLimits(), max_model_len=10**9) as router:
         live = router.servicer.core.live
         with PdserveClient(f"127.0.0.1:{router.port}", timeout_s=60) as client:
@@ -94,8 +79,8 @@ def test_an_http_request_live_at_the_stop_is_answered_naming_the_shutdown(stream
     assert "shutting down" in error["message"] and "cut" in error["message"], error
 
 
-async def _cut_over_http(stream: bool, n: int) -> tuple[int, str, _Held, int]:
-    orchestrator = _Held()
+async def _cut_over_http(stream: bool, n: int) -> tuple[int, str, EndlessOrchestrator, int]:
+    orchestrator = EndlessOrchestrator()
     core = GenerationCore(orchestrator, ExactTokenizer(), ServerDefaults(max_model_len=10**9, vocab_size=300))
     server = openai_server(core, ServingHealth(), "m", 10**9, "127.0.0.1", 0)
     port = await server.start()

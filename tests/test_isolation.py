@@ -172,7 +172,7 @@ def test_delta_queue_merges_and_overflows():
 
 class EndlessOrchestrator:
     """Streams a first token, then (once the client has read it: ``first_read``) 8-token deltas
-    as fast as it can through the real DeltaQueue; records its end. The flood waits for the read
+    as fast as it can through the real DeltaQueue; records its end (``ended``, ``num_ended``). The flood waits for the read
     because it outpaces the handler's own writes on a loaded machine: the cap would cut the
     stream before the client's first read, and the test means a reader that read, then stopped."""
 
@@ -180,6 +180,7 @@ class EndlessOrchestrator:
         self.registry = SimpleNamespace(all=[])
         self.admission = SimpleNamespace(max_queued=None)
         self.ended = threading.Event()
+        self.num_ended = 0   # generations that ended (n choices: n)
         self.first_read = threading.Event()
         self.max_pending_seen = 0
 
@@ -204,6 +205,7 @@ class EndlessOrchestrator:
                 yield item
         finally:
             producer.cancel()
+            self.num_ended += 1
             self.ended.set()   # where the real orchestrator aborts on every worker
 
 

@@ -130,23 +130,8 @@ def test_client_leaving_aborts_every_choice(cluster, model_name):
     assert wait_for(lambda: cluster_leaks(cluster) == {}), cluster_leaks(cluster)
 
 
-class _CountedEndless(EndlessOrchestrator):
-    """tests/test_isolation.py's endless stream, counting the generations that ended."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.num_ended = 0
-
-    async def generate(self, spec, trace):
-        try:
-            async for delta in super().generate(spec, trace):
-                yield delta
-        finally:
-            self.num_ended += 1
-
-
-async def _reader_that_stops(n: int) -> tuple[_CountedEndless, int]:
-    orchestrator = _CountedEndless()
+async def _reader_that_stops(n: int) -> tuple[EndlessOrchestrator, int]:
+    orchestrator = EndlessOrchestrator()
     core = GenerationCore(orchestrator, ExactTokenizer(), ServerDefaults(
         max_model_len=10**9, vocab_size=300, limits=ServerLimits(max_pending_tokens=512)))
     server = openai_server(core, ServingHealth(), "m", 10**9, "127.0.0.1", 0)
