@@ -102,17 +102,19 @@ class GenerationCore:
             self.live.release(identity)
 
     async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity,
-                     door: str = "grpc") -> AsyncIterator[GenerationEvent]:
-        """``door`` names the front door ("grpc", "http") on the request's trace span."""
+                     door: str = "grpc", spec: RequestSpec | None = None) -> AsyncIterator[GenerationEvent]:
+        """``door`` names the front door ("grpc", "http") on the request's trace span. ``spec``: the
+        request already tokenized and validated (``spec``; the HTTP API checks every choice of a
+        body before any runs), else done here."""
         span = tracing.start("request", door=door, req_id=identity.req_id)   # None: tracing off
         outcome: FinishReason | str = "unfinished"
         try:
             try:
-                with tracing.child(span, "tokenize"):
-                    spec = await self.spec(request, identity.req_id)
+                if spec is None:
+                    with tracing.child(span, "tokenize"):
+                        spec = await self.spec(request, identity.req_id)
             except asyncio.CancelledError:   # the client left while its prompt was tokenized
-                if self.metrics is not None:
-                    self.metrics.request_left_early()
+                self.left_early()
                 raise
             if span is not None:
                 spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span))
@@ -172,6 +174,12 @@ class GenerationCore:
         if self.metrics is not None and code is grpc.StatusCode.INVALID_ARGUMENT:
             self.metrics.request_invalid()
         return code, message
+
+    def left_early(self, num_requests: int = 1) -> None:
+        """Requests whose client left before they reached admission: counted as aborts."""
+        if self.metrics is not None:
+            for _ in range(num_requests):
+                self.metrics.request_left_early()
 
     def server_cancel(self, exc: asyncio.CancelledError) -> SlowReaderError | ShuttingDownError | None:
         """The error to answer when ``exc`` is a cancel of the server's own: its client stopped

@@ -6,7 +6,9 @@ export nothing themselves; their numbers arrive here through ``update_worker``.
 
 Life cycle: the router makes one ``RouterMetrics``, calls ``start_http_server(port)`` (Prometheus
 scrapes it; ``deploy/prometheus.yml`` expects port 9400) and then, per request, exactly one of
-``request_finished`` / ``request_rejected`` / ``request_invalid``; ``admission`` per admit or
+``request_finished`` / ``request_rejected`` / ``request_invalid`` (a request is one generation: an
+HTTP body's n choices, or its batch's prompts, that run are counted each; a body refused before
+any of them ran, counted once); ``admission`` per admit or
 queue decision; ``update_worker`` whenever fresh ``WorkerStats`` arrive. Each instance owns its
 ``CollectorRegistry``, so tests (and several routers in one process) never share state.
 

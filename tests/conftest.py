@@ -228,3 +228,18 @@ class RouterOnAThread:
     servicer: object
     loop: asyncio.AbstractEventLoop
     port: int
+
+
+OUTCOMES = ("finished_stop", "finished_length", "aborted", "error", "rejected", "invalid")
+
+
+def request_outcomes(cluster) -> dict[str, float]:
+    """``pdserve_requests_total`` by outcome, from a started cluster's router metrics."""
+    registry = cluster.cluster.metrics.registry
+    return {o: registry.get_sample_value("pdserve_requests_total", {"outcome": o}) or 0.0 for o in OUTCOMES}
+
+
+def outcomes_since(cluster, before: dict[str, float]) -> dict[str, float]:
+    """The outcomes counted since ``before`` (``request_outcomes``), those that moved only."""
+    after = request_outcomes(cluster)
+    return {o: after[o] - before[o] for o in OUTCOMES if after[o] != before[o]}

@@ -23,7 +23,7 @@ from router.health import ServingHealth
 from router.limits import ServerLimits
 from router.openai_api.requests import MAX_CHOICES
 from router.openai_api.server import openai_server
-from tests.conftest import cluster_leaks
+from tests.conftest import cluster_leaks, outcomes_since, request_outcomes
 from tests.test_http_body_bound import HEAD, _listening
 from tests.test_isolation import EndlessOrchestrator
 from tests.test_openai_api import (  # noqa: F401  (fixtures)
@@ -74,6 +74,25 @@ def test_streamed_choices_interleave_each_index_finishing_once(cluster, model_na
     assert set(texts) == {0, 1, 2} and roles == finishes == {0: 1, 1: 1, 2: 1}
     assert all(len(ids_of(t)) == 8 for t in texts.values())
     assert texts[0] == texts[1] == texts[2]   # greedy
+    assert cluster_leaks(cluster) == {}
+
+
+@pytest.mark.parametrize("bad_first", [False, True], ids=["bad-last", "bad-first"])
+def test_a_batch_with_one_bad_prompt_is_refused_whole_before_any_choice_runs(cluster, model_name, bad_first):
+    """Every choice is validated before any runs: the body gets one 400, counted once as ``invalid``;
+    no choice of the good prompt was admitted, then aborted (each was counted as an abort, its prompt
+    tokens and latencies observed, the SLO window told it missed). Each choice of a body that runs
+    is one request: counted each."""
+    prompts = [[5, 6], [10**6]] if not bad_first else [[10**6], [5, 6]]
+    before = request_outcomes(cluster)
+    with pytest.raises(openai.BadRequestError) as err:
+        client_for(cluster).completions.create(model=model_name, prompt=prompts, max_tokens=4, n=2)
+    assert "prompt" in err.value.body["message"], err.value.body
+    assert outcomes_since(cluster, before) == {"invalid": 1}
+    before = request_outcomes(cluster)
+    client_for(cluster).completions.create(model=model_name, prompt=[[5, 6], [7, 8]], max_tokens=2, n=2,
+                                           extra_body={"ignore_eos": True})
+    assert outcomes_since(cluster, before) == {"finished_length": 4}
     assert cluster_leaks(cluster) == {}
 
 

@@ -24,7 +24,7 @@ from engine.types import GuideKind, StructuredOutput
 from protos import pdserve_pb2 as pb
 from router.client import AsyncPdserveClient, PdserveClient
 from router.limits import ServerLimits
-from tests.conftest import byte_level_tokenizer, cluster_leaks
+from tests.conftest import byte_level_tokenizer, cluster_leaks, outcomes_since, request_outcomes
 from tests.test_cluster_e2e import address, start_cluster
 from tests.test_openai_api import wait_for
 from tests.test_structured_output import EOS, SCHEMA, hf_guided
@@ -213,7 +213,7 @@ def test_a_client_leaving_a_guided_stream_frees_it(cluster):
 ])
 def test_constraints_that_leave_a_grammar_nothing_are_the_clients_error_naming_it(cluster, model, extra):
     """Counted once each, as ``invalid`` (not also as a failure of ours, ``error``)."""
-    before = _outcomes(cluster)
+    before = request_outcomes(cluster)
     with pytest.raises(openai.BadRequestError) as err:
         http(cluster).completions.create(model=model, prompt=[5, 6], max_tokens=8,
                                          extra_body={"guided_choice": ["yes", "no"], **extra})
@@ -224,14 +224,7 @@ def test_constraints_that_leave_a_grammar_nothing_are_the_clients_error_naming_i
     assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert rpc.value.details().startswith("sampling.structured_output: every token is ruled out")
     assert wait_for(lambda: cluster_leaks(cluster) == {})
-    after = _outcomes(cluster)
-    assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {"invalid": 2}
-
-
-def _outcomes(cluster) -> dict[str, float]:
-    registry = cluster.cluster.metrics.registry
-    return {o: registry.get_sample_value("pdserve_requests_total", {"outcome": o}) or 0.0
-            for o in ("finished_stop", "finished_length", "aborted", "error", "rejected", "invalid")}
+    assert outcomes_since(cluster, before) == {"invalid": 2}
 
 
 def test_max_structured_output_chars_at_the_limit_served_past_it_refused(cluster, model):

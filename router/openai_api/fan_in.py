@@ -9,7 +9,9 @@ sent it (its ``X-Request-Id`` label, claimed as any request's), the others with 
 makes, and with a seed each choice's own (seed + index), so a seeded request gives the same n
 answers every time and not n copies of one.
 
-Life cycle of ``merged``: one pump task per choice reads its ``GenerationCore.stream`` into a queue
+Life cycle of ``merged``: every choice is tokenized and validated first (``GenerationCore.spec``), so a
+body with one bad prompt is refused whole before any choice runs (counted once, as ``invalid``,
+with nothing admitted or aborted); then one pump task per choice reads its ``GenerationCore.stream`` into a queue
 of n places (a reader that stops reading stops the pumps, so the choices' own ``DeltaQueue``s
 fill, as one stream's does); the caller's task reads the queue. A choice that fails ends the
 whole response with its error; a pump cancelled as a slow reader (``SLOW_READER``) passes that
@@ -24,6 +26,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from engine.types import RequestSpec
 from protos import pdserve_pb2 as pb
 from router.delta_queue import SLOW_READER
 from router.generation import GenerationCore, GenerationEvent
@@ -48,10 +51,15 @@ def choices(request: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
 async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], identities: list[RequestIdentity],
                  door: str) -> AsyncIterator[tuple[int, GenerationEvent]]:
     """Every choice's events as (index, event); ends when every choice has ended."""
+    try:
+        specs = await asyncio.gather(*(core.spec(r, identity.req_id) for r, identity in zip(requests, identities)))
+    except asyncio.CancelledError:   # the client left while they were tokenized: each an abort, as in ``stream``
+        core.left_early(len(requests))
+        raise
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(requests))
     caller = asyncio.current_task()
-    pumps = [asyncio.ensure_future(_pump(core, i, request, identity, door, queue, caller))
-             for i, (request, identity) in enumerate(zip(requests, identities))]
+    pumps = [asyncio.ensure_future(_pump(core, i, request, identity, spec, door, queue, caller))
+             for i, (request, identity, spec) in enumerate(zip(requests, identities, specs))]
     try:
         running = len(pumps)
         while running:
@@ -71,9 +79,9 @@ async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], ident
 
 
 async def _pump(core: GenerationCore, index: int, request: pb.GenerateRequest, identity: RequestIdentity,
-                door: str, queue: asyncio.Queue, caller: asyncio.Task) -> None:
+                spec: RequestSpec, door: str, queue: asyncio.Queue, caller: asyncio.Task) -> None:
     try:
-        async with contextlib.aclosing(core.stream(request, identity, door=door)) as events:
+        async with contextlib.aclosing(core.stream(request, identity, door=door, spec=spec)) as events:
             async for event in events:
                 await queue.put((index, event, None))
         await queue.put((index, None, None))
