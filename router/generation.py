@@ -62,6 +62,9 @@ class GenerationEvent:
     text: str
     usage: Usage | None = None            # last event only
     timings: RequestTimings | None = None  # last event only
+    # last event only: the stop string or stop token id that ended it (vLLM's ``stop_reason``);
+    # None for EOS, a length or any other end
+    stop_reason: str | int | None = None
 
 
 def _rejected_as(exc: Exception) -> str:
@@ -151,7 +154,10 @@ class GenerationCore:
                         outcome = delta.finish_reason
                     if stream_span is None and span is not None:   # first token: streaming begins
                         stream_span = tracing.child(span, "stream")
-                    yield self._event(delta, detok, trim, spec, trace, self._ended_by_stop_token(delta, spec))
+                    event = self._event(delta, detok, trim, spec, trace, self._ended_by_stop_token(delta, spec))
+                    if delta.finish_reason is FinishReason.STOP:
+                        event = dataclasses.replace(event, stop_reason=self._stop_reason(delta, spec, trim))
+                    yield event
         except CapacityError as exc:   # refused by admission (a slow reader is an abort)
             rejected = None if isinstance(exc, SlowReaderError) else _rejected_as(exc)
             raise
@@ -263,6 +269,18 @@ class GenerationCore:
             return False
         last = delta.token_ids[-1]
         return last in sampling.stop_token_ids or (not sampling.ignore_eos and last in self.defaults.eos_token_ids)
+
+    def _stop_reason(self, delta: TokenDelta, spec: RequestSpec, trim: StopTextTrimmer | None) -> str | int | None:
+        """What stopped a request that finished with STOP (the text of its last event already
+        pushed through ``trim``): the stop string found, else its last token when that is a stop
+        token id; None for EOS (checked first, as the engine does: ``engine/stop.py``)."""
+        if trim is not None and trim.matched is not None:
+            return trim.matched
+        sampling = spec.sampling
+        last = delta.token_ids[-1] if delta.token_ids else None
+        if last is None or (not sampling.ignore_eos and last in self.defaults.eos_token_ids):
+            return None
+        return last if last in sampling.stop_token_ids else None
 
     @staticmethod
     def _event(delta: TokenDelta, detok, trim: StopTextTrimmer | None, spec: RequestSpec,

@@ -60,6 +60,7 @@ class StopTextTrimmer:
         self._matchers = [_PrefixMatcher(s) for s in self._stops]
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None   # the stop string found, once found
         self._sent = 0           # characters returned so far: where the held text begins
         self._checked_from = 0   # a stop string must end after this many characters of the text
 
@@ -76,7 +77,7 @@ class StopTextTrimmer:
                      if i >= 0), default=None)
         if found is not None:   # the earliest match; at one place, the first stop string listed
             cut, n = found
-            self._stopped, self._held = True, ""
+            self._stopped, self._held, self.matched = True, "", self._stops[n]
             return held[:cut + len(self._stops[n])] if self._include_stop else held[:cut]
         for matcher in self._matchers:
             matcher.feed(text)

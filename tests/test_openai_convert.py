@@ -190,7 +190,8 @@ def test_chat_chunks_role_first_finish_last_usage_after():
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"} and first["usage"] is None
     assert fmt.chunk(_event([2], "")) is None    # text held back: nothing to tell
     last = fmt.chunk(_event([3], "c", FinishReason.LENGTH, usage=Usage(2, 3)))
-    assert last["choices"][0] == {"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": "length"}
+    assert last["choices"][0] == {"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": "length",
+                                  "stop_reason": None}
     tail = fmt.usage_chunk(Usage(2, 3))
     assert tail["choices"] == [] and tail["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
 

@@ -3,7 +3,9 @@ tokenizer on disk, real Ray actors and gRPC): the output is Hugging Face's greed
 token that completes the first stop string after min_tokens (vLLM's rule: one completed within
 min_tokens does not count, one begun there and completed later does), and the text is cut where
 that stop string begins, or kept with include_stop_str_in_output. The prefill worker samples the
-first token (min_tokens 0 can stop there), the decode worker the rest. Leak check at the end."""
+first token (min_tokens 0 can stop there), the decode worker the rest. Over HTTP each choice names
+what stopped it in ``stop_reason`` (vLLM's field): the stop string, the stop token id, or None (a
+length, EOS). Leak check at the end."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from router.client import PdserveClient
 from tests.conftest import cluster_leaks
 from tests.test_cluster_e2e import address, start_cluster
 from tests.test_logit_adjust import hf_adjusted_greedy
+from tests.test_openai_api import client_for
 
 LETTERS = "abcd"
 BIAS = {3 + ord(c): 50.0 for c in LETTERS}   # the random model writes four letters: stop strings recur
@@ -24,7 +27,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_model_dir):
-    cluster = start_cluster("disaggregated", model=str(tiny_model_dir))
+    cluster = start_cluster("disaggregated", model=str(tiny_model_dir), http_port=0)
     yield cluster
     cluster.stop()
 
@@ -65,4 +68,25 @@ def test_min_tokens_with_stop_strings_follow_the_rule_on_hf_tokens(cluster, hf_r
                     seen["skipped"] += min_tokens >= 2 and stops == [ending_at_min] and ending_at_min in text[:min_tokens]
                     seen["straddling"] += min_tokens >= 1 and k == min_tokens + 1
     assert seen["skipped"] and seen["straddling"], seen
+    assert cluster_leaks(cluster) == {}
+
+
+def test_stop_reason_names_the_stop_string_or_stop_token_over_http(cluster, hf_reference):
+    prompt = [3 + ord(c) for c in "abcab"]
+    ref = hf_adjusted_greedy(hf_reference, prompt, MAX_TOKENS,
+                             SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=tuple(BIAS.items())))
+    text = bytes(t - 3 for t in ref).decode()
+    http = client_for(cluster)
+    model = http.models.list().data[0].id
+    common = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS}
+    extra = {"ignore_eos": True, "logit_bias": {str(t): b for t, b in BIAS.items()}}
+    stop = text[4:6]
+    cases = [({"stop": [stop]}, {}, "stop", stop),
+             ({}, {"stop_token_ids": [ref[5]]}, "stop", ref[5]),
+             ({"max_tokens": 3}, {}, "length", None)]
+    for top, more, finish, reason in cases:
+        whole = http.completions.create(**(common | top), extra_body=extra | more).choices[0]
+        assert (whole.finish_reason, whole.stop_reason) == (finish, reason), (top, more, whole)
+        last = list(http.completions.create(**(common | top), stream=True, extra_body=extra | more))[-1].choices[0]
+        assert (last.finish_reason, last.stop_reason) == (finish, reason), (top, more, last)
     assert cluster_leaks(cluster) == {}

@@ -116,6 +116,7 @@ class ResponseFormat:
             choice["text"], choice["logprobs"] = self._completion(event.text, delta.prompt_logprobs, delta.token_ids,
                                                                   delta.logprobs, delta.top_logprobs)
         choice["finish_reason"] = finish
+        choice["stop_reason"] = event.stop_reason   # vLLM's: the stop string or token id; None otherwise
         out = self._head("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         if self.include_usage:
             out["usage"] = None
@@ -152,6 +153,7 @@ class ResponseFormat:
         else:
             choice["text"], choice["logprobs"] = self._completion(text, prompt, token_ids, lps, tops)
         choice["finish_reason"] = self._finish(last.delta.finish_reason)
+        choice["stop_reason"] = last.stop_reason
         body = self._head(self._object) | {"choices": [choice], "usage": usage_json(last.usage)}
         if self.prompt_logprobs and prompt is not None:   # vLLM's place: the chat response's, each choice's
             (body if self.chat else choice)["prompt_logprobs"] = self._prompt_logprobs(prompt)
