@@ -58,6 +58,7 @@ from router.security import ServerSecurity
 from router.server import PdserveServicer, ServerInfo, start_server
 from router.streams import DecodeStreams
 from router.supervisor import Supervisor
+from router.task_ending import cancel_and_wait
 from router.worker_calls import call
 
 logger = logging.getLogger(__name__)
@@ -522,15 +523,8 @@ async def _end_tasks(tasks: set[asyncio.Task], timeout_s: float = END_TASKS_S) -
     before Ray goes down. One left to unwind later (when the event loop closes) may read a Ray
     streaming call after ``ray.shutdown()``, and Ray's core worker then ends the whole process
     with status 1 and no message (``QuickExit``; caught with gdb on a stop whose phases ran out
-    of time). A task that swallows a cancellation (a wait that completed as it was cancelled) is
-    cancelled again."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    pending = {t for t in tasks if not t.done()}
-    while pending and (left := deadline - loop.time()) > 0:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=min(left, 0.2))
+    of time)."""
+    pending = await cancel_and_wait(tasks, timeout_s)
     if pending:
         logger.warning("stop: %d task(s) still running as Ray shuts down: %s", len(pending),
                        ", ".join(sorted(t.get_name() for t in pending)))

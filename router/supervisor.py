@@ -30,6 +30,7 @@ import ray
 
 from router.registry import WorkerHandle, WorkerRegistry
 from router.stall_watch import Stall, watch_stalls
+from router.task_ending import cancel_and_wait
 from router.worker_calls import WorkerLost, await_ref
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ MAX_BACKOFF_S = 30.0
 # 1, 2, 4 ... 30 s while every request failed (benchmarks/results/chaos-every-5s.txt). A request
 # that kills every worker it runs on is ended by the orchestrator's migration limit.
 STABLE_S = 10.0
+STOP_S = 5.0            # for its tasks to end at a stop
 
 Spawn = Callable[[WorkerHandle], Awaitable[tuple[object, dict]]]
 
@@ -163,10 +165,13 @@ class Supervisor:
         task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
+        """Ends every watch and restart (bounded: a task that swallowed its cancel is cancelled
+        again, ``router.task_ending``; one still running after ``STOP_S`` is left, named)."""
         self._stopping = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        pending = await cancel_and_wait(self._tasks, STOP_S)
+        if pending:
+            logger.warning("supervisor: %d task(s) did not end: %s", len(pending),
+                           ", ".join(sorted(t.get_name() for t in pending)))
 
 
 def _kill(actor) -> None:
