@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         from deploy.bench.cli import main as bench_main
 
-        return bench_main(argv[1:])
+        try:
+            return bench_main(argv[1:])
+        except KeyboardInterrupt:   # Ctrl-C mid-run: the shell's status, no traceback
+            print("pdserve bench: interrupted", file=sys.stderr)
+            return 128 + signal.SIGINT
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

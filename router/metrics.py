@@ -275,7 +275,10 @@ class RouterMetrics:
         if self._server is not None:
             raise RuntimeError("metrics HTTP server already started")
         # prometheus-client >= 0.19 returns (server, thread); the server knows its bound port.
-        self._server, _ = _start_http_server(port, addr=addr, registry=self.registry)
+        try:
+            self._server, _ = _start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:   # said with the flag: a bare "[Errno 98] Address already in use" names no door
+            raise OSError(exc.errno, f"metrics cannot listen on {addr}:{port} (--metrics-port): {exc.strerror}") from None
         return self._server.server_port
 
     def close(self) -> None:

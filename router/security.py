@@ -34,7 +34,11 @@ AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 
 def read_token(path: str | os.PathLike) -> str:
     """A token file's token: its content without surrounding whitespace (editors add a newline)."""
-    token = Path(path).read_text().strip()
+    try:
+        token = Path(path).read_text(encoding="ascii").strip()
+    except UnicodeDecodeError as exc:   # a header no client could send: refused here, not 401 forever
+        raise ValueError(f"auth token file {path}: not ASCII (byte {exc.start}); a bearer token is "
+                         "sent in an HTTP header and gRPC metadata, which carry ASCII only") from None
     if not token:
         raise ValueError(f"auth token file {path} is empty")
     return token
@@ -61,6 +65,9 @@ class ServerSecurity:
             raise ValueError("client certificates (--tls-client-ca) need TLS (--tls-cert, --tls-key)")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("the auth token is empty")
+        if self.auth_token is not None and not (self.auth_token.isascii() and self.auth_token.isprintable()):
+            raise ValueError("the auth token must be printable ASCII (it is sent in an HTTP header and gRPC "
+                             "metadata)")
 
     @classmethod
     def from_files(cls, tls_cert=None, tls_key=None, tls_client_ca=None, auth_token_file=None,

@@ -252,10 +252,20 @@ async def start_server(servicer: PdserveServicer, host: str, port: int,
     reflection.enable_server_reflection(names, server)
     credentials = security.credentials()
     if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = _listen(server.add_insecure_port, host, port)
     else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+        bound = _listen(lambda address: server.add_secure_port(address, credentials), host, port)
     await server.start()
     await health.update(serving)
     logger.info("router listening on %s:%d (%s)", host, bound, security.describe())
     return server, bound
+
+
+def _listen(add_port, host: str, port: int) -> int:
+    """``add_port(address)``, its failure said as an OSError naming the flag (gRPC raises a
+    RuntimeError that names neither the cause nor the option), as the other two doors say theirs."""
+    try:
+        return add_port(f"{host}:{port}")
+    except RuntimeError:
+        raise OSError(f"gRPC cannot listen on {host}:{port} (--port): the port is in use, or the address "
+                      "is not this machine's") from None

@@ -339,3 +339,16 @@ def test_a_server_that_is_not_there_is_named_not_a_traceback(capsys):
     """Found by a probe: the gRPC error of the first call (ServerInfo) ended in a traceback."""
     assert main(["--address", "127.0.0.1:1", "--num-prompts", "2"]) == 1
     assert "pdserve bench: error: 127.0.0.1:1: UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_ctrl_c_mid_run_ends_with_the_shells_status_not_a_traceback(monkeypatch, capsys):
+    """Found by a probe: Ctrl-C during ``pdserve bench`` printed a 40-line KeyboardInterrupt."""
+    import deploy.bench.cli as bench_cli
+    from deploy.cli import main as pdserve_main
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_cli, "main", interrupted)
+    assert pdserve_main(["bench", "--num-prompts", "2"]) == 130
+    assert capsys.readouterr().err == "pdserve bench: interrupted\n"

@@ -307,6 +307,13 @@ def test_security_settings_from_files_and_env(tmp_path, pki):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         read_token(tmp_path / "empty")
+    # no client could send these (an HTTP header, gRPC metadata: ASCII): refused at start-up, not 401 forever
+    (tmp_path / "accented").write_text("s\u00e9same\n")
+    with pytest.raises(ValueError, match="accented: not ASCII"):
+        read_token(tmp_path / "accented")
+    for token in ("s\u00e9same", "tab\there"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            ServerSecurity(auth_token=token)
     with pytest.raises(ValueError, match="key"):
         ServerSecurity(tls_cert=pki.server.cert)
     with pytest.raises(ValueError, match="need TLS"):

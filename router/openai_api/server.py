@@ -129,7 +129,11 @@ def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:   # said with the flag: a bare "[Errno 98] Address already in use" names no door
+        sock.close()
+        raise OSError(exc.errno, f"the HTTP API cannot listen on {host}:{port} (--http-port): {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
 
