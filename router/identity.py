@@ -47,8 +47,8 @@ class RequestIdentity:
 class LiveRequests:
     def __init__(self, max_live: int) -> None:
         self.max_live = max_live
-        self._live: dict[str, str] = {}   # label -> req_id
-        self._tasks: dict[str, asyncio.Task] = {}   # label -> the task that claimed it (its handler)
+        # label -> (req_id, the task that claimed it: its handler, which ``cut`` cancels)
+        self._live: dict[str, tuple[str, asyncio.Task | None]] = {}
         self._emptied: asyncio.Event | None = None   # set once draining and nothing is live
 
     def __len__(self) -> int:
@@ -64,14 +64,12 @@ class LiveRequests:
             raise CapacityError(f"max_concurrent_streams: {self.max_live} requests are live; retry later",
                                 "max_streams")
         identity = RequestIdentity(label if label is not None else uuid.uuid4().hex, uuid.uuid4().hex)
-        self._live[identity.label] = identity.req_id
-        self._tasks[identity.label] = asyncio.current_task()
+        self._live[identity.label] = (identity.req_id, asyncio.current_task())
         return identity
 
     def release(self, identity: RequestIdentity) -> None:
-        if self._live.get(identity.label) == identity.req_id:
+        if self._live.get(identity.label, ("",))[0] == identity.req_id:
             del self._live[identity.label]
-            del self._tasks[identity.label]
             if self._emptied is not None and not self._live:
                 self._emptied.set()
 
@@ -91,7 +89,7 @@ class LiveRequests:
         ``CUT_AT_STOP`` (each task once: an HTTP request with n choices holds n labels). Returns
         how many were live; ``drained`` waits for their answers."""
         self.drain()
-        for task in set(self._tasks.values()):
+        for task in {task for _, task in self._live.values()}:
             if task is not None and not task.done():
                 task.cancel(CUT_AT_STOP)
         return len(self._live)
