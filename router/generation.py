@@ -264,11 +264,9 @@ class GenerationCore:
         """The delta's last token is the EOS or stop token id that ended the request: its text is
         not output text unless ``include_stop_str_in_output`` (vLLM's rule; the id stays in
         ``token_ids``). Matters where it has text: a non-special stop token, or special tokens kept."""
-        sampling = spec.sampling
-        if delta.finish_reason is not FinishReason.STOP or not delta.token_ids or sampling.include_stop_str_in_output:
+        if spec.sampling.include_stop_str_in_output:
             return False
-        last = delta.token_ids[-1]
-        return last in sampling.stop_token_ids or (not sampling.ignore_eos and last in self.defaults.eos_token_ids)
+        return self._stop_token(delta, spec) is not None
 
     def _stop_reason(self, delta: TokenDelta, spec: RequestSpec, trim: StopTextTrimmer | None) -> str | int | None:
         """What stopped a request that finished with STOP (the text of its last event already
@@ -276,11 +274,18 @@ class GenerationCore:
         token id; None for EOS (checked first, as the engine does: ``engine/stop.py``)."""
         if trim is not None and trim.matched is not None:
             return trim.matched
-        sampling = spec.sampling
-        last = delta.token_ids[-1] if delta.token_ids else None
-        if last is None or (not sampling.ignore_eos and last in self.defaults.eos_token_ids):
+        stop = self._stop_token(delta, spec)
+        return None if stop is None or stop[1] else stop[0]
+
+    def _stop_token(self, delta: TokenDelta, spec: RequestSpec) -> tuple[int, bool] | None:
+        """(the delta's last token, whether it is EOS) when that token ended the request as EOS or a
+        stop token id (EOS first, as ``engine/stop.py`` checks); None otherwise."""
+        if delta.finish_reason is not FinishReason.STOP or not delta.token_ids:
             return None
-        return last if last in sampling.stop_token_ids else None
+        last, sampling = delta.token_ids[-1], spec.sampling
+        if not sampling.ignore_eos and last in self.defaults.eos_token_ids:
+            return last, True
+        return (last, False) if last in sampling.stop_token_ids else None
 
     @staticmethod
     def _event(delta: TokenDelta, detok, trim: StopTextTrimmer | None, spec: RequestSpec,
