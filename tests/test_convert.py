@@ -331,6 +331,7 @@ def test_the_token_that_stopped_a_request_is_not_output_text(tokenizer, sampling
     stopper = sampling.get("stop_token_ids", (eos,))[0]
     spec = SimpleNamespace(sampling=SamplingParams(**sampling), prompt_token_ids=[1])
     owner = SimpleNamespace(defaults=SimpleNamespace(eos_token_ids=(eos,)))
+    owner._stop_token = lambda d, s: Generation._stop_token(owner, d, s)
     delta = TokenDelta("r", (*tokenizer.encode("hi"), stopper), finish)
     drop = Generation._ended_by_stop_token(owner, delta, spec)
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
