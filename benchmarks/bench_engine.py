@@ -38,7 +38,7 @@ from benchmarks.baselines import hf_generate_batch, hf_static_batches
 from benchmarks.ceiling import ModelShape, decode_step_bound, measure_machine, prefill_flops, w64_ceiling
 from benchmarks.results_file import write_run
 from benchmarks.workload import make_w64, summarize
-from engine.config import EngineConfig, GraphMode
+from engine.config import EngineConfig, GraphMode, default_token_budget
 from engine.engine import LLMEngine
 from engine.model_loader import load_model
 from engine.types import RequestSpec, SamplingParams
@@ -62,7 +62,7 @@ class EngineRun:
         return self.output_tokens / self.wall_s
 
 
-def run_engine(loaded, workload, budget: int, device: str = "cpu", dtype: str = "float32",
+def run_engine(loaded, workload, budget: int | None, device: str = "cpu", dtype: str = "float32",
                decode_graphs: GraphMode = GraphMode.AUTO) -> EngineRun:
     engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=3 << 30, max_num_seqs=64, max_num_batched_tokens=budget,
                                             device=device, dtype=dtype, decode_graphs=decode_graphs))
@@ -154,7 +154,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--budget", type=int, default=2048, help="engine max_num_batched_tokens")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="engine max_num_batched_tokens (default: 2048 on CPU, as in the recorded CPU runs; "
+                             "on CUDA the engine's GPU default, engine.config.default_token_budget)")
     parser.add_argument("--skip-generate-batch", action="store_true")
     parser.add_argument("--skip-static", action="store_true")
     parser.add_argument("--device", default="cpu")
@@ -169,6 +171,8 @@ def main() -> None:
                              "busy shared machine it leaves out the time other processes held the core (A/B only)")
     parser.add_argument("--out", default="benchmarks/results/engine_w64.txt")
     args = parser.parse_args()
+    if args.budget is None and args.device == "cpu":
+        args.budget = 2048
     if args.decode_graphs == "both" and not args.device.startswith("cuda"):
         parser.error("--decode-graphs both compares CUDA graphs with eager: it needs --device cuda")
     torch.set_num_threads(args.threads)
@@ -229,7 +233,8 @@ def report(args, workload, peaks, ceiling, ours: EngineRun, rows, loaded, ttft_s
              f"machine: {device}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; clock: {clock}",
              f"load avg (1, 5, 15 min) at start {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; "
              f"at end {end_load[0]:.2f}, {end_load[1]:.2f}, {end_load[2]:.2f}",
-             f"model: {loaded.name} {args.dtype} on {args.device}; workload: {summarize(workload)}"]
+             f"model: {loaded.name} {args.dtype} on {args.device}; workload: {summarize(workload)}",
+             f"engine: {args.budget or default_token_budget(args.device)} tokens a step, 64 sequences at most"]
     if peaks is not None:
         lines.append(f"peaks: GEMM {peaks.gemm_flops / 1e9:.1f} GFLOP/s, read {peaks.read_bytes_s / 1e9:.1f} GB/s")
     lines += ["", f"{'system':<38}{'out tok/s':>10}{'wall s':>9}{'vs HF static':>14}{'vs ceiling':>12}"]

@@ -48,8 +48,8 @@ def cpu_model() -> str:
             lines = f.read().splitlines()
     except OSError:
         return platform.processor() or platform.machine()
-    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), platform.machine())
-    flags = next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")), [])
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     return f"{model}; {' '.join(f for f in ('avx512f', 'avx2', 'fma') if f in flags) or 'no AVX2/AVX-512'}"
 
 

@@ -124,7 +124,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (by default a GPU replays them as CUDA graphs)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step; longer prompts are prefilled in chunks "
+                        "(default: 512 on CPU, 8192 on a GPU)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn prefix caching off (on by default: requests sharing a prompt prefix share its KV)")

@@ -5,9 +5,10 @@ call is ours. Per layer it (1) writes the step's new keys/values into the paged 
 token's slot (unless the lean forward's fused rotary wrote them: ``pdserve_kv_written``), then (2) attends each request's queries to that request's own KV read through its
 block table — never across requests:
 - prefill chunks: per request, causal over its own blocks (a chunk after already-computed tokens
-  attends to them too): float32 on an AVX-512 CPU on the C++ prefill kernel (engine/paged_kernel.py),
-  which reads the blocks in place; otherwise one SDPA on the gathered K/V (with a mask offset by the
-  computed tokens for a later chunk);
+  attends to them too), by the step's ``PrefillPath``: on CUDA every segment in one Triton launch
+  (engine/triton_prefill.py); float32 on an AVX-512 CPU per segment on the C++ prefill kernel
+  (engine/paged_kernel.py); both read the blocks in place. Otherwise one SDPA per segment on its
+  gathered K/V (with a mask offset by the computed tokens for a later chunk);
 - decode tokens: float32 on CPU go to the C++ paged kernel (engine/paged_kernel.py), on CUDA to
   the Triton one (engine/triton_attention.py); both read each request's blocks in place, once,
   with an online softmax. Otherwise (no kernel for the device or dtype, or PDSERVE_ATTENTION=torch)
@@ -20,15 +21,23 @@ torch decode path folds the query heads sharing a KV head into the query-length 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from engine import paged_kernel, triton_attention
+from engine import paged_kernel, triton_attention, triton_prefill
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+class PrefillPath(Enum):
+    """How a step's prompt segments attend (the ModelRunner's choice for the device and dtype)."""
+    SDPA = "sdpa"              # per segment: SDPA on its gathered K/V (with its mask for a later chunk)
+    CPU_KERNEL = "cpu_kernel"  # per segment: the C++ kernel reads its blocks in place (float32, CPU)
+    TRITON = "triton"          # all segments in one launch per layer (CUDA): AttentionMetadata.prefill_plan
 
 
 @dataclass(slots=True)
@@ -38,7 +47,7 @@ class PrefillSegment:
     ctx_len: int
     block_ids: torch.Tensor     # [num_blocks] covering ctx_len tokens
     # [q_len, ctx_len] additive float (0 / -inf) for SDPA; None: the chunk starts the prompt (causal),
-    # or the prefill kernel runs it (AttentionMetadata.prefill_kernel: it needs no mask)
+    # or a kernel runs it (AttentionMetadata.prefill_path: kernels need no mask)
     mask: torch.Tensor | None
 
 
@@ -61,9 +70,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot of each packed token
     prefills: list[PrefillSegment]
     decode_groups: list[DecodeGroup]
-    # The prefill segments run on the C++ prefill kernel (the ModelRunner's choice: float32 on CPU,
-    # paged_kernel.prefill_preferred; their masks are then never built); otherwise on SDPA.
-    prefill_kernel: bool = False
+    # How the prefill segments run (the ModelRunner's choice; a kernel's segments carry no mask).
+    prefill_path: PrefillPath = PrefillPath.SDPA
+    prefill_plan: triton_prefill.PrefillPlan | None = None   # the segments packed for PrefillPath.TRITON
 
     @property
     def decode_only_group(self) -> DecodeGroup | None:
@@ -94,8 +103,13 @@ def paged_attention(
     if (only := meta.decode_only_group) is not None:
         return _decode(q, k_cache, v_cache, only, groups, scaling).unsqueeze(0), None
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    for seg in meta.prefills:
-        _prefill(q, k_cache, v_cache, seg, scaling, out[seg.q_start : seg.q_start + seg.q_len], meta.prefill_kernel)
+    if meta.prefill_path is PrefillPath.TRITON and meta.prefills:
+        scale = scaling if scaling is not None else head_dim ** -0.5
+        triton_prefill.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_plan, scale, out)
+    else:
+        for seg in meta.prefills:
+            _prefill(q, k_cache, v_cache, seg, scaling, out[seg.q_start : seg.q_start + seg.q_len],
+                     meta.prefill_path is PrefillPath.CPU_KERNEL)
     for grp in meta.decode_groups:
         out[grp.q_index] = _decode(q, k_cache, v_cache, grp, groups, scaling)
     return out.unsqueeze(0), None

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear, triton_fused
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSegment, offset_causal_mask
+from engine import attention, fast_norm, fused_linear, lean_forward, paged_kernel, skinny_linear, triton_fused, triton_prefill
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillPath, PrefillSegment, offset_causal_mask
 from engine.cuda_graphs import DecodeGraphPool, GraphInputs, GraphPlan
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.triton_prefill import SegmentBounds
 
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -118,9 +119,8 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         prompt_rows: list[int] = []
-        prefills: list[PrefillSegment] = []
+        bounds: list[SegmentBounds] = []
         decodes: list[tuple[int, ScheduledRequest]] = []
-        prefill_kernel = self._prefill_kernel()
         for s in out.scheduled:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             q_start = len(ids)
@@ -130,18 +130,21 @@ class ModelRunner:
             if n == 1 and start > 0:
                 decodes.append((q_start, s))
             else:
-                prefills.append(self._prefill_segment(s.block_ids, q_start, start, n, masked=not prefill_kernel))
+                bounds.append(SegmentBounds(q_start, n, start + n, s.block_ids[: -(-(start + n) // self.block_size)]))
             if s.sample:
                 logits_indices.append(q_start + n - 1)
             if s.prompt_positions:
                 prompt_rows.extend(range(q_start + s.prompt_positions.start - start,
                                          q_start + s.prompt_positions.stop - start))
+        path = self._prefill_path() if bounds else PrefillPath.SDPA
+        plan = triton_prefill.plan(bounds, self.device, self.kv_cache.dtype) if path is PrefillPath.TRITON else None
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
-            prefills=prefills,
-            decode_groups=self._decode_groups(decodes, decode_only=not prefills),
-            prefill_kernel=prefill_kernel,
+            prefills=self._prefill_segments(bounds, path, plan),
+            decode_groups=self._decode_groups(decodes, decode_only=not bounds),
+            prefill_path=path,
+            prefill_plan=plan,
         )
         num_kv = sum(s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         return ModelInputs(
@@ -153,17 +156,22 @@ class ModelRunner:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
 
-    def _prefill_segment(self, table: list[int], q_start: int, start: int, n: int, masked: bool) -> PrefillSegment:
-        """``masked``: SDPA will run it, so a chunk after computed tokens needs its offset causal mask."""
-        ctx_len = start + n
-        num_blocks = -(-ctx_len // self.block_size)
-        return PrefillSegment(
-            q_start=q_start,
-            q_len=n,
-            ctx_len=ctx_len,
-            block_ids=self._tensor(table[:num_blocks]),
-            mask=offset_causal_mask(start, n, self.kv_cache.dtype, self.device) if start and masked else None,
-        )
+    def _prefill_segments(self, bounds: list[SegmentBounds], path: PrefillPath,
+                          plan: triton_prefill.PrefillPlan | None) -> list[PrefillSegment]:
+        """The step's segments, their block ids views of one device copy (the Triton plan's, or
+        their own); only SDPA needs the offset causal mask of a chunk after computed tokens."""
+        tables = plan.tables if plan is not None else self._tensor([b for seg in bounds for b in seg.block_ids])
+        segments, at = [], 0
+        for seg in bounds:
+            start = seg.ctx_len - seg.q_len
+            masked = start and path is PrefillPath.SDPA
+            segments.append(PrefillSegment(
+                q_start=seg.q_start, q_len=seg.q_len, ctx_len=seg.ctx_len,
+                block_ids=tables[at : at + len(seg.block_ids)],
+                mask=offset_causal_mask(start, seg.q_len, self.kv_cache.dtype, self.device) if masked else None,
+            ))
+            at += len(seg.block_ids)
+        return segments
 
     def _decode_groups(self, decodes: list[tuple[int, ScheduledRequest]], decode_only: bool) -> list[DecodeGroup]:
         # One group in step order (a decode-only step's then attends without gathering q or
@@ -181,8 +189,15 @@ class ModelRunner:
     def _paged_kernel(self) -> bool:
         return self.kv_cache.dtype == torch.float32 and self.device.type == "cpu" and paged_kernel.enabled()
 
-    def _prefill_kernel(self) -> bool:
-        return self._paged_kernel() and paged_kernel.prefill_preferred(self.kv_cache.shape[-1])
+    def _prefill_path(self) -> PrefillPath:
+        """Triton on CUDA where it imports and takes the shapes; the C++ kernel for float32 on a CPU
+        it is preferred on; SDPA otherwise (and whenever ``PDSERVE_ATTENTION=torch``)."""
+        head_dim, block_size = self.kv_cache.shape[-1], self.block_size
+        if triton_prefill.supports(self.device, head_dim, block_size) and triton_prefill.enabled():
+            return PrefillPath.TRITON
+        if self._paged_kernel() and paged_kernel.prefill_preferred(head_dim):
+            return PrefillPath.CPU_KERNEL
+        return PrefillPath.SDPA
 
     def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False,
                       masked: bool = True) -> DecodeGroup:

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from engine import triton_support
+from engine import triton_steps, triton_support
 from engine.paged_kernel import ENV_VAR   # one switch for both paged kernels: "torch" turns them off
 TILE_BLOCKS = 4                 # KV blocks per tile of the context walk
 PART_TOKENS = 128               # context tokens per program: long contexts are split over programs (flash decoding)
@@ -34,11 +34,13 @@ PART_TOKENS = 128               # context tokens per program: long contexts are 
 def _kernels(triton, tl):
     """The Triton kernels (compiled on first call), or None where Triton does not import."""
 
-    @triton.jit
+    # The table's width and the partitions it makes change from one eager step to the next: runtime
+    # values, not specialized on, so they cost no new compile (a decode graph fixes them anyway).
+    @triton.jit(do_not_specialize=["stride_tr", "NUM_PARTS"])
     def paged_decode_partial(Q, K, V, TABLES, CTX, M_OUT, L_OUT, ACC_OUT, scale,
-                stride_qr, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr,
+                stride_qr, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, NUM_PARTS,
                 GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                TILE: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr, IEEE: tl.constexpr):
+                TILE: tl.constexpr, PART: tl.constexpr, IEEE: tl.constexpr):
         """One (request, KV head, partition of PART tokens): the partition's softmax max, sum and
         unnormalized output for each query head of the group; an empty partition leaves (-inf, 0, 0)."""
         row = tl.program_id(0)
@@ -57,32 +59,17 @@ def _kernels(triton, tl):
         for start in range(part * PART, end, TILE):
             pos = start + t
             valid = pos < end
-            block = tl.load(TABLES + row * stride_tr + pos // BLOCK, mask=valid, other=0)
-            offs = block.to(tl.int64) * stride_kb + (pos % BLOCK) * stride_kt + kv_head * stride_kh
-            k = tl.load(K + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(V + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if IEEE:   # float32 exact to rounding (no TF32): greedy output must equal HF's
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:      # half types on tensor cores, float32 accumulation
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            k, v = triton_steps.load_kv_tile(K, V, TABLES + row * stride_tr, pos, valid, kv_head * stride_kh, d,
+                                stride_kb, stride_kt, BLOCK)
+            m, denom, acc = triton_steps.attend_tile(q, k, v, valid[None, :], scale, m, denom, acc, IEEE)
         base = (row * GROUPS * tl.num_programs(1) + heads) * NUM_PARTS + part
         tl.store(M_OUT + base, m, mask=g < GROUPS)
         tl.store(L_OUT + base, denom, mask=g < GROUPS)
         tl.store(ACC_OUT + base[:, None] * HEAD_DIM + d[None, :], acc, mask=(g < GROUPS)[:, None])
 
-    @triton.jit
-    def paged_decode_combine(M_IN, L_IN, ACC_IN, OUT, stride_or, stride_oh,
-                HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_PARTS: tl.constexpr, PARTS_PAD: tl.constexpr):
+    @triton.jit(do_not_specialize=["NUM_PARTS"])
+    def paged_decode_combine(M_IN, L_IN, ACC_IN, OUT, stride_or, stride_oh, NUM_PARTS,
+                HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PARTS_PAD: tl.constexpr):
         """One (request, query head): the partitions merged by their softmax maxima."""
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -136,10 +123,9 @@ def paged_decode_attention(
         partial[(n, kv_heads, num_parts)](
             q, k_cache, v_cache, block_tables, context_lens, m, denom, acc, float(scale),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUPS=groups, GROUPS_PAD=max(16, triton_support.next_pow2(groups)), HEAD_DIM=head_dim,
-            BLOCK=block_size,
-            TILE=block_size * TILE_BLOCKS, PART=PART_TOKENS, NUM_PARTS=num_parts, IEEE=q.dtype == torch.float32,
+            num_parts, GROUPS=groups, GROUPS_PAD=max(16, triton_support.next_pow2(groups)), HEAD_DIM=head_dim,
+            BLOCK=block_size, TILE=block_size * TILE_BLOCKS, PART=PART_TOKENS, IEEE=q.dtype == torch.float32,
         )
-        combine[(n, num_heads)](m, denom, acc, out, out.stride(0), out.stride(1), HEADS=num_heads,
-                                HEAD_DIM=head_dim, NUM_PARTS=num_parts, PARTS_PAD=triton_support.next_pow2(num_parts))
+        combine[(n, num_heads)](m, denom, acc, out, out.stride(0), out.stride(1), num_parts, HEADS=num_heads,
+                                HEAD_DIM=head_dim, PARTS_PAD=triton_support.next_pow2(num_parts))
     return out

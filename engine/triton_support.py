@@ -1,5 +1,6 @@
-"""What the engine's Triton kernels share (engine/triton_attention.py, engine/triton_fused.py):
-importing Triton where it is installed, the device a launch runs on, tile sizes.
+"""What the engine's Triton kernels share (engine/triton_attention.py, engine/triton_prefill.py,
+engine/triton_fused.py): importing Triton where it is installed, the device a launch runs on, tile
+sizes. (The attention kernels' shared device functions are in engine/triton_steps.py.)
 
 Triton is optional: CUDA images carry it with torch, CPU installs do not. A module's kernels are
 defined inside a builder decorated with ``kernels``, which returns None without Triton.

@@ -25,6 +25,29 @@ def test_resolve_device(asked, cluster_gpus, embedded, expected):
     assert engine.device == asked, "the caller's config is not mutated"
 
 
+@pytest.mark.parametrize("asked, cluster_gpus, budget, dtype", [
+    ("auto", 0, 512, "float32"),
+    ("auto", 1, 8192, "bfloat16"),     # vLLM's GPU server budget: fewer, larger prompt steps
+    ("cpu", 1, 512, "float32"),
+    ("cuda", 1, 8192, "bfloat16"),
+])
+def test_the_devices_defaults_follow_the_decided_device(asked, cluster_gpus, budget, dtype):
+    engine = EngineConfig(device=asked)
+    resolved = resolve_device(engine, cluster_gpus, embedded=True)
+    assert (resolved.max_num_batched_tokens, resolved.dtype) == (budget, dtype)
+    explicit = resolve_device(EngineConfig(device=asked, max_num_batched_tokens=300, dtype="float16"), cluster_gpus, True)
+    assert (explicit.max_num_batched_tokens, explicit.dtype) == (300, "float16"), "what was asked for is kept"
+
+
+def test_serve_leaves_the_budget_to_the_device_unless_given():
+    from deploy.cli import _parser, cluster_config
+
+    for argv, budget in (([], None), (["--max-num-batched-tokens", "1024"], 1024)):
+        config = cluster_config(_parser().parse_args(["serve", *argv]))
+        assert config.decode_engine.max_num_batched_tokens == budget == config.prefill_engine.max_num_batched_tokens
+        assert config.decode_engine.device == "auto"
+
+
 def test_cuda_on_an_embedded_ray_without_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="needs a GPU"):
         resolve_device(EngineConfig(device="cuda"), 0, embedded=True)

@@ -164,13 +164,13 @@ def _layer_call(q_len, ctx_len, seed=6):
 
 @pytest.mark.parametrize("q_len,ctx_len", [(48, 48), (20, 90)])
 def test_engine_dispatch_matches_sdpa(kernel, q_len, ctx_len):
-    """paged_attention with AttentionMetadata.prefill_kernel on and off (SDPA with the runner's
+    """paged_attention with AttentionMetadata.prefill_path the C++ kernel and SDPA (SDPA with the runner's
     mask): both equal the reference."""
     layer, query, key, value, seg, cache, slots, want = _layer_call(q_len, ctx_len)
-    for on in (True, False):
-        meta = AttentionMetadata(cache.clone(), slots, prefills=[seg], decode_groups=[], prefill_kernel=on)
+    for path in (attention.PrefillPath.CPU_KERNEL, attention.PrefillPath.SDPA):
+        meta = AttentionMetadata(cache.clone(), slots, prefills=[seg], decode_groups=[], prefill_path=path)
         out, _ = attention.paged_attention(layer, query, key, value, None, scaling=0.125, pdserve_attn=meta)
-        assert rel_err(out[0, 1:], want) < 1e-5, f"prefill_kernel={on}"
+        assert rel_err(out[0, 1:], want) < 1e-5, path
 
 
 def test_runner_uses_the_kernel_and_builds_no_mask(kernel, tiny_model, monkeypatch):
@@ -196,18 +196,18 @@ def test_runner_uses_the_kernel_and_builds_no_mask(kernel, tiny_model, monkeypat
         spec = RequestSpec("r", tuple(range(5, 65)), SamplingParams(max_tokens=3, ignore_eos=True))
         tokens = engine.generate([spec])["r"]
         assert_no_leaks(engine)
-        return tokens, [inputs.metadata for inputs in seen]
+        return tokens, [inputs.metadata for inputs in seen if inputs.metadata.prefills]   # the prompt steps
 
     def later_chunks(metas):
         return [seg for meta in metas for seg in meta.prefills if seg.ctx_len > seg.q_len]
 
     with_kernel, metas = run(None)
-    assert later_chunks(metas) and all(meta.prefill_kernel for meta in metas)
+    assert later_chunks(metas) and all(meta.prefill_path is attention.PrefillPath.CPU_KERNEL for meta in metas)
     assert all(seg.mask is None for seg in later_chunks(metas))
     with_sdpa, metas = run("torch")
-    assert later_chunks(metas) and not any(meta.prefill_kernel for meta in metas)
+    assert later_chunks(metas) and all(meta.prefill_path is attention.PrefillPath.SDPA for meta in metas)
     assert all(seg.mask is not None for seg in later_chunks(metas))
     assert len(with_kernel) == 3 and with_kernel == with_sdpa
     monkeypatch.setattr(paged_kernel, "PREFILL_SIMD_WIDTHS", frozenset())
     with_sdpa_again, metas = run(None)
-    assert not any(meta.prefill_kernel for meta in metas) and with_sdpa_again == with_kernel
+    assert all(meta.prefill_path is attention.PrefillPath.SDPA for meta in metas) and with_sdpa_again == with_kernel

@@ -127,16 +127,16 @@ def test_kernels_compile_for_an_h100_without_one(dtype, ieee):
 
     partial, combine = triton_attention._kernels()
     p = "*" + dtype
-    ints = ("stride_qr", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tr")
+    ints = ("stride_qr", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_tr", "NUM_PARTS")
     consts = {"GROUPS": 3, "GROUPS_PAD": 16, "HEAD_DIM": 64, "BLOCK": BLOCK, "TILE": BLOCK * triton_attention.TILE_BLOCKS,
-              "PART": triton_attention.PART_TOKENS, "NUM_PARTS": 16, "IEEE": ieee}
+              "PART": triton_attention.PART_TOKENS, "IEEE": ieee}
     signature = {"Q": p, "K": p, "V": p, "TABLES": "*i64", "CTX": "*i64", "M_OUT": "*fp32", "L_OUT": "*fp32",
                  "ACC_OUT": "*fp32", "scale": "fp32", **{name: "i32" for name in ints}, **{c: "constexpr" for c in consts}}
     target = backend.GPUTarget("cuda", 90, 32)
     built = triton.compile(compiler.ASTSource(fn=partial, signature=signature, constexprs=consts), target=target)
     assert built.asm["cubin"]
-    consts = {"HEADS": 9, "HEAD_DIM": 64, "NUM_PARTS": 16, "PARTS_PAD": 16}
+    consts = {"HEADS": 9, "HEAD_DIM": 64, "PARTS_PAD": 16}
     signature = {"M_IN": "*fp32", "L_IN": "*fp32", "ACC_IN": "*fp32", "OUT": p, "stride_or": "i32", "stride_oh": "i32",
-                 **{c: "constexpr" for c in consts}}
+                 "NUM_PARTS": "i32", **{c: "constexpr" for c in consts}}
     built = triton.compile(compiler.ASTSource(fn=combine, signature=signature, constexprs=consts), target=target)
     assert built.asm["cubin"]
