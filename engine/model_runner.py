@@ -69,6 +69,8 @@ class ModelRunner:
         self.lean = lean_forward.build(model)
         if self.lean is not None and self.device.type == "cuda" and triton_fused.enabled():
             triton_fused.usable(self.device, kv_cache.dtype)   # its start-up check now, never under a capture
+        if self._triton_prefill_applies():
+            triton_prefill.usable(self.device, kv_cache.dtype)   # its start-up check now, not in the first step
         self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
@@ -192,12 +194,14 @@ class ModelRunner:
     def _prefill_path(self) -> PrefillPath:
         """Triton on CUDA where it imports and takes the shapes; the C++ kernel for float32 on a CPU
         it is preferred on; SDPA otherwise (and whenever ``PDSERVE_ATTENTION=torch``)."""
-        head_dim, block_size = self.kv_cache.shape[-1], self.block_size
-        if triton_prefill.supports(self.device, head_dim, block_size) and triton_prefill.enabled():
+        if self._triton_prefill_applies() and triton_prefill.usable(self.device, self.kv_cache.dtype):
             return PrefillPath.TRITON
-        if self._paged_kernel() and paged_kernel.prefill_preferred(head_dim):
+        if self._paged_kernel() and paged_kernel.prefill_preferred(self.kv_cache.shape[-1]):
             return PrefillPath.CPU_KERNEL
         return PrefillPath.SDPA
+
+    def _triton_prefill_applies(self) -> bool:
+        return triton_prefill.supports(self.device, self.kv_cache.shape[-1], self.block_size) and triton_prefill.enabled()
 
     def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False,
                       masked: bool = True) -> DecodeGroup:

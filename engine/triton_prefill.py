@@ -17,21 +17,32 @@ the same offset causal rule as engine.attention.offset_causal_mask. Scores and s
 whatever the cache dtype; float32 products run in IEEE precision (no TF32), so fp32 greedy output
 stays equal to Hugging Face's.
 
-Life cycle: per step the ModelRunner packs the step's segments into a ``PrefillPlan`` with
-``plan`` (one host-to-device copy of every table and bound); per layer engine.attention calls
+Life cycle: at start-up the ModelRunner on CUDA asks ``usable``: the kernel runs once on a small
+case against SDPA, and one that fails to compile, launch or compute is off for the process with a
+warning (SDPA then serves: a GPU or Triton version it never ran on costs speed, never a request).
+Per step the ModelRunner packs the step's segments into a ``PrefillPlan`` with ``plan`` (one
+host-to-device copy of every table and bound); per layer engine.attention calls
 ``paged_prefill_attention`` once with it. ``PDSERVE_ATTENTION=torch`` turns it off with the other
 paged kernels. Under ``TRITON_INTERPRET=1`` it also runs on CPU tensors (tests).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine import triton_steps, triton_support
 from engine.paged_kernel import ENV_VAR   # one switch for every paged kernel: "torch" turns them off
+
+logger = logging.getLogger(__name__)
+# A result off SDPA's by more than this share of its scale fails the start-up check: it looks for a
+# kernel that miscompiles or misreads its inputs, not for rounding.
+CHECK_TOLERANCE = 2e-2
 
 
 
@@ -164,3 +175,47 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             GROUPS=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK=block_size, TILE_M=shape.rows, TILE_N=shape.keys,
             IEEE=q.dtype == torch.float32, num_warps=shape.warps,
         )
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel's start-up check on this GPU and dtype (once per process): see the module's life cycle."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # "cuda" and "cuda:0" are one GPU: one check
+    return _checked(device, dtype)
+
+
+@functools.cache
+def _checked(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        reason = _check(device, dtype)
+    except Exception as exc:   # noqa: BLE001 - any failure of the kernel is the reason to keep SDPA
+        reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        logger.warning("Triton prefill attention off on %s for %s (%s): SDPA runs prompt segments instead",
+                       device, dtype, reason)
+    return reason is None
+
+
+def _check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Two segments (a whole prompt, a chunk after computed tokens) over scattered blocks, 4 query
+    heads on 2 KV heads of 16, against SDPA on each segment's gathered context."""
+    gen = torch.Generator().manual_seed(0)
+    block, kv_heads, head_dim = 4, 2, 16
+    k_cache = torch.randn(8, block, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(8, block, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    segments = [SegmentBounds(0, 6, 6, [5, 2]), SegmentBounds(6, 3, 10, [7, 0, 3])]
+    q = torch.randn(9, 4, head_dim, generator=gen).to(dtype).to(device).transpose(0, 1)
+    out = torch.zeros(9, 4, head_dim, dtype=dtype, device=device)
+    paged_prefill_attention(q, k_cache, v_cache, plan(segments, device, dtype), head_dim ** -0.5, out)
+    for seg in segments:
+        ids = torch.tensor(seg.block_ids, device=device)
+        k = k_cache[ids].reshape(-1, kv_heads, head_dim)[: seg.ctx_len].float().transpose(0, 1)
+        v = v_cache[ids].reshape(-1, kv_heads, head_dim)[: seg.ctx_len].float().transpose(0, 1)
+        start = seg.ctx_len - seg.q_len
+        visible = torch.ones(seg.q_len, seg.ctx_len, dtype=torch.bool, device=device).tril(start)
+        qs = q[:, seg.q_start : seg.q_start + seg.q_len].float()
+        want = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, enable_gqa=True).transpose(0, 1)
+        got = out[seg.q_start : seg.q_start + seg.q_len].float()
+        if not bool(((got - want).abs() <= CHECK_TOLERANCE * (want.abs().max() + 1)).all()):
+            return f"segment of {seg.q_len} after {start}: off SDPA by {(got - want).abs().max().item():.3g}"
+    return None

@@ -164,6 +164,25 @@ def test_engine_on_the_triton_prefill_equals_hf_greedy(tiny_model, hf_reference,
     assert_no_leaks(engine)
 
 
+@needs_kernel
+def test_start_up_check_passes_the_kernel_and_turns_a_wrong_one_off(monkeypatch, caplog):
+    device = torch.device(DEVICE)
+    triton_prefill._checked.cache_clear()
+    assert triton_prefill.usable(device, torch.float32)
+    triton_prefill._checked.cache_clear()
+    kernel = triton_prefill.paged_prefill_attention
+
+    def off_by_one(q, k_cache, v_cache, prefill, scale, out):
+        kernel(q, k_cache, v_cache, prefill, scale, out)
+        out[2] += 1.0                                   # a miscompiled kernel's wrong row
+
+    monkeypatch.setattr(triton_prefill, "paged_prefill_attention", off_by_one)
+    with caplog.at_level("WARNING", logger="engine.triton_prefill"):
+        assert not triton_prefill.usable(device, torch.float32)
+    assert "SDPA runs prompt segments instead" in caplog.text and "off SDPA by" in caplog.text
+    triton_prefill._checked.cache_clear()
+
+
 def test_plan_packs_a_steps_segments_into_one_tensor():
     bounds = [SegmentBounds(1, 130, 130, [4, 2, 9, 7, 5, 1, 3, 8, 6]), SegmentBounds(132, 5, 40, [11, 0, 10])]
     for dtype, rows in ((torch.float32, 32), (torch.bfloat16, 64)):
