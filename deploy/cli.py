@@ -19,6 +19,7 @@ import signal
 import sys
 
 from deploy import security_args
+from deploy.start_failure import WorkerStartError
 from kvtransfer.select import TRANSPORTS
 from router import event_loop
 from router.event_loop import LoopKind
@@ -245,7 +246,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:   # a value no cluster could serve with: a usage error, as argparse's own
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 2
-    return event_loop.run(_serve(config), config.event_loop)
+    try:
+        return event_loop.run(_serve(config), config.event_loop)
+    except WorkerStartError as exc:   # printed after the stop: the worker's log (its traceback) comes first
+        print(f"pdserve serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 async def _serve(config) -> int:

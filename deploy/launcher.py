@@ -35,6 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool, first_line
+from deploy.start_failure import WorkerStartError, cause_line
 from deploy.ray_init import init_ray, shutdown_ray, valid_address
 from engine import tracing
 from engine.config import EngineConfig
@@ -331,29 +332,32 @@ class Cluster:
         threads = cfg.threads_per_worker or max(1, int(ray.available_resources().get("CPU", 1)) // total)
         engines, gpus_of = self._devices(num_prefill)
         strategy = self._placement([gpus_of["prefill"]] * num_prefill + [gpus_of["decode"]] * cfg.num_decode)
-        actors = []
+        actors = []   # (kind, worker id, actor)
         for i in range(num_prefill):
             spec = self._spec(f"prefill-{i}", model_dir, engines["prefill"], threads)
             opts = self._actor("prefill", strategy, cfg.prefill_resources, gpus_of["prefill"])
             self._recipes[spec.worker_id] = (opts, (spec,))
             self._add_standby_recipe("prefill", spec, (), cfg.prefill_resources, gpus_of["prefill"])
-            actors.append(("prefill", opts.remote(spec)))
+            actors.append(("prefill", spec.worker_id, opts.remote(spec)))
         decode_kind = "colocated" if colocated else "decode"
         for i in range(cfg.num_decode):
             spec = self._spec(f"decode-{i}", model_dir, engines["decode"], threads)
             opts = self._actor("decode", strategy, cfg.decode_resources, gpus_of["decode"])
             self._recipes[spec.worker_id] = (opts, (spec, colocated))
             self._add_standby_recipe(decode_kind, spec, (colocated,), cfg.decode_resources, gpus_of["decode"])
-            actors.append((decode_kind, opts.remote(spec, colocated)))
-        infos = await asyncio.gather(*(a.start.remote() for _, a in actors), return_exceptions=True)
-        failure = next((info for info in infos if isinstance(info, BaseException)), None)
-        if failure is not None:
+            actors.append((decode_kind, spec.worker_id, opts.remote(spec, colocated)))
+        infos = await asyncio.gather(*(a.start.remote() for _, _, a in actors), return_exceptions=True)
+        failed = [(worker_id, info) for (_, worker_id, _), info in zip(actors, infos) if isinstance(info, BaseException)]
+        if failed:
             # Not in the registry yet, so ``stop`` would not find them (a placement group's removal
             # kills its actors, but a cluster may run without one): none may outlive the failed start.
-            for _, actor in actors:
+            for _, _, actor in actors:
                 ray.kill(actor, no_restart=True)
-            raise failure
-        for (role, actor), info in zip(actors, infos):
+            worker_id, exc = failed[0]
+            if isinstance(exc, Exception):   # a cancel (a signal during start-up) stays what it is
+                raise WorkerStartError(worker_id, cause_line(exc)) from exc
+            raise exc
+        for (role, _, actor), info in zip(actors, infos):
             self.registry.add(WorkerHandle(info["worker_id"], role, actor, info["node_id"], info["device"],
                                            shm_path=info.get("shm_path"), pid=info.get("pid"),
                                            submit_path=info.get("submit_path"),

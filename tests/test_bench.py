@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import math
 import statistics
 import threading
@@ -333,6 +334,16 @@ def test_launched_cluster_end_to_end(ray_session, tmp_path, capsys):
     merged = tmp_path / "merged"
     assert main(["plot", str(result), str(tmp_path / "other.json"), "--out", str(merged)]) == 0
     assert len(list(Path(merged).glob("*.png"))) == 4
+
+
+def test_a_launched_worker_that_cannot_be_built_is_named_not_a_traceback(ray_session, capsys):
+    """A pool far past the machine's memory: the worker's constructor fails, the run ends with one
+    line naming the worker and why."""
+    rc = main(["--launch", "disaggregated", "--random-model", "--num-kv-blocks", "100000000000",
+               "--cpus-per-worker", "0.5", "--threads-per-worker", "1", "--num-prompts", "2"])
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(r"pdserve bench: error: (prefill|decode)-0 could not start: .*allocate.*", err[-1]), err
 
 
 def test_a_server_that_is_not_there_is_named_not_a_traceback(capsys):

@@ -4,7 +4,9 @@ garbage collection before it serves; SIGTERM stops it gracefully
 (exit 0, no pool left, no Ray process left), first draining: a live request finishes while new
 ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once
 (the request it cuts gets UNAVAILABLE naming the shutdown);
-SIGINT or SIGTERM during start-up stops the start (exit 130 / 143); the embedded Ray listens on loopback only.
+SIGINT or SIGTERM during start-up stops the start (exit 130 / 143); a worker that cannot be built
+(a KV pool past the machine's memory) ends the start with one line naming the worker and the cause
+as the last thing printed (exit 1, nothing left); the embedded Ray listens on loopback only.
 
 Each run starts in its own session (``start_new_session``), and every process Ray starts stays
 in it (checked: GCS, raylet, agents, workers), so "the router's tree" is exactly the processes
@@ -213,6 +215,17 @@ def test_sigint_while_workers_start_tears_them_down(runs):
         assert time.monotonic() < deadline and run.proc.poll() is None, run.text
         time.sleep(0.05)
     assert_start_stopped_by(run)
+
+
+def test_a_worker_that_cannot_be_built_ends_the_start_with_one_line_naming_it(runs):
+    run = runs("--kv-cache-gib", "100000")    # every worker's pool: far past this machine's memory
+    assert run.exit_code(START_TIMEOUT_S) == 1, run.text
+    last = run.text.strip().splitlines()[-1]
+    assert re.fullmatch(r"pdserve serve: error: (prefill|decode)-0 could not start: \S.*", last), run.text
+    assert "allocate" in last or "reserve" in last, last            # the cause: the pool's memory
+    assert "Traceback" not in run.text.split("could not start")[-1]
+    assert run.session_gone(30), [p.name() for p in run.session]
+    assert not orphaned(run.pools_before), "a worker that failed to start left its pool"
 
 
 def _actor_process(run: Serve, actor_class: str) -> psutil.Process:

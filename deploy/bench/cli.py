@@ -31,6 +31,7 @@ from deploy.bench import report
 from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend
 from deploy.bench.dataset import DATASETS, DEFAULT_VOCAB, make_requests, with_text
 from deploy.bench.runner import run_rate, warm_up
+from deploy.start_failure import WorkerStartError
 
 logger = logging.getLogger("pdserve.bench")
 
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.cli import said
 
         parser.error(said(exc))
+    except WorkerStartError as exc:   # --launch: a worker of the cluster it started could not be built
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:   # the server is not there, or refused us (a wrong token)
         target = args.address if args.backend == "grpc" else args.base_url
         print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
