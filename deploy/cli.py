@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import enum
 import logging
+import os
 import signal
 import sys
 
@@ -247,10 +248,17 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return event_loop.run(_serve(config), config.event_loop)
+        code = event_loop.run(_serve(config), config.event_loop)
     except WorkerStartError as exc:   # printed after the stop: the worker's log (its traceback) comes first
         print(f"pdserve serve: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        code = 1
+    from deploy import ray_init   # here: Ray only where a cluster ran
+
+    if ray_init.abandoned():   # Ray's GCS stopped answering: its shutdown at exit would wait a minute
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 async def _serve(config) -> int:

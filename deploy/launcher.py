@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool, first_line
 from deploy.start_failure import WorkerStartError, cause_line
-from deploy.ray_init import init_ray, shutdown_ray, valid_address
+from deploy.ray_init import abandon_ray, abandoned, gcs_answers, init_ray, shutdown_ray, valid_address
 from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
@@ -132,6 +132,8 @@ class ClusterConfig:
                  f"must be auto, local or [ray://]host:port with a port in 1-65535, got {self.address!r}")
         _require(self.kv_transport is None or self.kv_transport in TRANSPORTS, "kv_transport",
                  f"must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
+        _require(self.kv_transport is None or self.mode != "colocated", "kv_transport",
+                 "applies to disaggregated mode only (colocated workers hand no KV over)")
         _require(self.migration_limit >= 0, "migration_limit", f"must be >= 0, got {self.migration_limit}")
         _require(self.max_worker_restarts is None or self.max_worker_restarts >= 0, "max_worker_restarts",
                  f"must be >= 0, got {self.max_worker_restarts}")
@@ -165,7 +167,8 @@ class Cluster:
         self.port: int | None = None
         self.tokenizer = None
         self._pg = None
-        self._started_ray = False
+        self._started_ray = False   # this cluster called ray.init (joined or embedded): it shuts Ray down
+        self._embedded_ray = False  # ... and that Ray is embedded: its GCS and raylet are our descendants
         self.metrics_port: int | None = None
         self.http = None                    # router.openai_api.server.HttpServer while it serves
         self.http_port: int | None = None
@@ -321,7 +324,7 @@ class Cluster:
         if ray.is_initialized():
             return
         kwargs = {"include_dashboard": False, "log_to_driver": True, **self.config.ray_init}
-        init_ray(self.config.address, **kwargs)  # embedded: loopback only (deploy/ray_init.py)
+        self._embedded_ray = init_ray(self.config.address, **kwargs)  # embedded: loopback only (deploy/ray_init.py)
         self._started_ray = True
 
     async def _start_workers(self, model_dir: str | None) -> list[dict]:
@@ -376,8 +379,8 @@ class Cluster:
         """Per role: the engine config with its device decided, and each worker's GPU share."""
         cfg = self.config
         gpus = ray.cluster_resources().get("GPU", 0.0)
-        engines = {"prefill": resolve_device(cfg.prefill_engine, gpus, self._started_ray),
-                   "decode": resolve_device(cfg.decode_engine, gpus, self._started_ray)}
+        engines = {"prefill": resolve_device(cfg.prefill_engine, gpus, self._embedded_ray),
+                   "decode": resolve_device(cfg.decode_engine, gpus, self._embedded_ray)}
         counts = {"prefill": num_prefill, "decode": cfg.num_decode}
         share = cfg.gpus_per_worker or gpu_share(gpus, sum(counts[r] for r, e in engines.items() if _on_gpu(e)))
         return engines, {r: share if _on_gpu(e) else 0.0 for r, e in engines.items()}
@@ -393,7 +396,7 @@ class Cluster:
         if not cfg.use_placement_group or cfg.prefill_resources or cfg.decode_resources:
             return None
         bundles = [{"CPU": cfg.cpus_per_worker, **({"GPU": g} if g else {})} for g in gpus_per_bundle]
-        check_cpus(len(bundles), cfg.cpus_per_worker, ray.cluster_resources().get("CPU", 0.0), embedded=self._started_ray)
+        check_cpus(len(bundles), cfg.cpus_per_worker, ray.cluster_resources().get("CPU", 0.0), embedded=self._embedded_ray)
         self._pg = placement_group(bundles, strategy="PACK")
         return self._pg
 
@@ -478,17 +481,26 @@ class Cluster:
             self.orchestrator.submitter.close()
         if getattr(self, "streams", None):
             await _until(deadline, self.streams.stop(), "decode streams")
-        shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]
-        await _until(deadline, asyncio.gather(*shutdowns, return_exceptions=True), "worker shutdown")
-        for w in self.registry.all:
-            self._kill(w)
-        if self._pg is not None:
-            remove_placement_group(self._pg)
+        if self._embedded_ray and not gcs_answers():
+            # Signalled with us (a SIGTERM to the whole process group): every call to it would
+            # wait a minute. The workers' pools are unlinked; what is left of Ray is killed.
+            logger.warning("Ray's GCS does not answer (signalled with the router?): leaving Ray without its shutdown")
+            for w in self.registry.all:
+                _unlink(w.shm_path)
+            abandon_ray()
+        else:
+            shutdowns = [w.actor.shutdown.remote() for w in self.registry.all if w.alive]
+            await _until(deadline, asyncio.gather(*shutdowns, return_exceptions=True), "worker shutdown")
+            for w in self.registry.all:
+                self._kill(w)
+            if self._pg is not None:
+                remove_placement_group(self._pg)
         if getattr(self, "metrics", None):
             self.metrics.close()
         if self._started_ray:
             await _end_tasks(asyncio.all_tasks() - set(self._callers_tasks) - {asyncio.current_task()})
-            shutdown_ray()
+            if not abandoned():
+                shutdown_ray()
         if self.config.tracing is not None:
             tracing.reset()   # flush the router's spans; back to the no-op tracer
         reclaim_stale_segments()  # pools of workers killed mid-start (never registered, never unlinked)

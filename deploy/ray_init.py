@@ -13,7 +13,13 @@ import). It is read only while the node's address is decided, so it is switched 
 
 Leaving: ``shutdown_ray`` waits (bounded) until the processes of an embedded Ray are gone, so
 that what they left behind (a worker killed mid-start keeps its /dev/shm pool) can be reclaimed
-at once rather than at the next start.
+at once rather than at the next start. Unless Ray's GCS no longer answers (``gcs_answers``): a
+SIGTERM to the router's whole process group (systemd's default ``KillMode=control-group``,
+``kill -TERM -PGID``, supervisord's ``stopasgroup``) reaches the embedded GCS too, which stops
+answering at once, and every later call to it (a placement group's removal, ``ray.shutdown``,
+Ray's own shutdown at exit) waits out Ray's 60 s reconnect timeout before the process dies with
+status 1. ``abandon_ray`` then kills what is left of the embedded Ray (our descendants) instead,
+and the caller ends the process with ``os._exit`` once its own cleanup is done (``abandoned``).
 
 SIGTERM: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit(15)`` wherever the main
 thread happens to be, first thing, for the whole start (seconds); the caller's handler
@@ -49,6 +55,39 @@ def shutdown_ray(wait_s: float = 10.0) -> None:
         logger.warning("%d Ray processes still running %.0f s after shutdown", len(alive), wait_s)
 
 
+def gcs_answers(timeout_s: float = 1.0) -> bool:
+    """Whether Ray's GCS answers a small call within ``timeout_s`` (False too when Ray is not
+    connected)."""
+    try:
+        ray._private.worker.global_worker.gcs_client.internal_kv_keys(b"", None, timeout=timeout_s)
+    except Exception:   # noqa: BLE001 - an RpcError (no answer), or no client: either way it does not answer
+        return False
+    return True
+
+
+_abandoned = threading.Event()   # abandon_ray ran: the process must end without Ray's shutdown
+
+
+def abandon_ray(wait_s: float = 5.0) -> None:
+    """Leave an embedded Ray whose GCS no longer answers without ``ray.shutdown`` (it would wait a
+    minute on the GCS): kill this process's descendants (its GCS, raylet, agents, workers) and mark
+    the process to end with
+    ``os._exit`` (``abandoned``), since Ray's own shutdown at interpreter exit would wait as long."""
+    _abandoned.set()
+    descendants = psutil.Process().children(recursive=True)
+    for proc in descendants:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    _, alive = psutil.wait_procs(descendants, timeout=wait_s)
+    if alive:
+        logger.warning("%d Ray processes still running %.0f s after they were killed", len(alive), wait_s)
+
+
+def abandoned() -> bool:
+    """``abandon_ray`` ran: end the process with ``os._exit`` after its own cleanup."""
+    return _abandoned.is_set()
+
+
 def valid_address(address: str | None) -> bool:
     """What Ray can join: none (embedded), ``auto``, ``local``, ``[ray://]host:port`` with a port in
     1-65535 (anything else is refused at once, not after a minute of connection retries)."""
@@ -58,12 +97,15 @@ def valid_address(address: str | None) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
-def init_ray(address: str | None, **kwargs) -> None:
+def init_ray(address: str | None, **kwargs) -> bool:
+    """Join ``address`` (or ``RAY_ADDRESS``), or start an embedded Ray: True when embedded (this
+    process started Ray's GCS and raylet: they are its descendants)."""
     embedded = address is None and not os.environ.get("RAY_ADDRESS") and "_node_ip_address" not in kwargs
     with _keep_sigterm_handler(), (_loopback_only() if embedded else contextlib.nullcontext()):
         ray.init(address=address, **kwargs)
     if embedded:
         logger.info("embedded Ray bound to %s", ray.util.get_node_ip_address())
+    return embedded
 
 
 @contextlib.contextmanager

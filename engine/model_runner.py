@@ -70,7 +70,7 @@ class ModelRunner:
         if self.lean is not None and self.device.type == "cuda" and triton_fused.enabled():
             triton_fused.usable(self.device, kv_cache.dtype)   # its start-up check now, never under a capture
         if self._triton_prefill_applies():
-            triton_prefill.usable(self.device, kv_cache.dtype)   # its start-up check now, not in the first step
+            triton_prefill.usable(self.device, kv_cache.dtype, self._head_shape)   # now: check and compile
         self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
@@ -194,11 +194,17 @@ class ModelRunner:
     def _prefill_path(self) -> PrefillPath:
         """Triton on CUDA where it imports and takes the shapes; the C++ kernel for float32 on a CPU
         it is preferred on; SDPA otherwise (and whenever ``PDSERVE_ATTENTION=torch``)."""
-        if self._triton_prefill_applies() and triton_prefill.usable(self.device, self.kv_cache.dtype):
+        if self._triton_prefill_applies() and triton_prefill.usable(self.device, self.kv_cache.dtype, self._head_shape):
             return PrefillPath.TRITON
         if self._paged_kernel() and paged_kernel.prefill_preferred(self.kv_cache.shape[-1]):
             return PrefillPath.CPU_KERNEL
         return PrefillPath.SDPA
+
+    @property
+    def _head_shape(self) -> triton_prefill.HeadShape:
+        config = self.model.config
+        return triton_prefill.HeadShape(config.num_attention_heads, self.kv_cache.shape[-2], self.kv_cache.shape[-1],
+                                        self.block_size)
 
     def _triton_prefill_applies(self) -> bool:
         return triton_prefill.supports(self.device, self.kv_cache.shape[-1], self.block_size) and triton_prefill.enabled()

@@ -177,17 +177,28 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         )
 
 
-def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernel's start-up check on this GPU and dtype (once per process): see the module's life cycle."""
+@dataclass(frozen=True, slots=True)
+class HeadShape:
+    """The attention heads a model's layers have: the kernel's compiled variant follows them."""
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+
+
+def usable(device: torch.device, dtype: torch.dtype, shape: HeadShape) -> bool:
+    """The kernel's start-up check on this GPU and dtype, on the model's own head shape (once per
+    process): see the module's life cycle. Run on that shape, it also compiles the variant the
+    model's prompt steps launch, so the first request does not wait for Triton's compiler."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())   # "cuda" and "cuda:0" are one GPU: one check
-    return _checked(device, dtype)
+    return _checked(device, dtype, shape)
 
 
 @functools.cache
-def _checked(device: torch.device, dtype: torch.dtype) -> bool:
+def _checked(device: torch.device, dtype: torch.dtype, shape: HeadShape) -> bool:
     try:
-        reason = _check(device, dtype)
+        reason = _check(device, dtype, shape)
     except Exception as exc:   # noqa: BLE001 - any failure of the kernel is the reason to keep SDPA
         reason = f"{type(exc).__name__}: {exc}"
     if reason is not None:
@@ -196,16 +207,18 @@ def _checked(device: torch.device, dtype: torch.dtype) -> bool:
     return reason is None
 
 
-def _check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Two segments (a whole prompt, a chunk after computed tokens) over scattered blocks, 4 query
-    heads on 2 KV heads of 16, against SDPA on each segment's gathered context."""
+def _check(device: torch.device, dtype: torch.dtype, shape: HeadShape) -> str | None:
+    """Two segments (a whole prompt, a chunk after computed tokens) over scattered blocks, against
+    SDPA on each segment's gathered context."""
     gen = torch.Generator().manual_seed(0)
-    block, kv_heads, head_dim = 4, 2, 16
+    block, kv_heads, head_dim = shape.block_size, shape.kv_heads, shape.head_dim
     k_cache = torch.randn(8, block, kv_heads, head_dim, generator=gen).to(dtype).to(device)
     v_cache = torch.randn(8, block, kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    segments = [SegmentBounds(0, 6, 6, [5, 2]), SegmentBounds(6, 3, 10, [7, 0, 3])]
-    q = torch.randn(9, 4, head_dim, generator=gen).to(dtype).to(device).transpose(0, 1)
-    out = torch.zeros(9, 4, head_dim, dtype=dtype, device=device)
+    first, later_start = block + 2, 2 * block + 1            # a prompt past one block; a chunk after two
+    segments = [SegmentBounds(0, first, first, [5, 2]), SegmentBounds(first, 3, later_start + 3, [7, 0, 3])]
+    tokens = first + 3
+    q = torch.randn(tokens, shape.num_heads, head_dim, generator=gen).to(dtype).to(device).transpose(0, 1)
+    out = torch.zeros(tokens, shape.num_heads, head_dim, dtype=dtype, device=device)
     paged_prefill_attention(q, k_cache, v_cache, plan(segments, device, dtype), head_dim ** -0.5, out)
     for seg in segments:
         ids = torch.tensor(seg.block_ids, device=device)

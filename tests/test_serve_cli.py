@@ -3,7 +3,8 @@ process tree leaves /dev/shm pools that the next start reclaims; start-up's heap
 garbage collection before it serves; SIGTERM stops it gracefully
 (exit 0, no pool left, no Ray process left), first draining: a live request finishes while new
 ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once
-(the request it cuts gets UNAVAILABLE naming the shutdown);
+(the request it cuts gets UNAVAILABLE naming the shutdown); a SIGTERM or SIGINT to the whole
+process group (Ray's processes included) stops it in seconds too;
 SIGINT or SIGTERM during start-up stops the start (exit 130 / 143); a worker that cannot be built
 (a KV pool past the machine's memory) ends the start with one line naming the worker and the cause
 as the last thing printed (exit 1, nothing left); the embedded Ray listens on loopback only.
@@ -290,3 +291,21 @@ def test_a_second_signal_ends_the_drain(runs):
             assert time.monotonic() - started < 30, "the stop did not wait out the drain"
     assert run.session_gone(30), [p.name() for p in run.session]
     assert not orphaned(run.pools_before)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_the_whole_process_group_stops_in_seconds(runs, sig):
+    """systemd's default KillMode=control-group, ``kill -TERM -PGID``, supervisord's stopasgroup, a
+    terminal's Ctrl-C: the signal reaches the embedded Ray's GCS and raylet too. SIGTERM stops the
+    GCS answering at once, and the stop used to wait a minute on it, then exit 1 (found by a probe);
+    SIGINT Ray's processes ignore. Either way: exit 0 in seconds, nothing left."""
+    run = runs()
+    assert_serves(address(run))
+    started = time.monotonic()
+    os.killpg(run.proc.pid, sig)     # the run's own session: its group is the CLI's pid
+    assert run.exit_code(STOP_BOUND_S) == 0, run.text
+    assert time.monotonic() - started < 20, f"the stop took {time.monotonic() - started:.0f} s:\n{run.text}"
+    assert run.session_gone(30), [p.name() for p in run.session]
+    assert not orphaned(run.pools_before), "a pool was left behind"
+    if sig is signal.SIGTERM:
+        assert "leaving Ray without its shutdown" in run.text, run.text

@@ -18,6 +18,7 @@ REFUSED = [
     ("--dtype float64", "dtype must be auto or one of float32, float16, bfloat16"),
     ("--device tpu", "device must be cpu, cuda, cuda:N or auto"),
     ("--port 70000", "port must be in [0, 65535]"),
+    ("--mode colocated --kv-transport shm", "kv_transport applies to disaggregated mode only"),
     ("--max-num-batched-tokens 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
     ("--metrics-port -1", "metrics_port must be in [0, 65535]"),
     ("--kv-cache-gib 0", "kv_cache_bytes must be >= 1"),

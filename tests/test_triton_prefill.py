@@ -167,8 +167,10 @@ def test_engine_on_the_triton_prefill_equals_hf_greedy(tiny_model, hf_reference,
 @needs_kernel
 def test_start_up_check_passes_the_kernel_and_turns_a_wrong_one_off(monkeypatch, caplog):
     device = torch.device(DEVICE)
+    shape = triton_prefill.HeadShape(num_heads=9, kv_heads=3, head_dim=64, block_size=BLOCK)   # SmolLM2's
     triton_prefill._checked.cache_clear()
-    assert triton_prefill.usable(device, torch.float32)
+    assert triton_prefill.usable(device, torch.float32, shape)
+    assert triton_prefill.usable(device, torch.float32, triton_prefill.HeadShape(4, 1, 32, 8))
     triton_prefill._checked.cache_clear()
     kernel = triton_prefill.paged_prefill_attention
 
@@ -178,7 +180,7 @@ def test_start_up_check_passes_the_kernel_and_turns_a_wrong_one_off(monkeypatch,
 
     monkeypatch.setattr(triton_prefill, "paged_prefill_attention", off_by_one)
     with caplog.at_level("WARNING", logger="engine.triton_prefill"):
-        assert not triton_prefill.usable(device, torch.float32)
+        assert not triton_prefill.usable(device, torch.float32, shape)
     assert "SDPA runs prompt segments instead" in caplog.text and "off SDPA by" in caplog.text
     triton_prefill._checked.cache_clear()
 
