@@ -352,6 +352,16 @@ def test_a_server_that_is_not_there_is_named_not_a_traceback(capsys):
     assert "pdserve bench: error: 127.0.0.1:1: UNAVAILABLE" in capsys.readouterr().err
 
 
+def test_an_openai_server_that_is_not_there_is_named_not_a_table_of_nan(capsys):
+    """Found by a probe: the OpenAI backend ran every request against nothing and printed a table
+    of ``nan``; now it says so before any run, as the gRPC backend does."""
+    assert main(["--backend", "openai", "--base-url", "http://127.0.0.1:1", "--num-prompts", "2",
+                 "--num-warmups", "0"]) == 1
+    captured = capsys.readouterr()
+    assert "pdserve bench: error: http://127.0.0.1:1: " in captured.err, captured.err
+    assert "nan" not in captured.out and "Serving Benchmark Result" not in captured.out
+
+
 def test_ctrl_c_mid_run_ends_with_the_shells_status_not_a_traceback(monkeypatch, capsys):
     """Found by a probe: Ctrl-C during ``pdserve bench`` printed a 40-line KeyboardInterrupt."""
     import deploy.bench.cli as bench_cli

@@ -181,6 +181,11 @@ def chunk_content(chunk: dict) -> str:
     return choice.get("text") or ""
 
 
+class ServerUnreachable(ConnectionError):
+    """Nothing answers at the server's address: said once before any run (as the gRPC backend's
+    first call says it), not as a table of failed requests."""
+
+
 class OpenAIBackend:
     name = "openai"
 
@@ -205,11 +210,13 @@ class OpenAIBackend:
         # limit=0: the benchmark decides concurrency (--max-concurrency), not the connection pool.
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                               headers=self._headers)
-        if self.model is None:
-            self.model = await self._first_model()
+        served = await self._first_model()   # also: is anything there at all
+        self.model = self.model or served
         return {"model": self.model or "", "mode": f"openai-{self.flavor}"}
 
     async def _first_model(self) -> str | None:
+        """The first model ``/v1/models`` lists (None where the server has no such route); raises
+        ``ServerUnreachable`` where no server answers at all."""
         import aiohttp
 
         try:   # a session of its own: an error reply may close the connection, which must not be pooled
@@ -218,6 +225,8 @@ class OpenAIBackend:
                 if resp.status != 200:
                     return None
                 data = (await resp.json()).get("data") or []
+        except aiohttp.ClientConnectorError as exc:   # refused, no route, a name that does not resolve
+            raise ServerUnreachable(f"{self.base_url}: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None   # a server without /v1/models: send no model name
         return data[0].get("id") if data else None

@@ -28,7 +28,7 @@ import grpc
 
 from deploy import security_args
 from deploy.bench import report
-from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend
+from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend, ServerUnreachable
 from deploy.bench.dataset import DATASETS, DEFAULT_VOCAB, make_requests, with_text
 from deploy.bench.runner import run_rate, warm_up
 from deploy.start_failure import WorkerStartError
@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         return _run_main(args, slos)
+    except (WorkerStartError, ServerUnreachable) as exc:   # a launched worker could not be built; no server there
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as exc:   # an unreadable file (a token, a certificate): the user's to fix
         from deploy.cli import said
 
         parser.error(said(exc))
-    except WorkerStartError as exc:   # --launch: a worker of the cluster it started could not be built
-        print(f"pdserve bench: error: {exc}", file=sys.stderr)
-        return 1
     except grpc.RpcError as exc:   # the server is not there, or refused us (a wrong token)
         target = args.address if args.backend == "grpc" else args.base_url
         print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
