@@ -18,8 +18,9 @@ whatever the cache dtype; float32 products run in IEEE precision (no TF32), so f
 stays equal to Hugging Face's.
 
 Life cycle: at start-up the ModelRunner on CUDA asks ``usable``: the kernel runs once on a small
-case against SDPA, and one that fails to compile, launch or compute is off for the process with a
-warning (SDPA then serves: a GPU or Triton version it never ran on costs speed, never a request).
+case of the model's own head shape against SDPA (which also compiles the variant its prompt steps
+launch), and one that fails to compile, launch or compute is off for the process with a warning
+(SDPA then serves: a GPU or Triton version it never ran on costs speed, never a request).
 Per step the ModelRunner packs the step's segments into a ``PrefillPlan`` with ``plan`` (one
 host-to-device copy of every table and bound); per layer engine.attention calls
 ``paged_prefill_attention`` once with it. ``PDSERVE_ATTENTION=torch`` turns it off with the other
@@ -43,7 +44,6 @@ logger = logging.getLogger(__name__)
 # A result off SDPA's by more than this share of its scale fails the start-up check: it looks for a
 # kernel that miscompiles or misreads its inputs, not for rounding.
 CHECK_TOLERANCE = 2e-2
-
 
 
 @dataclass(frozen=True, slots=True)
