@@ -265,6 +265,7 @@ async def _serve(config) -> int:
     """Start, serve until SIGINT / SIGTERM, stop. A signal during start-up cancels the start
     (the half-started cluster is torn down) and exits 128 + the signal's number."""
     from deploy.launcher import Cluster
+    from deploy.standby import first_line
     from router.gc_policy import apply_serving_gc_policy
 
     cluster = Cluster(config)
@@ -287,6 +288,14 @@ async def _serve(config) -> int:
             if not signals:
                 raise
             logger.warning("%s during start-up: stopping the start", signals[0].name)
+            return 128 + signals[0]
+        except Exception as exc:
+            await asyncio.sleep(0.1)   # a signal that came while the start held the loop (ray.init) is handled now
+            if not signals:
+                raise
+            # A signal to the whole process group reaches Ray's own processes mid-start too, and the
+            # start fails of it: the signal is what the operator asked for, not an error to report.
+            logger.warning("%s during start-up: the start stopped (%s)", signals[0].name, first_line(exc))
             return 128 + signals[0]
         frozen = apply_serving_gc_policy()   # start-up heap out of the scans, fewer young passes
         logger.info("%d start-up objects frozen out of garbage collection", frozen)

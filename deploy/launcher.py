@@ -187,7 +187,10 @@ class Cluster:
         self._init_ray()
         model_dir, name = None, None
         if cfg.random_model is None:
-            prepared = await _prepare_model_remote(cfg.model)
+            try:
+                prepared = await _prepare_model_remote(cfg.model)
+            except ray.exceptions.RayTaskError as exc:   # Ray's text is the task's traceback: its last line says why
+                raise ValueError(f"--model {cfg.model}: {cause_line(exc)}") from exc
             model_dir, name = prepared.path, prepared.name
             from deploy.model_prep import load_tokenizer
 

@@ -74,6 +74,11 @@ def abandon_ray(wait_s: float = 5.0) -> None:
     the process to end with
     ``os._exit`` (``abandoned``), since Ray's own shutdown at interpreter exit would wait as long."""
     _abandoned.set()
+    kill_descendants(wait_s)
+
+
+def kill_descendants(wait_s: float = 5.0) -> None:
+    """SIGKILL every descendant of this process (an embedded Ray's GCS, raylet, agents, workers)."""
     descendants = psutil.Process().children(recursive=True)
     for proc in descendants:
         with contextlib.suppress(psutil.Error):
@@ -102,7 +107,12 @@ def init_ray(address: str | None, **kwargs) -> bool:
     process started Ray's GCS and raylet: they are its descendants)."""
     embedded = address is None and not os.environ.get("RAY_ADDRESS") and "_node_ip_address" not in kwargs
     with _keep_sigterm_handler(), (_loopback_only() if embedded else contextlib.nullcontext()):
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except BaseException:
+            if embedded:   # half started (say, its GCS signalled with us): none of it may outlive the failure
+                kill_descendants()
+            raise
     if embedded:
         logger.info("embedded Ray bound to %s", ray.util.get_node_ip_address())
     return embedded

@@ -362,6 +362,41 @@ def test_an_openai_server_that_is_not_there_is_named_not_a_table_of_nan(capsys):
     assert "nan" not in captured.out and "Serving Benchmark Result" not in captured.out
 
 
+def test_a_base_url_ending_in_v1_is_the_same_server(fake_openai):
+    """OpenAI clients' base_url ends in /v1; the endpoints carry it already (found by a probe: every
+    request got a 404 from /v1/v1/completions)."""
+    _, url = fake_openai
+    out = asyncio.run(_send_one(url + "/v1/", BenchRequest(0, [1001, 1002], 4)))
+    assert out.status == OK, out.error
+
+
+@pytest.mark.parametrize("target", ["http://127.0.0.1:99999", "not a url at all"])
+def test_an_address_that_is_no_url_is_one_line_not_a_table(target, capsys):
+    assert main(["--backend", "openai", "--base-url", target, "--allow-remote", "--num-prompts", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "pdserve bench: error: " in captured.err and "Unclosed client session" not in captured.err, captured.err
+    assert "Serving Benchmark Result" not in captured.out
+
+
+def test_a_server_that_is_not_openai_is_one_line_not_a_table(capsys):
+    """An HTTP server that answers every request with an error (here: 501 to every POST): the
+    warm-up finds out, and nothing runs."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc = main(["--backend", "openai", "--base-url", f"http://127.0.0.1:{server.server_port}",
+                   "--num-prompts", "2", "--num-warmups", "1"])
+    finally:
+        server.shutdown()
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "pdserve bench: error: every warm-up request failed" in captured.err, captured.err
+    assert "Serving Benchmark Result" not in captured.out and "<html" not in captured.err.lower()
+
+
 def test_ctrl_c_mid_run_ends_with_the_shells_status_not_a_traceback(monkeypatch, capsys):
     """Found by a probe: Ctrl-C during ``pdserve bench`` printed a 40-line KeyboardInterrupt."""
     import deploy.bench.cli as bench_cli

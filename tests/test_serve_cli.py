@@ -309,3 +309,15 @@ def test_a_signal_to_the_whole_process_group_stops_in_seconds(runs, sig):
     assert not orphaned(run.pools_before), "a pool was left behind"
     if sig is signal.SIGTERM:
         assert "leaving Ray without its shutdown" in run.text, run.text
+
+
+def test_a_model_that_is_not_there_is_one_line_naming_it():
+    """Found by a probe: ``--model /nonexistent`` ended with Ray's coloured task traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--model", "/nonexistent", "--port", "0",
+                           "--http-port", "0", "--metrics-port", "0"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=START_TIMEOUT_S, start_new_session=True)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve serve: error: --model /nonexistent: FileNotFoundError: "), done.stderr
+    assert "neither a .gguf file nor a directory" in last and "Traceback" not in done.stderr, done.stderr

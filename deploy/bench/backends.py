@@ -194,7 +194,9 @@ class OpenAIBackend:
                  api_key: str | None = None) -> None:
         if flavor not in FLAVORS:
             raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
-        self.base_url = base_url.rstrip("/")
+        # The server's root: a URL that ends in /v1 (as OpenAI clients' base_url does) loses it, since
+        # the endpoints (/v1/completions, /v1/models) carry it.
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.endpoint = endpoint if endpoint.startswith("/") else "/" + endpoint
         self.chat = self.endpoint.rstrip("/").endswith("chat/completions")
         self.model, self.flavor = model, flavor
@@ -206,12 +208,12 @@ class OpenAIBackend:
     async def start(self) -> dict[str, Any]:
         import aiohttp
 
+        served = await self._first_model()   # also: is anything there at all (before a session to close)
+        self.model = self.model or served
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         # limit=0: the benchmark decides concurrency (--max-concurrency), not the connection pool.
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                               headers=self._headers)
-        served = await self._first_model()   # also: is anything there at all
-        self.model = self.model or served
         return {"model": self.model or "", "mode": f"openai-{self.flavor}"}
 
     async def _first_model(self) -> str | None:
@@ -225,8 +227,8 @@ class OpenAIBackend:
                 if resp.status != 200:
                     return None
                 data = (await resp.json()).get("data") or []
-        except aiohttp.ClientConnectorError as exc:   # refused, no route, a name that does not resolve
-            raise ServerUnreachable(f"{self.base_url}: {exc}") from exc
+        except (aiohttp.ClientConnectorError, aiohttp.InvalidURL) as exc:   # refused, no route, no such name, no URL
+            raise ServerUnreachable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None   # a server without /v1/models: send no model name
         return data[0].get("id") if data else None

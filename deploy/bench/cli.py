@@ -30,7 +30,7 @@ from deploy import security_args
 from deploy.bench import report
 from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend, ServerUnreachable
 from deploy.bench.dataset import DATASETS, DEFAULT_VOCAB, make_requests, with_text
-from deploy.bench.runner import run_rate, warm_up
+from deploy.bench.runner import WarmUpFailed, run_rate, warm_up
 from deploy.start_failure import WorkerStartError
 
 logger = logging.getLogger("pdserve.bench")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         return _run_main(args, slos)
-    except (WorkerStartError, ServerUnreachable) as exc:   # a launched worker could not be built; no server there
+    except (WorkerStartError, ServerUnreachable, WarmUpFailed) as exc:   # no worker, no server, not a server we can drive
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:   # an unreadable file (a token, a certificate): the user's to fix

@@ -94,5 +94,17 @@ async def warm_up(backend: Backend, requests: Sequence[BenchRequest]) -> None:
         return
     outcomes = await asyncio.gather(*(backend.send(r) for r in requests))
     bad = [o for o in outcomes if not o.ok]
+    if bad and len(bad) == len(outcomes):   # not a server this benchmark can drive: say so, run nothing
+        raise WarmUpFailed(f"every warm-up request failed, the first with: {first_line(str(bad[0].error))}")
     if bad:
         logger.warning("%d of %d warm-up requests did not complete: %s", len(bad), len(outcomes), bad[0].error)
+
+
+class WarmUpFailed(RuntimeError):
+    """Not one warm-up request completed: the run would only print a table of failures."""
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """An error's first line, bounded (a server's error page can be a whole HTML document)."""
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line[:limit]
