@@ -54,6 +54,11 @@ class UnixLineServer:
                     self._on_line(line)
         except (ConnectionError, asyncio.LimitOverrunError, ValueError) as exc:
             logger.debug("%s: connection dropped: %s", self._socket_name, exc)
+        except asyncio.CancelledError:
+            # Cancelled at a stop whose peers died without closing (a group SIGTERM): end quietly.
+            # Python 3.11's stream server reads a cancelled handler's exception in its done
+            # callback and logs an ERROR with a traceback for it.
+            pass
         finally:
             self._connections.discard(writer)
             writer.close()

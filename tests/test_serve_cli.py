@@ -309,6 +309,7 @@ def test_a_signal_to_the_whole_process_group_stops_in_seconds(runs, sig):
     assert not orphaned(run.pools_before), "a pool was left behind"
     if sig is signal.SIGTERM:
         assert "leaving Ray without its shutdown" in run.text, run.text
+    assert "Exception in callback" not in run.text, run.text   # a connection handler cancelled at the stop
 
 
 def test_a_model_that_is_not_there_is_one_line_naming_it():
