@@ -20,7 +20,7 @@ import signal
 import sys
 
 from deploy import security_args
-from deploy.start_failure import WorkerStartError
+from deploy.start_failure import WorkerStartError, first_line
 from kvtransfer.select import TRANSPORTS
 from router import event_loop
 from router.event_loop import LoopKind
@@ -265,7 +265,6 @@ async def _serve(config) -> int:
     """Start, serve until SIGINT / SIGTERM, stop. A signal during start-up cancels the start
     (the half-started cluster is torn down) and exits 128 + the signal's number."""
     from deploy.launcher import Cluster
-    from deploy.standby import first_line
     from router.gc_policy import apply_serving_gc_policy
 
     cluster = Cluster(config)

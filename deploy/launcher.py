@@ -34,8 +34,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.standby import StandbyPool, first_line
-from deploy.start_failure import WorkerStartError, cause_line
+from deploy.standby import StandbyPool
+from deploy.start_failure import WorkerStartError, cause_line, first_line
 from deploy.ray_init import abandon_ray, abandoned, gcs_answers, init_ray, shutdown_ray, valid_address
 from engine import tracing
 from engine.config import EngineConfig

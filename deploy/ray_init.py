@@ -71,8 +71,8 @@ _abandoned = threading.Event()   # abandon_ray ran: the process must end without
 def abandon_ray(wait_s: float = 5.0) -> None:
     """Leave an embedded Ray whose GCS no longer answers without ``ray.shutdown`` (it would wait a
     minute on the GCS): kill this process's descendants (its GCS, raylet, agents, workers) and mark
-    the process to end with
-    ``os._exit`` (``abandoned``), since Ray's own shutdown at interpreter exit would wait as long."""
+    the process to end with ``os._exit`` (``abandoned``), since Ray's own shutdown at interpreter
+    exit would wait as long."""
     _abandoned.set()
     kill_descendants(wait_s)
 

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import ray
 
+from deploy.start_failure import first_line
+
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_S = 5.0   # a spare's shutdown (unlinking its pool) gets this long before it is killed
@@ -141,8 +143,3 @@ class StandbyPool:
         if watch is not None:
             watch.cancel()   # the spare's own lifeline call stays pending in it, harmlessly
 
-
-def first_line(exc: BaseException) -> str:
-    """An error's first line: Ray's death notices run to a paragraph."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

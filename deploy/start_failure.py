@@ -1,4 +1,5 @@
-"""A worker that cannot start at the cluster's start-up, said in one line.
+"""A worker that cannot start at the cluster's start-up, said in one line; and the one-line
+renderings of an error the launcher, the CLI and the benchmark print (``first_line``, ``cause_line``).
 
 Why: a worker's engine fails to build for reasons its operator must fix (a KV pool larger than
 the machine's memory, a device it cannot have, a model it cannot load), and Ray reports that as
@@ -17,6 +18,15 @@ class WorkerStartError(RuntimeError):
         super().__init__(f"{worker_id} could not start: {cause}")
         self.worker_id = worker_id
         self.cause = cause
+
+
+def first_line(error: BaseException | str, limit: int = 300) -> str:
+    """An error's first non-blank line, bounded (Ray's death notices run to a paragraph, a server's
+    error page to a whole HTML document); an exception with no text gives its type's name."""
+    line = next((part.strip() for part in str(error).splitlines() if part.strip()), "")
+    if not line and isinstance(error, BaseException):
+        return type(error).__name__
+    return line[:limit]
 
 
 def cause_line(exc: BaseException) -> str:

@@ -69,8 +69,9 @@ class ModelRunner:
         self.lean = lean_forward.build(model)
         if self.lean is not None and self.device.type == "cuda" and triton_fused.enabled():
             triton_fused.usable(self.device, kv_cache.dtype)   # its start-up check now, never under a capture
-        if self._triton_prefill_applies():
-            triton_prefill.usable(self.device, kv_cache.dtype, self._head_shape)   # now: check and compile
+        # How prompt segments attend, decided once (the Triton kernel's start-up check runs here:
+        # it checks and compiles the kernel now, never in a step).
+        self.prefill_path = self._prefill_path()
         self.graphs = None if graph_plan is None else DecodeGraphPool(graph_plan, self._forward, kv_cache, self.block_size)
         if self.graphs is not None:
             self.graphs.capture()   # last: the model must be ready to run
@@ -138,7 +139,7 @@ class ModelRunner:
             if s.prompt_positions:
                 prompt_rows.extend(range(q_start + s.prompt_positions.start - start,
                                          q_start + s.prompt_positions.stop - start))
-        path = self._prefill_path() if bounds else PrefillPath.SDPA
+        path = self.prefill_path if bounds else PrefillPath.SDPA
         plan = triton_prefill.plan(bounds, self.device, self.kv_cache.dtype) if path is PrefillPath.TRITON else None
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -194,20 +195,14 @@ class ModelRunner:
     def _prefill_path(self) -> PrefillPath:
         """Triton on CUDA where it imports and takes the shapes; the C++ kernel for float32 on a CPU
         it is preferred on; SDPA otherwise (and whenever ``PDSERVE_ATTENTION=torch``)."""
-        if self._triton_prefill_applies() and triton_prefill.usable(self.device, self.kv_cache.dtype, self._head_shape):
-            return PrefillPath.TRITON
-        if self._paged_kernel() and paged_kernel.prefill_preferred(self.kv_cache.shape[-1]):
+        kv_heads, head_dim = self.kv_cache.shape[-2:]
+        if triton_prefill.supports(self.device, head_dim, self.block_size) and triton_prefill.enabled():
+            shape = triton_prefill.HeadShape(self.model.config.num_attention_heads, kv_heads, head_dim, self.block_size)
+            if triton_prefill.usable(self.device, self.kv_cache.dtype, shape):
+                return PrefillPath.TRITON
+        if self._paged_kernel() and paged_kernel.prefill_preferred(head_dim):
             return PrefillPath.CPU_KERNEL
         return PrefillPath.SDPA
-
-    @property
-    def _head_shape(self) -> triton_prefill.HeadShape:
-        config = self.model.config
-        return triton_prefill.HeadShape(config.num_attention_heads, self.kv_cache.shape[-2], self.kv_cache.shape[-1],
-                                        self.block_size)
-
-    def _triton_prefill_applies(self) -> bool:
-        return triton_prefill.supports(self.device, self.kv_cache.shape[-1], self.block_size) and triton_prefill.enabled()
 
     def _decode_group(self, members: list[tuple[int, ScheduledRequest]], every_token: bool = False,
                       masked: bool = True) -> DecodeGroup:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from deploy.bench.backends import FAILED, Backend, RequestOutcome
 from deploy.bench.dataset import BenchRequest, arrival_offsets
+from deploy.start_failure import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,3 @@ async def warm_up(backend: Backend, requests: Sequence[BenchRequest]) -> None:
 
 class WarmUpFailed(RuntimeError):
     """Not one warm-up request completed: the run would only print a table of failures."""
-
-
-def first_line(text: str, limit: int = 300) -> str:
-    """An error's first line, bounded (a server's error page can be a whole HTML document)."""
-    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-    return line[:limit]
