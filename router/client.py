@@ -161,8 +161,9 @@ class PdserveClient:
             result.add(resp)
         return result
 
-    def server_info(self) -> pb.ServerInfoResponse:
-        return self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._timeout_s, metadata=self._metadata)
+    def server_info(self, timeout_s: float | None = None) -> pb.ServerInfoResponse:
+        """What the server serves; ``timeout_s`` bounds this call (default: the client's timeout)."""
+        return self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout_s or self._timeout_s, metadata=self._metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -217,8 +218,10 @@ class AsyncPdserveClient:
             result.add(resp)
         return result
 
-    async def server_info(self) -> pb.ServerInfoResponse:
-        return await self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=self._timeout_s, metadata=self._metadata)
+    async def server_info(self, timeout_s: float | None = None) -> pb.ServerInfoResponse:
+        """What the server serves; ``timeout_s`` bounds this call (default: the client's timeout)."""
+        return await self._stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout_s or self._timeout_s,
+                                           metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

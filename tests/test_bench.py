@@ -148,11 +148,13 @@ class FakeOpenAIServer:
     """A fake OpenAI-compatible server (not a model): streams fixed SSE chunks with known gaps
     from a background thread; records every request body."""
 
-    FIRST_S, GAP_S, NUM_CHUNKS = 0.15, 0.06, 4
+    FIRST_S, GAP_S, NUM_CHUNKS, HANG_S = 0.15, 0.06, 4, 3.0
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
-        self.reject_next = 0
+        self.reject_next = 0      # answer the next N with 429 (admission's refusal)
+        self.fail_next = 0        # answer the next N with 500 (a failure)
+        self.hang_next = 0        # answer the next N only after HANG_S
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -162,6 +164,12 @@ class FakeOpenAIServer:
         if self.reject_next:
             self.reject_next -= 1
             return web.json_response({"error": "overloaded"}, status=429)
+        if self.fail_next:
+            self.fail_next -= 1
+            return web.json_response({"error": "boom"}, status=500)
+        if self.hang_next:
+            self.hang_next -= 1
+            await asyncio.sleep(self.HANG_S)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = request.path.endswith("chat/completions")
@@ -370,12 +378,84 @@ def test_a_base_url_ending_in_v1_is_the_same_server(fake_openai):
     assert out.status == OK, out.error
 
 
-@pytest.mark.parametrize("target", ["http://127.0.0.1:99999", "not a url at all"])
-def test_an_address_that_is_no_url_is_one_line_not_a_table(target, capsys):
-    assert main(["--backend", "openai", "--base-url", target, "--allow-remote", "--num-prompts", "2"]) == 1
+def test_an_address_that_is_no_url_is_one_line_not_a_table(capsys):
+    assert main(["--backend", "openai", "--base-url", "http://127.0.0.1:99999", "--allow-remote",
+                 "--num-prompts", "2"]) == 1
     captured = capsys.readouterr()
     assert "pdserve bench: error: " in captured.err and "Unclosed client session" not in captured.err, captured.err
     assert "Serving Benchmark Result" not in captured.out
+
+
+@pytest.mark.parametrize("remote", [[], ["--allow-remote"]])
+@pytest.mark.parametrize("target", ["not a url at all", "127.0.0.1:8000", "ftp://127.0.0.1/"])
+def test_a_base_url_that_is_no_http_url_is_a_usage_error_naming_it(target, remote, capsys):
+    """Found by a probe: ``--base-url not-a-url`` was refused as "'' is not a loopback address"."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--backend", "openai", "--base-url", target, *remote, "--num-prompts", "2"])
+    assert exit_.value.code == 2
+    assert f"--base-url must be an http(s) URL such as http://127.0.0.1:8000, got {target!r}" in capsys.readouterr().err
+
+
+@pytest.fixture
+def silent_socket():
+    """A port that takes connections (the kernel's backlog) and never says a word."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield sock.getsockname()[1]
+    sock.close()
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_a_server_that_takes_the_connection_and_never_answers_is_named_not_waited_on(
+        backend, silent_socket, monkeypatch, capsys):
+    """Found by a probe: against such a socket the run waited forever (no request timeout by default)."""
+    import time
+
+    from deploy.bench import backends
+
+    monkeypatch.setattr(backends, "INFO_TIMEOUT_S", 1.0)
+    target = (["--address", f"127.0.0.1:{silent_socket}"] if backend == "grpc" else
+              ["--backend", "openai", "--base-url", f"http://127.0.0.1:{silent_socket}"])
+    start = time.monotonic()
+    assert main([*target, "--num-prompts", "2"]) == 1
+    assert time.monotonic() - start < 15
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{silent_socket}: no answer to " in err and "within 1 s" in err, err
+
+
+def test_warm_up_that_outlasts_max_duration_is_cut_and_named(fake_openai, capsys):
+    """A server that answers what it serves but not the requests: the warm-up is bounded by
+    ``--max-duration-s`` as each run is (it had no bound), and says so."""
+    server, url = fake_openai
+    server.hang_next = 2
+    rc = main(["--backend", "openai", "--base-url", url, "--num-prompts", "2", "--num-warmups", "2",
+               "--max-duration-s", "0.5"])
+    assert rc == 1
+    captured = capsys.readouterr()
+    assert "pdserve bench: error: every warm-up request failed, the first with: cancelled at --max-duration-s" \
+        in captured.err, captured.err
+    assert "Serving Benchmark Result" not in captured.out
+
+
+@pytest.mark.parametrize(("fail", "reject", "rc", "said"), [
+    (0, 1, 0, None),
+    (1, 1, 1, "pdserve bench: error: 1 of 3 requests failed, the first with: HTTP 500: "),
+    (0, 3, 1, "pdserve bench: error: none of 3 requests was served (3 refused by admission)"),
+])
+def test_exit_status_says_whether_every_request_was_answered(fake_openai, capsys, fail, reject, rc, said):
+    """Refusals under overload are answers; a failed request (found by a probe: exit 0 with some
+    failed) or a run where nothing was served ends with 1 and a line saying so."""
+    server, url = fake_openai
+    server.fail_next, server.reject_next = fail, reject
+    assert main(["--backend", "openai", "--base-url", url, "--num-prompts", "3", "--num-warmups", "0",
+                 "--input-len", "4", "--output-len", "8"]) == rc
+    captured = capsys.readouterr()
+    assert "Serving Benchmark Result" in captured.out
+    errors = [line for line in captured.err.splitlines() if "pdserve bench: error" in line]
+    assert errors == ([] if said is None else [errors[0]]) and (said is None or errors[0].startswith(said)), errors
 
 
 def test_a_server_that_is_not_openai_is_one_line_not_a_table(capsys):

@@ -19,6 +19,7 @@ REFUSED = [
     ("--device tpu", "device must be cpu, cuda, cuda:N or auto"),
     ("--port 70000", "port must be in [0, 65535]"),
     ("--mode colocated --kv-transport shm", "kv_transport applies to disaggregated mode only"),
+    ("--random-model --model /tmp/m.gguf", "model and random_model are two models: give one"),
     ("--max-num-batched-tokens 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
     ("--metrics-port -1", "metrics_port must be in [0, 65535]"),
     ("--kv-cache-gib 0", "kv_cache_bytes must be >= 1"),

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from deploy.bench.dataset import BenchRequest
 
 OK, FAILED, REJECTED = "ok", "failed", "rejected"
+INFO_TIMEOUT_S = 30.0   # for the server's first answer (what it serves): a silent server is named, not waited on
 REJECT_HTTP_STATUSES = (429, 503)
 FLAVORS = ("vllm", "transformers", "plain")
 
@@ -104,6 +105,11 @@ class TokenClock:
 # ---------------------------------------------------------------- gRPC (our router)
 
 
+class ServerUnreachable(ConnectionError):
+    """Nothing answers at the server's address (refused, or taken and left silent): said once
+    before any run, not as a table of failed requests, nor as a wait without end."""
+
+
 class GrpcBackend:
     name = "grpc"
 
@@ -117,11 +123,18 @@ class GrpcBackend:
         self._client = None
 
     async def start(self) -> dict[str, Any]:
+        from grpc import StatusCode, aio
+
         from protos import pdserve_pb2 as pb
         from router.client import AsyncPdserveClient
 
         self._client = AsyncPdserveClient(self.address, timeout_s=self.timeout_s, **self._client_options)
-        info = await self._client.server_info()
+        try:
+            info = await self._client.server_info(timeout_s=INFO_TIMEOUT_S)
+        except aio.AioRpcError as exc:
+            if exc.code() != StatusCode.DEADLINE_EXCEEDED:
+                raise
+            raise ServerUnreachable(f"{self.address}: no answer to ServerInfo within {INFO_TIMEOUT_S:g} s") from exc
         return {"model": info.model, "mode": pb.ServingMode.Name(info.mode).removeprefix("SERVING_MODE_").lower(),
                 "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
 
@@ -181,11 +194,6 @@ def chunk_content(chunk: dict) -> str:
     return choice.get("text") or ""
 
 
-class ServerUnreachable(ConnectionError):
-    """Nothing answers at the server's address: said once before any run (as the gRPC backend's
-    first call says it), not as a table of failed requests."""
-
-
 class OpenAIBackend:
     name = "openai"
 
@@ -221,15 +229,18 @@ class OpenAIBackend:
         ``ServerUnreachable`` where no server answers at all."""
         import aiohttp
 
+        timeout = aiohttp.ClientTimeout(total=INFO_TIMEOUT_S)
         try:   # a session of its own: an error reply may close the connection, which must not be pooled
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=self._headers) as s, \
+            async with aiohttp.ClientSession(timeout=timeout, headers=self._headers) as s, \
                     s.get(self.base_url + "/v1/models") as resp:
                 if resp.status != 200:
                     return None
                 data = (await resp.json()).get("data") or []
         except (aiohttp.ClientConnectorError, aiohttp.InvalidURL) as exc:   # refused, no route, no such name, no URL
             raise ServerUnreachable(f"{self.base_url}: {type(exc).__name__}: {exc}") from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except asyncio.TimeoutError as exc:   # it took the connection and said nothing
+            raise ServerUnreachable(f"{self.base_url}: no answer to GET /v1/models within {INFO_TIMEOUT_S:g} s") from exc
+        except (aiohttp.ClientError, ValueError):
             return None   # a server without /v1/models: send no model name
         return data[0].get("id") if data else None
 

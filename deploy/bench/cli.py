@@ -28,10 +28,10 @@ import grpc
 
 from deploy import security_args
 from deploy.bench import report
-from deploy.bench.backends import FLAVORS, GrpcBackend, OpenAIBackend, ServerUnreachable
+from deploy.bench.backends import FAILED, FLAVORS, GrpcBackend, OpenAIBackend, ServerUnreachable
 from deploy.bench.dataset import DATASETS, DEFAULT_VOCAB, make_requests, with_text
 from deploy.bench.runner import WarmUpFailed, run_rate, warm_up
-from deploy.start_failure import WorkerStartError
+from deploy.start_failure import WorkerStartError, first_line
 
 logger = logging.getLogger("pdserve.bench")
 
@@ -164,7 +164,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.launch:
         return
-    host = _host_of(args.address) if args.backend == "grpc" else (urlsplit(args.base_url).hostname or "")
+    if args.backend == "openai":
+        url = urlsplit(args.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000, got {args.base_url!r}")
+    host = _host_of(args.address) if args.backend == "grpc" else urlsplit(args.base_url).hostname
     if not args.allow_remote and not is_loopback(host):
         raise ValueError(f"{host!r} is not a loopback address; pass --allow-remote to benchmark it")
 
@@ -231,7 +235,26 @@ def _run_main(args: argparse.Namespace, slos: dict[str, float]) -> int:
         for path in plot_results([report.load_result(args.save_result)] if args.save_result else [doc],
                                  args.plot_dir):
             print(f"wrote {path}")
-    return 0 if any(run["summary"]["completed"] for run in doc["runs"]) else 1
+    return _exit_status(doc["runs"])
+
+
+def _exit_status(runs: list[dict[str, Any]]) -> int:
+    """0 when some request was served and every other one sent was refused by admission (429 /
+    RESOURCE_EXHAUSTED: what overload is meant to get); else 1, with a line saying why, so a
+    script sees a failed request (an error, a cut stream, a timeout) without reading the table."""
+    def total(key: str) -> int:
+        return sum(run["summary"][key] for run in runs)
+
+    if total("failed"):
+        first = next(o["error"] for run in runs for o in run["outcomes"] if o["status"] == FAILED)
+        print(f"pdserve bench: error: {total('failed')} of {total('submitted')} requests failed, "
+              f"the first with: {first_line(first)}", file=sys.stderr)
+        return 1
+    if not total("completed"):
+        print(f"pdserve bench: error: none of {total('submitted')} requests was served "
+              f"({total('rejected')} refused by admission)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def make_backend(args: argparse.Namespace, slos: dict[str, float]):
@@ -270,7 +293,7 @@ async def _bench(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, 
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
             requests, warmups = with_text(requests, tokenizer), with_text(warmups, tokenizer)
         _check_lengths(requests + warmups, server)
-        await warm_up(backend, warmups)
+        await warm_up(backend, warmups, max_duration_s=args.max_duration_s)
         runs = []
         for rate in args.request_rates or [args.request_rate]:
             result = await run_rate(backend, requests, rate, burstiness=args.burstiness, seed=args.seed,

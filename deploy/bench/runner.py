@@ -89,11 +89,13 @@ async def _collect(tasks: list[asyncio.Task], requests: Sequence[BenchRequest],
     return outcomes
 
 
-async def warm_up(backend: Backend, requests: Sequence[BenchRequest]) -> None:
-    """Send every warm-up request at once and wait; failures are logged, not counted."""
+async def warm_up(backend: Backend, requests: Sequence[BenchRequest], *, max_duration_s: float = math.inf) -> None:
+    """Send every warm-up request at once and wait, at most ``max_duration_s`` (a server that
+    accepts and never answers would hold the run forever); failures are logged, not counted."""
     if not requests:
         return
-    outcomes = await asyncio.gather(*(backend.send(r) for r in requests))
+    tasks = [asyncio.create_task(backend.send(r)) for r in requests]
+    outcomes = await _collect(tasks, requests, time.perf_counter() + max_duration_s)
     bad = [o for o in outcomes if not o.ok]
     if bad and len(bad) == len(outcomes):   # not a server this benchmark can drive: say so, run nothing
         raise WarmUpFailed(f"every warm-up request failed, the first with: {first_line(str(bad[0].error))}")
