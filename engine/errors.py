@@ -25,18 +25,24 @@ def require(ok: object, field: str, message: str) -> None:
         raise InvalidRequestError(field, message)
 
 
+DEFAULT_RETRY_AFTER_S = 1.0   # a refusal with no estimate of when room comes back
+
+
 class CapacityError(PdserveError):
     """No room now or within the request's SLO (maps to RESOURCE_EXHAUSTED). ``reason`` says
     which limit refused it, the ``reason`` label of the router's rejection count: ``ttft``
     (admission's prediction), ``queue_full`` (max_queued_requests), ``queue_deadline`` (queued
-    past its TTFT), ``max_streams`` (max_concurrent_streams), else ``capacity``."""
+    past its TTFT), ``max_streams`` (max_concurrent_streams), else ``capacity``.
+    ``retry_after_s``: when the same request would likely be taken (the client's hint: HTTP
+    ``Retry-After``, gRPC's ``grpc-retry-pushback-ms``)."""
 
-    def __init__(self, message: str, reason: str = "capacity") -> None:
+    def __init__(self, message: str, reason: str = "capacity", retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
         super().__init__(message)
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
     def __reduce__(self):   # the reason survives pickling (Ray carries a worker's errors)
-        return type(self), (str(self), self.reason)
+        return type(self), (str(self), self.reason, self.retry_after_s)
 
 
 class KVTransferError(PdserveError):

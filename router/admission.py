@@ -36,7 +36,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from engine.errors import CapacityError, WorkerFailedError
+from engine.errors import DEFAULT_RETRY_AFTER_S, CapacityError, WorkerFailedError
 from engine.types import RequestSpec
 from router.pair_search import PairSearch, Prediction, fits_tpot, has_kv_room, has_room, queued_prefill_tokens
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
@@ -49,6 +49,7 @@ PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targe
 MIN_PRIORITY_SCALE = 0.4
 RESUME_WAIT_S = 60.0      # a migrating request waits this long for a worker to come back
 MAX_WAKE_PER_NOTIFY = 8   # queued requests re-evaluated per worker report: bounded work per step
+MAX_RETRY_AFTER_S = 60.0  # the longest retry hint given (OpenAI's SDK ignores longer ones)
 # TTFT's fixed part (outside the worker's engine) is learned with this EMA weight, and the
 # engine part's correction only from prompts with at least this many tokens to prefill: below
 # it a step's floor, not the per-token rate, sets the engine time.
@@ -286,7 +287,7 @@ class Admission:
         queued = ticket is not None
         if decision.action is Action.REJECT:
             raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""),
-                                decision.cause.value)
+                                decision.cause.value, _retry_after_s(decision, ttft_t, self.ttft_margin.share))
         if metrics is not None:
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
@@ -344,6 +345,17 @@ def _ttft_miss_message(best: Prediction, target: float, share: float) -> str:
         return msg + (f" leaves less than a {1 - share:.0%} safety margin of the {left:.0f} ms left "
                       f"of the TTFT target {target * 1e3:.0f} ms")
     return msg + f" > target {target * 1e3:.0f} ms"
+
+
+def _retry_after_s(decision: Decision, target: float | None, share: float) -> float:
+    """When the same request, sent again, would likely be admitted: the work queued ahead of it
+    drains in real time, so once its predicted TTFT's excess over the target's safety share has
+    passed (at least a second, at most ``MAX_RETRY_AFTER_S``)."""
+    p = decision.prediction
+    if decision.cause is not Cause.TTFT or p is None or p.ttft_s is None or not target:
+        return DEFAULT_RETRY_AFTER_S
+    excess = (p.ttft_s - p.waited_s) - target * share
+    return min(MAX_RETRY_AFTER_S, max(DEFAULT_RETRY_AFTER_S, excess))
 
 
 def _idle(p: Prediction) -> bool:

@@ -46,6 +46,13 @@ def status_for(exc: BaseException, req_id: str = "") -> tuple[grpc.StatusCode, s
     return grpc.StatusCode.INTERNAL, _logged("internal error", exc, req_id)
 
 
+def retry_after_s(exc: BaseException) -> float | None:
+    """The client's hint when to send a refused request again (HTTP ``Retry-After``, gRPC's
+    ``grpc-retry-pushback-ms``): capacity refusals only; None for everything else."""
+    exc = unwrap(exc)
+    return exc.retry_after_s if isinstance(exc, CapacityError) else None
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """A typed error raised in a worker reaches us as a RayTaskError carrying it as ``cause``
     (whose own text is the worker's traceback): map and word it by the cause."""

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.types import WorkerStats
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router import convert
+from router import convert, errors
 from router.convert import ServerDefaults
 from router.generation import GenerationCore, GenerationEvent, MalformedRequest
 from router.health import PDSERVE_SERVICE, ServingHealth
@@ -144,7 +144,9 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         if headers is not None:
             with contextlib.suppress(Exception):   # failed: the call is over, the abort says so
                 await headers.sent()
-        await context.abort(*self.core.failure(exc, identity))
+        retry_s = errors.retry_after_s(exc)   # gRPC's retry policy waits this long (server pushback)
+        pushback = (("grpc-retry-pushback-ms", str(round(retry_s * 1000))),) if retry_s is not None else ()
+        await context.abort(*self.core.failure(exc, identity), trailing_metadata=pushback)
 
     # ---- ServerInfo -------------------------------------------------------------------------
     async def ServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:

@@ -466,6 +466,21 @@ def test_a_refusals_reason_survives_the_trip_from_a_worker():
     """Ray carries a worker's errors pickled: the reason label must come through."""
     import pickle
 
-    back = pickle.loads(pickle.dumps(CapacityError("predicted TTFT 900 ms > target 300 ms", "ttft")))
-    assert (str(back), back.reason) == ("predicted TTFT 900 ms > target 300 ms", "ttft")
-    assert CapacityError("no room").reason == "capacity"
+    back = pickle.loads(pickle.dumps(CapacityError("predicted TTFT 900 ms > target 300 ms", "ttft", 2.5)))
+    assert (str(back), back.reason, back.retry_after_s) == ("predicted TTFT 900 ms > target 300 ms", "ttft", 2.5)
+    assert (CapacityError("no room").reason, CapacityError("no room").retry_after_s) == ("capacity", 1.0)
+
+
+@pytest.mark.parametrize("queued_tokens", [20_000, 30_000, 2_000_000])
+def test_a_ttft_refusal_says_when_the_work_ahead_of_it_will_have_drained(queued_tokens):
+    """The retry hint (HTTP Retry-After, gRPC pushback): the predicted TTFT's excess over the
+    target's safety share, which the queue ahead drains in real time; at least 1 s, at most 60."""
+    admission = cluster(prefill_inflight_tokens=queued_tokens)
+    request = spec(ttft=0.5, tpot=0.05)
+    predicted = admission.predict(request, admission.registry.prefill[0], admission.registry.decode[0]).ttft_s
+    with pytest.raises(CapacityError) as refused:
+        asyncio.run(admission.acquire(request))
+    assert refused.value.reason == "ttft"
+    expected = min(60.0, max(1.0, predicted - 0.5 * admission.ttft_margin.share))
+    assert refused.value.retry_after_s == pytest.approx(expected)
+    assert (queued_tokens < 2_000_000) == (refused.value.retry_after_s < 60.0)

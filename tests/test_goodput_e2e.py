@@ -70,6 +70,9 @@ def test_burst_is_shed_and_admitted_requests_meet_ttft_then_metrics_validate(clu
     rejected = [r for r in burst if isinstance(r, grpc.aio.AioRpcError)]
     served = [r for r in burst if not isinstance(r, grpc.aio.AioRpcError)]
     assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "TTFT" in r.details() for r in rejected)
+    # gRPC's server pushback: a client retry policy waits this long (the predicted excess, 1-60 s)
+    pushback = [dict(r.trailing_metadata()).get("grpc-retry-pushback-ms") for r in rejected]
+    assert all(p is not None and 1000 <= int(p) <= 60_000 for p in pushback), pushback
     assert rejected, "a burst of 48 long prompts must exceed what meets the TTFT target"
     assert len(served) >= 3, f"admission must not refuse everything: {rejected[0].details()} (target {target_ms:.0f} ms)"
     late = [r.timings.ttft_s * 1000 for r in served if r.timings.ttft_s * 1000 > target_ms]

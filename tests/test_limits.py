@@ -125,6 +125,7 @@ def test_max_concurrent_streams(limited):
 
     past, served = asyncio.run(scenario())
     assert past.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent_streams" in past.details()
+    assert ("grpc-retry-pushback-ms", "1000") in tuple(past.trailing_metadata()), past.trailing_metadata()
     assert served.usage.completion_tokens == 1
     assert _refusals(limited, "max_streams") == (before[0] + 1, before[1] + 1), "the refusal is counted"
     assert cluster_leaks(limited) == {}

@@ -565,6 +565,9 @@ def test_admission_rejection_is_429_with_the_predicted_ttft(cluster, model_name)
     refused = [r for r in results if isinstance(r, Exception)]
     assert refused, "16 prompts of 400 tokens at once cannot all start within 10 ms"
     assert all(isinstance(r, openai.RateLimitError) and "TTFT" in r.body["message"] for r in refused), refused[0]
+    # When to come back (OpenAI's SDK waits retry-after-ms before its retry): the predicted excess
+    hints = [(int(r.response.headers["retry-after"]), int(r.response.headers["retry-after-ms"])) for r in refused]
+    assert all(1 <= s <= 60 and 1000 <= ms <= 60_000 and s * 1000 >= ms > (s - 1) * 1000 for s, ms in hints), hints
     assert cluster_leaks(cluster) == {}
 
 

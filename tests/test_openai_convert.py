@@ -172,6 +172,10 @@ def test_router_errors_become_openai_statuses(caplog):
     assert api(DuplicateRequestError("x is live")).status == 409
     refused = api(CapacityError("predicted TTFT 812 ms > target 10 ms"))
     assert refused.status == 429 and "TTFT" in refused.message
+    assert refused.headers() == {"retry-after": "1", "retry-after-ms": "1000"}
+    later = api(CapacityError("predicted TTFT 3312 ms > target 1000 ms", "ttft", retry_after_s=2.31))
+    assert later.headers() == {"retry-after": "3", "retry-after-ms": "2310"}   # whole seconds round up
+    assert bad.headers() == {} and api(DuplicateRequestError("x is live")).headers() == {}
     assert api(WorkerFailedError("no decode worker is alive")).status == 503
     with caplog.at_level(logging.ERROR):
         internal = api(RuntimeError("secret worker text"))

@@ -91,7 +91,7 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -17,12 +17,13 @@ HTTP status. The words and the decision which kind of error it is come from ``ro
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import grpc
 
 from engine.errors import InvalidRequestError
-from router.errors import unwrap
+from router.errors import retry_after_s, unwrap
 from router.identity import DuplicateRequestError
 
 _HTTP = {
@@ -45,9 +46,17 @@ class ApiError(Exception):
     type: str
     param: str | None = None
     code: str | None = None
+    retry_after_s: float | None = None   # a refusal's hint when to send it again
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` (whole seconds, RFC 9110) and ``retry-after-ms`` (OpenAI's SDKs read
+        it first) on a refusal; none otherwise."""
+        if self.retry_after_s is None:
+            return {}
+        return {"retry-after": str(math.ceil(self.retry_after_s)), "retry-after-ms": str(round(self.retry_after_s * 1000))}
 
     def json_bytes(self) -> bytes:
         return json.dumps(self.body()).encode()
@@ -64,7 +73,7 @@ def from_status(code: grpc.StatusCode, message: str, exc: BaseException | None =
         message = f"{param}: {cause.message}"
     elif isinstance(cause, DuplicateRequestError):
         param = "request_id"   # the X-Request-Id header's (or the body's) label, already live
-    return ApiError(status, message, kind, param, code.name.lower())
+    return ApiError(status, message, kind, param, code.name.lower(), retry_after_s(exc) if exc is not None else None)
 
 
 def unauthorized(message: str) -> ApiError:

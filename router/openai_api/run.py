@@ -134,7 +134,7 @@ class GenerationResponse(Response):
         if self._started:
             await send({"type": "http.response.body", "body": sse(err.body()) + sse("[DONE]"), "more_body": False})
         else:
-            await self._send_whole(err.status, err.json_bytes(), send)
+            await self._send_whole(err.status, err.json_bytes(), send, err.headers())
 
     def _api_error(self, exc: BaseException, identity: RequestIdentity | None) -> errors.ApiError:
         code, message = self.core.failure(exc, identity)
@@ -142,9 +142,10 @@ class GenerationResponse(Response):
         return errors.from_status(code, message, exc,
                                   lambda f: param_for(f, chat=chat, sent_as=self._sent_as))
 
-    async def _send_whole(self, status: int, body: bytes, send) -> None:
+    async def _send_whole(self, status: int, body: bytes, send, headers: dict[str, str] | None = None) -> None:
         self._done = True
-        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+        extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS + extra})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
