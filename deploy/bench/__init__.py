@@ -14,4 +14,7 @@ Definitions (also printed with every result):
   TPOT           (e2e - TTFT) / (output tokens - 1), per request with at least 2 tokens
   ITL            gaps between consecutive tokens; tokens that arrive in one stream message share
                  its arrival time, so their gaps are 0
+Exit status: 0 when requests were served and every other one was refused by admission; 1 (with
+a line saying why) when any request failed, none was served, or the server cannot be reached or
+driven (nothing answers within 30 s, every warm-up request fails); 2 for a usage error.
 """
