@@ -128,18 +128,22 @@ def ray_session():
     nodes, start their own)."""
     import ray
 
+    from deploy.ray_init import shutdown_ray
+
+    # Each Ray ends waiting for its processes (GCS, raylet, workers) to exit: the next module's
+    # start then does not share the 2 cores with the last one's teardown.
     if ray.is_initialized():
-        ray.shutdown()
+        shutdown_ray()
     try:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     except Exception as exc:   # noqa: BLE001 - Ray's own start timed out (its raylet never registered)
-        # Seen twice in a day of CI, in one module's fixture, before any pdserve code ran: Ray's
-        # start, not ours, so it gets one more try (a failure of the second still fails the module).
+        # Seen in 3 of 6 CI runs (each time one module's fixture, before any pdserve code ran):
+        # Ray's start, not ours, so it gets one more try (a failure of the second fails the module).
         warnings.warn(f"local Ray did not start ({exc}); starting it again")
-        ray.shutdown()
+        shutdown_ray()
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
-    ray.shutdown()
+    shutdown_ray()
 
 
 def cluster_leaks(cluster_thread) -> dict:
