@@ -1,5 +1,6 @@
-"""Stop conditions applied after each sampled token: EOS, stop token ids, stop strings,
-``max_tokens`` and the model's maximum length."""
+"""Stop conditions applied after each sampled token: EOS (unless ``ignore_eos``; always for a
+guided request, whose grammar ends there), stop token ids, stop strings, ``max_tokens`` and the
+model's maximum length."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ class StopChecker:
     def check(self, request: Request) -> FinishReason | None:
         token = request.output_token_ids[-1]
         sampling = request.sampling
-        if not sampling.ignore_eos and token in self.eos_token_ids:
+        # A grammar lets EOS through only where the output is a whole match, and takes nothing
+        # after it: there a guided request ends, ignore_eos or not (found by a probe: it went on
+        # and failed with "the output left its grammar").
+        if token in self.eos_token_ids and (not sampling.ignore_eos or request.grammar is not None):
             return FinishReason.STOP
         if token in sampling.stop_token_ids:
             return FinishReason.STOP

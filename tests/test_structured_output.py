@@ -154,6 +154,31 @@ def test_sampled_outputs_end_in_whole_matches(loaded):
     assert_no_leaks(engine)
 
 
+def test_ignore_eos_ends_a_guided_request_where_its_grammar_ends(loaded):
+    """Found by a probe: with ``ignore_eos`` a guided request went on past the EOS its grammar
+    allowed only at a whole match and failed ("the output left its grammar"); now the grammar's
+    end is the request's (STOP, a whole match), sampled or greedy; an unguided one beside it
+    still ignores EOS to its length."""
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=256))
+    names = ["choice", "regex", "gbnf", "json"]
+    specs = [RequestSpec(f"{name}-{seed}", (5, 6, 7), SamplingParams(
+        max_tokens=200, ignore_eos=True, temperature=1.5 if seed else 0.0, seed=seed, structured_output=GUIDES[name]))
+        for name in names for seed in range(6)]
+    specs.append(RequestSpec("plain", (5, 6, 7), SamplingParams(max_tokens=30, ignore_eos=True)))
+    got = run(engine, specs)
+    for spec in specs[:-1]:
+        name = spec.req_id.rsplit("-", 1)[0]
+        tokens, finish, error = got[spec.req_id]
+        # choice and regex are bounded (<= 15 characters); gbnf's and json's may run to the length
+        assert finish in ((FinishReason.STOP,) if name in ("choice", "regex") else (FinishReason.STOP, FinishReason.LENGTH))
+        assert error is None, (spec.req_id, finish, error)
+        if finish is FinishReason.STOP:
+            assert tokens[-1] == EOS and WHOLE[name](text(loaded.tokenizer, tokens)), spec.req_id
+    assert sum(got[s.req_id][1] is FinishReason.STOP for s in specs[:-1]) >= 14
+    assert got["plain"][1] is FinishReason.LENGTH and len(got["plain"][0]) == 30
+    assert_no_leaks(engine)
+
+
 def test_a_migrated_request_continues_its_grammar(loaded, hf_reference, ll_tokenizer):
     """Resumed elsewhere with its streamed tokens appended to its prompt (``num_generated``), a
     request's matcher takes them first: the rest is what it would have output unmoved."""
