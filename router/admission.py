@@ -18,8 +18,10 @@ Decision (targets scaled down for lower priority classes, so they are shed first
            ends (the oldest ``MAX_WAKE_PER_NOTIFY`` per wake, ``router.wakeup``; woken by a
            report, a request decides again only when that worker could now take it,
            ``_could_take``, checked in the report's ``notify``: no task switch when not),
-           until the time queued leaves no room for its TTFT; a queue already ``max_queued``
-           long refuses at once;
+           until the time queued leaves no room for its TTFT (30 s without one); a queue
+           already ``max_queued`` long refuses at once. KV room is first come, first served:
+           the first request queued for it holds the room it waits for against every later
+           one (``_held_tokens``; not a migrating request's), as an engine's waiting queue does;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
 With no targets (best effort) or before any step timing arrived, requests are admitted.
@@ -38,7 +40,8 @@ from dataclasses import dataclass
 
 from engine.errors import DEFAULT_RETRY_AFTER_S, CapacityError, WorkerFailedError
 from engine.types import RequestSpec
-from router.pair_search import PairSearch, Prediction, fits_tpot, has_kv_room, has_room, queued_prefill_tokens
+from router.pair_search import (PairSearch, Prediction, fits_tpot, has_kv_room, has_room, kv_tokens_of,
+                                queued_prefill_tokens)
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
 from router.ttft_margin import TtftMargin
@@ -48,6 +51,7 @@ MAX_PREFILL_SHARE = 0.95  # beyond this a worker that prefills is treated as sat
 PRIORITY_STEP = 0.15      # each lower priority class gets 15% less of its targets
 MIN_PRIORITY_SCALE = 0.4
 RESUME_WAIT_S = 60.0      # a migrating request waits this long for a worker to come back
+QUEUE_BACKSTOP_S = 30.0   # a request without a TTFT target waits this long in the queue at most
 MAX_WAKE_PER_NOTIFY = 8   # queued requests re-evaluated per worker report: bounded work per step
 MAX_RETRY_AFTER_S = 60.0  # the longest retry hint given (OpenAI's SDK ignores longer ones)
 # TTFT's fixed part (outside the worker's engine) is learned with this EMA weight, and the
@@ -84,6 +88,7 @@ class Decision:
     cause: Cause
     detail: str = ""               # the numbers behind the cause, for error messages
     prediction: Prediction | None = None
+    room_tokens: int = 0           # KV_FULL: the tokens of room it waits for
 
     @property
     def reason(self) -> str:
@@ -110,6 +115,9 @@ class Admission:
         self.ttft_margin = TtftMargin()   # the share of a TTFT target a prediction may use
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._waiters = FairWakeup()
+        # Requests queued for KV room (req_id -> the tokens of room each waits for), in the order
+        # they began to wait: the first holds its room against every later request (``_held_tokens``).
+        self._room_line: dict[str, int] = {}
         self.num_queued = 0
         self.max_queued = max_queued   # a full queue answers RESOURCE_EXHAUSTED at once (None: unbounded)
 
@@ -214,13 +222,14 @@ class Admission:
 
     # ---- decisions ---------------------------------------------------------------------------
     def decide(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0,
-               best_effort: bool = False) -> Decision:
+               best_effort: bool = False, held_tokens: int = 0) -> Decision:
         """``best_effort``: no SLO check, the least loaded pair (a migrating request was
-        admitted once already)."""
+        admitted once already). ``held_tokens``: room kept for an earlier request waiting for
+        it (``_held_tokens``), not to be taken by this one."""
         if not self.registry.can_serve and self.registry.recovering("decode"):
             return Decision(Action.QUEUE, Cause.RESTARTING, "waiting for a decode worker to restart")
         ttft_t, tpot_t = self._targets(spec)
-        search = PairSearch(self, spec, now, waited_s)
+        search = PairSearch(self, spec, now, waited_s, held_tokens)
         if best_effort:   # still only where the prompt's blocks fit now, or the reservation fails
             roomy = search.least_loaded(lambda d: _has_prompt_room(d.worker, spec))
             if roomy is None:
@@ -231,10 +240,11 @@ class Admission:
             # beside the reservations promised there (a prefill whose reservation is refused is
             # computed again: it waits for room here instead).
             # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
-            room = (lambda d: _has_prompt_room(d.worker, spec)) if search.prefills else None
+            room = (lambda d: _has_prompt_room(d.worker, spec, held_tokens)) if search.prefills else None
             best = search.least_loaded(room)
             if best is None:
-                return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
+                return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded(),
+                                len(spec.prompt_token_ids))
             return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
         best = search.choose(ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
@@ -246,8 +256,8 @@ class Admission:
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
             return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
-        if not has_kv_room(best.decode, spec):
-            return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best)
+        if not has_kv_room(best.decode, spec, held_tokens):
+            return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best, kv_tokens_of(spec))
         return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
 
     async def acquire(self, spec: RequestSpec, metrics=None, resuming: bool = False) -> Prediction:
@@ -257,12 +267,13 @@ class Admission:
         ttft_t, _ = self._targets(spec)
         start = time.perf_counter()
         # Backstop: the TTFT prediction counts the wait too.
-        deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or 30.0))
-        decision = self.decide(spec, best_effort=resuming)
-        ticket = None
+        deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or QUEUE_BACKSTOP_S))
+        decision = self.decide(spec, best_effort=resuming, held_tokens=self._held_tokens(spec.req_id, resuming))
+        ticket, admitted = None, False
         try:
             while decision.action is Action.QUEUE:
                 queue_reason = decision.reason
+                self._line_up(spec.req_id, decision, resuming)
                 if ticket is None:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
@@ -273,14 +284,17 @@ class Admission:
                 if remaining <= 0 and decision.prediction is None:
                     raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
                 if remaining <= 0:
-                    raise CapacityError(f"queued past its TTFT deadline ({decision.reason})", "queue_deadline")
+                    raise CapacityError(_queue_deadline_message(ttft_t, decision.reason), "queue_deadline")
                 # Woken by one worker's report, the check ran in ``notify``, but earlier waiters may
                 # have taken that worker's room since: checked again (a decision only if still free).
                 source = await self._waiters.wait(ticket, remaining)
                 if source is not None and not resuming and not self._could_take(source, spec):
                     continue   # only ``source`` changed and it still has no room: the last decision holds
-                decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming)
+                decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
+                                       held_tokens=self._held_tokens(spec.req_id, resuming))
+            admitted = decision.action is Action.ADMIT
         finally:
+            self._leave_line(spec.req_id, wake=not admitted)
             if ticket is not None:
                 self._waiters.leave(ticket)
                 self._count_queue(-1, metrics)
@@ -291,6 +305,35 @@ class Admission:
         if metrics is not None:
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
+
+    def _held_tokens(self, req_id: str, resuming: bool = False) -> int:
+        """The room a request must leave free: the tokens the first request queued for room
+        waits for, unless it is that request, or a migrating one (admitted once already: it
+        resumes best effort). First come, first served for KV room, as an engine's waiting
+        queue is: without it, a stream of small requests fitting the room as it freed kept a
+        large one queued until its deadline (found by a probe)."""
+        first = next(iter(self._room_line.items()), None)
+        if first is None or resuming or first[0] == req_id:
+            return 0
+        return first[1]
+
+    def _line_up(self, req_id: str, decision: Decision, resuming: bool) -> None:
+        """A request queued for KV room keeps its place in the room line (joining it at the back
+        the first time); queued for anything else, it leaves it."""
+        if decision.cause is Cause.KV_FULL and not resuming:
+            self._room_line.setdefault(req_id, decision.room_tokens)
+        else:
+            self._leave_line(req_id)
+
+    def _leave_line(self, req_id: str, wake: bool = True) -> None:
+        """Out of the room line. ``wake``: when the first one leaves without taking its room
+        (refused, gone, queued for something else now), what it held may be what the next one
+        needs: the queue decides again (one taking its room changes nothing for the others
+        until a worker reports, which wakes them: a bounded wake per report either way)."""
+        first = next(iter(self._room_line), None)
+        self._room_line.pop(req_id, None)
+        if wake and first == req_id:
+            self.notify()
 
     def _could_take(self, worker: WorkerHandle, spec: RequestSpec) -> bool:
         """Whether a queued request could now go to ``worker``, the one worker whose report woke
@@ -305,10 +348,11 @@ class Admission:
         if _decode_idle(worker):
             return True   # a decision admits there whatever it predicts (``_idle``)
         ttft_t, tpot_t = self._targets(spec)
+        held = self._held_tokens(spec.req_id)
         if not self.enabled or (ttft_t is None and tpot_t is None):
             # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
-            return not self.registry.alive("prefill") or _has_prompt_room(worker, spec)
-        return PairSearch(self, spec, None, 0.0).decode_fits(worker, tpot_t)
+            return not self.registry.alive("prefill") or _has_prompt_room(worker, spec, held)
+        return PairSearch(self, spec, None, 0.0, held).decode_fits(worker, tpot_t)
 
     def _count_queue(self, delta: int, metrics, decision: Decision | None = None) -> None:
         self.num_queued += delta
@@ -373,9 +417,15 @@ def _kv_tokens(w: WorkerHandle) -> int:
     return (w.stats.num_total_blocks - w.stats.num_free_blocks) * w.stats.block_size
 
 
-def _has_prompt_room(w: WorkerHandle, spec: RequestSpec) -> bool:
+def _has_prompt_room(w: WorkerHandle, spec: RequestSpec, held_tokens: int = 0) -> bool:
     """Room for what ``reserve`` takes now: the prompt's blocks (decoding may preempt later),
-    beside the reservations already promised there."""
-    return has_room(w, len(spec.prompt_token_ids))
+    beside the reservations already promised there and the room held (``has_room``)."""
+    return has_room(w, len(spec.prompt_token_ids), held_tokens)
+
+
+def _queue_deadline_message(ttft_t: float | None, reason: str) -> str:
+    if ttft_t is None:   # the client set no target: the backstop it ran into is the server's
+        return f"queued longer than {QUEUE_BACKSTOP_S:g} s, the limit for a request without a TTFT target ({reason})"
+    return f"queued past its TTFT deadline ({reason})"
 
 

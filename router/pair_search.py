@@ -150,12 +150,14 @@ class PairSearch:
     formed only when a rule needs them, and the O(requests there) running-TPOT check only for
     those that can still be chosen."""
 
-    def __init__(self, admission: Admission, spec: RequestSpec, now: float | None, waited_s: float) -> None:
+    def __init__(self, admission: Admission, spec: RequestSpec, now: float | None, waited_s: float,
+                 held_tokens: int = 0) -> None:
         self.admission = admission
         self.spec = spec
         self.prompt = len(spec.prompt_token_ids)
         self.now = time.perf_counter() if now is None else now
         self.waited_s = waited_s
+        self.held_tokens = held_tokens   # room kept for an earlier request waiting for it (``has_room``)
 
     @cached_property
     def ttft_share(self) -> float:
@@ -194,7 +196,7 @@ class PairSearch:
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
         step = self.admission.decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
         cached = d.prefix.expected_hit(self.spec.prompt_token_ids)
-        return _DecodeSide(d, cached, step, has_kv_room(d, self.spec))
+        return _DecodeSide(d, cached, step, has_kv_room(d, self.spec, self.held_tokens))
 
     def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
         """No hand-off term: the first token leaves the prefill worker before its KV moves."""
@@ -388,14 +390,24 @@ def queued_prefill_tokens(w: WorkerHandle) -> int:
     return max(w.num_prefill_tokens, w.stats.num_waiting_tokens if w.stats else 0)
 
 
-def has_kv_room(w: WorkerHandle, spec: RequestSpec) -> bool:
+def kv_tokens_of(spec: RequestSpec) -> int:
+    """The KV a request may come to hold: its prompt and every token it may generate."""
+    return len(spec.prompt_token_ids) + spec.sampling.max_tokens
+
+
+def has_kv_room(w: WorkerHandle, spec: RequestSpec, held_tokens: int = 0) -> bool:
     """Room for the prompt and every token it may generate."""
-    return has_room(w, len(spec.prompt_token_ids) + spec.sampling.max_tokens)
+    return has_room(w, kv_tokens_of(spec), held_tokens)
 
 
-def has_room(w: WorkerHandle, num_tokens: int) -> bool:
+def has_room(w: WorkerHandle, num_tokens: int, held_tokens: int = 0) -> bool:
     """Room for ``num_tokens``' blocks beside the reservations already promised there
-    (``WorkerHandle.free_blocks``); a worker that has not reported yet is taken to have it."""
+    (``WorkerHandle.free_blocks``) and the room held for an earlier request waiting for it
+    (``held_tokens``: first come, first served; not held where it could never fit); a worker
+    that has not reported yet is taken to have it."""
     if w.stats is None:
         return True
-    return w.blocks_for(num_tokens) <= w.free_blocks
+    held = w.blocks_for(held_tokens)
+    if held > w.stats.num_total_blocks:
+        held = 0
+    return w.blocks_for(num_tokens) + held <= w.free_blocks

@@ -47,8 +47,9 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
         # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
         room = (lambda d: _has_prompt_room(d.worker, spec)) if search.prefills else None
         best = search.least_loaded(room)
-        if best is None:
-            return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded())
+        if best is None:   # the room it waits for, mirrored (session 29: first come, first served for room)
+            return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded(),
+                            len(spec.prompt_token_ids))
         return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
     best = search.choose(ttft_t, tpot_t)
     if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
@@ -61,7 +62,8 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
     if not best.spares_running:
         return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
     if not has_kv_room(best.decode, spec):
-        return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best)
+        return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best,
+                        len(spec.prompt_token_ids) + spec.sampling.max_tokens)
     return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
 
 

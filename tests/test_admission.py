@@ -156,6 +156,55 @@ def test_queue_waits_for_capacity_then_admits_or_times_out():
     asyncio.run(scenario())
 
 
+def named(spec_: RequestSpec, req_id: str) -> RequestSpec:
+    return dataclasses.replace(spec_, req_id=req_id)
+
+
+@pytest.mark.parametrize("targets", [{}, {"ttft": 5.0, "tpot": 0.5}], ids=["best effort", "with targets"])
+@pytest.mark.parametrize("head_leaves", ["admitted", "cancelled"])
+def test_kv_room_goes_first_come_first_served(targets, head_leaves):
+    """Found by a probe: a large request queued for KV room while small ones, fitting the room
+    as it freed, were admitted at once, until its deadline (1,552 of them in 30 s). The first
+    request waiting for room holds it against later ones; it leaves the line when admitted or
+    gone, and the next request gets the room; a migrating request is not held back."""
+    async def scenario():
+        admission = cluster(free_blocks=20)
+        decode = admission.registry.decode[0]
+        big = named(spec(prompt=480, **targets), "big")       # 30 blocks (+2 of output with targets): waits
+        small = named(spec(prompt=64, **targets), "small")    # 4 (6) blocks: fit now, not beside big's
+        waiting = asyncio.create_task(admission.acquire(big))
+        await asyncio.sleep(0.05)
+        later = asyncio.create_task(admission.acquire(small))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not later.done() and admission.num_queued == 2
+        assert admission.decide(named(spec(prompt=64), "moving"), best_effort=True).action is Action.ADMIT
+        if head_leaves == "cancelled":
+            waiting.cancel()   # the queue decides again at once: no worker report needed
+        else:
+            decode.observe_stats(stats("d0", "decode", decode_steps(), free=40, running=1))
+            admission.notify(decode)
+            await asyncio.wait_for(waiting, 1.0)
+            decode.observe_stats(stats("d0", "decode", decode_steps(), free=10, running=2))   # big took its room
+            admission.notify(decode)
+        pair = await asyncio.wait_for(later, 1.0)
+        assert pair.decode is decode and admission.num_queued == 0 and not admission._room_line
+
+    asyncio.run(scenario())
+
+
+def test_a_request_without_a_ttft_target_queued_past_the_backstop_is_told_so(monkeypatch):
+    """Found by a probe: it read "queued past its TTFT deadline" though the client set none."""
+    import router.admission
+
+    monkeypatch.setattr(router.admission, "QUEUE_BACKSTOP_S", 0.2)
+    admission = cluster(free_blocks=2)
+    with pytest.raises(CapacityError) as refused:
+        asyncio.run(admission.acquire(spec(prompt=480)))
+    assert str(refused.value) == ("queued longer than 0.2 s, the limit for a request without a TTFT target "
+                                  "(decode KV cache full)") and refused.value.reason == "queue_deadline"
+    assert not admission._room_line and admission.num_queued == 0
+
+
 def colocated_worker(prior_prompts=(), now=100.0) -> tuple[Admission, WorkerHandle]:
     """One colocated worker running one request; ``prior_prompts``: (seconds ago, tokens)."""
     registry = WorkerRegistry()
