@@ -90,8 +90,9 @@ class GenerationCore:
     def claim(self, request: pb.GenerateRequest | MalformedRequest) -> RequestIdentity:
         """Cheap checks, before any tokenizer runs: the message parsed, its sizes, its label."""
         if isinstance(request, MalformedRequest):
-            raise InvalidRequestError("request", f"not a valid GenerateRequest ({request.error}); "
-                                                 "string fields must be valid UTF-8")
+            # protobuf's own reason ("String field had bad UTF-8", "Wire format was corrupt"),
+            # without its "Error parsing message with type ...:" preamble
+            raise InvalidRequestError("request", f"not a valid GenerateRequest: {request.error.rsplit(': ', 1)[-1]}")
         request_limits.check_request(request, self.limits)
         try:
             return self.live.claim(convert.label_from_proto(request))

@@ -127,20 +127,22 @@ def test_idle_cluster_server_info_shows_every_block_free(cluster):
 # ---------------------------------------------------------------- slow readers
 
 
-@pytest.mark.parametrize("payload", [
-    b"\x12\x03a\xffb",                                 # text (field 2) with an invalid UTF-8 byte
-    b"\x0a\x02\xc3\x28" + b"\x12\x02hi",                # request_id (field 1) invalid UTF-8
-    b"\x1a\x08\x0a\x06\x0a\x02us\x12\x00" + b"\xff",      # chat, then a truncated field
-    b"\x22\x05\x0a\x03\xff\xff\xff",                        # token_ids with a broken varint
+@pytest.mark.parametrize("payload, reason", [
+    (b"\x12\x03a\xffb", "String field had bad UTF-8"),                 # text (field 2) with an invalid UTF-8 byte
+    (b"\x0a\x02\xc3\x28" + b"\x12\x02hi", "String field had bad UTF-8"),   # request_id (field 1) invalid UTF-8
+    (b"\x1a\x08\x0a\x06\x0a\x02us\x12\x00" + b"\xff", "Wire format was corrupt"),   # chat, then a truncated field
+    (b"\x22\x05\x0a\x03\xff\xff\xff", "Wire format was corrupt"),           # token_ids with a broken varint
 ])
-def test_malformed_bytes_on_the_wire_are_invalid_argument(cluster, payload):
-    """Raw bytes no client library would send: INVALID_ARGUMENT, never INTERNAL or UNKNOWN."""
+def test_malformed_bytes_on_the_wire_are_invalid_argument(cluster, payload, reason):
+    """Raw bytes no client library would send: INVALID_ARGUMENT with protobuf's reason (a probe
+    found a UTF-8 hint on every one), never INTERNAL or UNKNOWN."""
     with grpc.insecure_channel(address(cluster)) as channel:
         call = channel.unary_stream("/pdserve.v1.Pdserve/Generate", request_serializer=lambda b: b,
                                     response_deserializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as info:
             list(call(payload, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details() == f"request: not a valid GenerateRequest: {reason}"
     assert cluster_leaks(cluster) == {}
 
 
