@@ -84,8 +84,19 @@ def _compile(output: StructuredOutput) -> str:
         choices = json.loads(output.spec)
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
             raise ValueError("choices are a non-empty list of non-empty strings")
-        return llguidance.grammar_from("choice", choices)
+        # One lexeme (a regex alternation), not a grammar rule per choice: the parser takes at
+        # most 2,000 items in a row, so 2,000 choices failed at the first token (found by a
+        # probe, as "the output left its grammar"); the lexer's DFA takes any number, and faster.
+        return llguidance.LLMatcher.grammar_from_regex("(?:" + "|".join(map(_literal, choices)) + ")")
     return llguidance.grammar_from("grammar", output.spec)   # Lark, or GBNF converted to Lark
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")   # what Rust's regex syntax (llguidance's) gives a meaning
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex matching exactly it."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 def choices_spec(choices: Sequence[str]) -> str:

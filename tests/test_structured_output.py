@@ -179,6 +179,33 @@ def test_ignore_eos_ends_a_guided_request_where_its_grammar_ends(loaded):
     assert_no_leaks(engine)
 
 
+TRICKY_CHOICES = ["a.b", "a*", "(x|y)", "\\d", "[1-2]", "^$", "#&-~", "naïve ☃", "a b\n", "{3}", "a", "ab", "?+"]
+
+
+def test_a_choice_list_matches_exactly_its_strings_any_number_of_them(loaded, ll_tokenizer):
+    """Each choice is a literal (regex characters in it mean themselves), a prefix of another
+    choice is a whole match too, and lists past llguidance's 2,000 items per parser row work
+    (found by a probe: 8,000 choices failed at the first token, "the output left its grammar")."""
+    many = TRICKY_CHOICES + [f"option-{i}" for i in range(8000)]
+    guide = StructuredOutput(GuideKind.CHOICE, choices_spec(many))
+    enc = lambda t: loaded.tokenizer.encode(t, add_special_tokens=False)   # noqa: E731
+    for choice in TRICKY_CHOICES + ["option-0", "option-7999"]:
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(guide), log_level=0)
+        assert matcher.consume_tokens(enc(choice)) and matcher.is_accepting(), (choice, matcher.get_error())
+    for other in ["a.c", "ax", "x", "\\", "option-8000", "naïve"]:
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(guide), log_level=0)
+        assert not (matcher.consume_tokens(enc(other)) and matcher.is_accepting()), other
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64))
+    specs = [RequestSpec(f"c{seed}", (5, 6, 7), SamplingParams(max_tokens=40, temperature=1.5, seed=seed,
+                                                               structured_output=guide)) for seed in range(4)]
+    got = run(engine, specs)
+    for spec in specs:
+        tokens, finish, error = got[spec.req_id]
+        assert finish is FinishReason.STOP and error is None, (finish, error)
+        assert text(loaded.tokenizer, tokens) in many
+    assert_no_leaks(engine)
+
+
 def test_a_migrated_request_continues_its_grammar(loaded, hf_reference, ll_tokenizer):
     """Resumed elsewhere with its streamed tokens appended to its prompt (``num_generated``), a
     request's matcher takes them first: the rest is what it would have output unmoved."""
