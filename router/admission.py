@@ -21,7 +21,8 @@ Decision (targets scaled down for lower priority classes, so they are shed first
            until the time queued leaves no room for its TTFT (30 s without one); a queue
            already ``max_queued`` long refuses at once. KV room is first come, first served:
            the first request queued for it holds the room it waits for against every later
-           one (``_held_tokens``; not a migrating request's), as an engine's waiting queue does;
+           one on the decode worker with the most room (``_hold``; a migrating request is not
+           held back), as an engine's waiting queue does;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
 With no targets (best effort) or before any step timing arrived, requests are admitted.
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from engine.errors import DEFAULT_RETRY_AFTER_S, CapacityError, WorkerFailedError
 from engine.types import RequestSpec
-from router.pair_search import (PairSearch, Prediction, fits_tpot, has_kv_room, has_room, kv_tokens_of,
+from router.pair_search import (PairSearch, Prediction, RoomHold, fits_tpot, has_kv_room, has_room, kv_tokens_of,
                                 queued_prefill_tokens)
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
 from router.step_model import StepTimeModel
@@ -115,9 +116,10 @@ class Admission:
         self.ttft_margin = TtftMargin()   # the share of a TTFT target a prediction may use
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._waiters = FairWakeup()
-        # Requests queued for KV room (req_id -> the tokens of room each waits for), in the order
-        # they began to wait: the first holds its room against every later request (``_held_tokens``).
-        self._room_line: dict[str, int] = {}
+        # Requests queued for KV room (req_id -> the room each waits for, on the decode worker
+        # with the most room when it last decided), in the order they began to wait: the first
+        # holds its room there against every later request (``_hold``).
+        self._room_line: dict[str, RoomHold] = {}
         self.num_queued = 0
         self.max_queued = max_queued   # a full queue answers RESOURCE_EXHAUSTED at once (None: unbounded)
 
@@ -222,14 +224,14 @@ class Admission:
 
     # ---- decisions ---------------------------------------------------------------------------
     def decide(self, spec: RequestSpec, now: float | None = None, waited_s: float = 0.0,
-               best_effort: bool = False, held_tokens: int = 0) -> Decision:
+               best_effort: bool = False, hold: RoomHold | None = None) -> Decision:
         """``best_effort``: no SLO check, the least loaded pair (a migrating request was
-        admitted once already). ``held_tokens``: room kept for an earlier request waiting for
-        it (``_held_tokens``), not to be taken by this one."""
+        admitted once already). ``hold``: room kept for an earlier request waiting for it
+        (``_hold``), not to be taken by this one."""
         if not self.registry.can_serve and self.registry.recovering("decode"):
             return Decision(Action.QUEUE, Cause.RESTARTING, "waiting for a decode worker to restart")
         ttft_t, tpot_t = self._targets(spec)
-        search = PairSearch(self, spec, now, waited_s, held_tokens)
+        search = PairSearch(self, spec, now, waited_s, hold)
         if best_effort:   # still only where the prompt's blocks fit now, or the reservation fails
             roomy = search.least_loaded(lambda d: _has_prompt_room(d.worker, spec))
             if roomy is None:
@@ -240,7 +242,7 @@ class Admission:
             # beside the reservations promised there (a prefill whose reservation is refused is
             # computed again: it waits for room here instead).
             # (A decode worker prefilling takes no reservation: its engine queues what does not fit.)
-            room = (lambda d: _has_prompt_room(d.worker, spec, held_tokens)) if search.prefills else None
+            room = (lambda d: _has_prompt_room(d.worker, spec, hold)) if search.prefills else None
             best = search.least_loaded(room)
             if best is None:
                 return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded(),
@@ -256,7 +258,7 @@ class Admission:
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
             return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)
-        if not has_kv_room(best.decode, spec, held_tokens):
+        if not has_kv_room(best.decode, spec, hold):
             return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best, kv_tokens_of(spec))
         return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
 
@@ -268,7 +270,7 @@ class Admission:
         start = time.perf_counter()
         # Backstop: the TTFT prediction counts the wait too.
         deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or QUEUE_BACKSTOP_S))
-        decision = self.decide(spec, best_effort=resuming, held_tokens=self._held_tokens(spec.req_id, resuming))
+        decision = self.decide(spec, best_effort=resuming, hold=self._hold(spec.req_id, resuming))
         ticket, admitted = None, False
         try:
             while decision.action is Action.QUEUE:
@@ -291,7 +293,7 @@ class Admission:
                 if source is not None and not resuming and not self._could_take(source, spec):
                     continue   # only ``source`` changed and it still has no room: the last decision holds
                 decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
-                                       held_tokens=self._held_tokens(spec.req_id, resuming))
+                                       hold=self._hold(spec.req_id, resuming))
             admitted = decision.action is Action.ADMIT
         finally:
             self._leave_line(spec.req_id, wake=not admitted)
@@ -306,22 +308,26 @@ class Admission:
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
 
-    def _held_tokens(self, req_id: str, resuming: bool = False) -> int:
-        """The room a request must leave free: the tokens the first request queued for room
-        waits for, unless it is that request, or a migrating one (admitted once already: it
-        resumes best effort). First come, first served for KV room, as an engine's waiting
-        queue is: without it, a stream of small requests fitting the room as it freed kept a
-        large one queued until its deadline (found by a probe)."""
+    def _hold(self, req_id: str, resuming: bool = False) -> RoomHold | None:
+        """The room a request must leave free: what the first request queued for room waits
+        for, unless it is that request, or a migrating one (admitted once already: it resumes
+        best effort). First come, first served for KV room, as an engine's waiting queue is:
+        without it, a stream of small requests fitting the room as it freed kept a large one
+        queued until its deadline (found by a probe). Held on one decode worker only (the
+        others take requests as before), where the first one goes once the room is there."""
         first = next(iter(self._room_line.items()), None)
         if first is None or resuming or first[0] == req_id:
-            return 0
+            return None
         return first[1]
 
     def _line_up(self, req_id: str, decision: Decision, resuming: bool) -> None:
         """A request queued for KV room keeps its place in the room line (joining it at the back
         the first time); queued for anything else, it leaves it."""
         if decision.cause is Cause.KV_FULL and not resuming:
-            self._room_line.setdefault(req_id, decision.room_tokens)
+            # where most room is now: the worker it can get into soonest (re-chosen at each decision)
+            roomiest = max(self.registry.alive("decode"), key=lambda w: w.free_blocks or 0, default=None)
+            if roomiest is not None:
+                self._room_line[req_id] = RoomHold(roomiest.worker_id, decision.room_tokens)
         else:
             self._leave_line(req_id)
 
@@ -348,11 +354,11 @@ class Admission:
         if _decode_idle(worker):
             return True   # a decision admits there whatever it predicts (``_idle``)
         ttft_t, tpot_t = self._targets(spec)
-        held = self._held_tokens(spec.req_id)
+        hold = self._hold(spec.req_id)
         if not self.enabled or (ttft_t is None and tpot_t is None):
             # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
-            return not self.registry.alive("prefill") or _has_prompt_room(worker, spec, held)
-        return PairSearch(self, spec, None, 0.0, held).decode_fits(worker, tpot_t)
+            return not self.registry.alive("prefill") or _has_prompt_room(worker, spec, hold)
+        return PairSearch(self, spec, None, 0.0, hold).decode_fits(worker, tpot_t)
 
     def _count_queue(self, delta: int, metrics, decision: Decision | None = None) -> None:
         self.num_queued += delta
@@ -417,10 +423,10 @@ def _kv_tokens(w: WorkerHandle) -> int:
     return (w.stats.num_total_blocks - w.stats.num_free_blocks) * w.stats.block_size
 
 
-def _has_prompt_room(w: WorkerHandle, spec: RequestSpec, held_tokens: int = 0) -> bool:
+def _has_prompt_room(w: WorkerHandle, spec: RequestSpec, hold: RoomHold | None = None) -> bool:
     """Room for what ``reserve`` takes now: the prompt's blocks (decoding may preempt later),
     beside the reservations already promised there and the room held (``has_room``)."""
-    return has_room(w, len(spec.prompt_token_ids), held_tokens)
+    return has_room(w, len(spec.prompt_token_ids), hold)
 
 
 def _queue_deadline_message(ttft_t: float | None, reason: str) -> str:

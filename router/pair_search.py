@@ -151,13 +151,13 @@ class PairSearch:
     those that can still be chosen."""
 
     def __init__(self, admission: Admission, spec: RequestSpec, now: float | None, waited_s: float,
-                 held_tokens: int = 0) -> None:
+                 hold: RoomHold | None = None) -> None:
         self.admission = admission
         self.spec = spec
         self.prompt = len(spec.prompt_token_ids)
         self.now = time.perf_counter() if now is None else now
         self.waited_s = waited_s
-        self.held_tokens = held_tokens   # room kept for an earlier request waiting for it (``has_room``)
+        self.hold = hold   # room kept for an earlier request waiting for it (``has_room``)
 
     @cached_property
     def ttft_share(self) -> float:
@@ -196,7 +196,7 @@ class PairSearch:
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
         step = self.admission.decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
         cached = d.prefix.expected_hit(self.spec.prompt_token_ids)
-        return _DecodeSide(d, cached, step, has_kv_room(d, self.spec, self.held_tokens))
+        return _DecodeSide(d, cached, step, has_kv_room(d, self.spec, self.hold))
 
     def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
         """No hand-off term: the first token leaves the prefill worker before its KV moves."""
@@ -395,19 +395,27 @@ def kv_tokens_of(spec: RequestSpec) -> int:
     return len(spec.prompt_token_ids) + spec.sampling.max_tokens
 
 
-def has_kv_room(w: WorkerHandle, spec: RequestSpec, held_tokens: int = 0) -> bool:
+@dataclass(frozen=True, slots=True)
+class RoomHold:
+    """KV room on one decode worker kept for the first request waiting for room there
+    (``Admission``'s room line): later requests may take only what is left beside it."""
+
+    worker_id: str
+    tokens: int
+
+
+def has_kv_room(w: WorkerHandle, spec: RequestSpec, hold: RoomHold | None = None) -> bool:
     """Room for the prompt and every token it may generate."""
-    return has_room(w, kv_tokens_of(spec), held_tokens)
+    return has_room(w, kv_tokens_of(spec), hold)
 
 
-def has_room(w: WorkerHandle, num_tokens: int, held_tokens: int = 0) -> bool:
+def has_room(w: WorkerHandle, num_tokens: int, hold: RoomHold | None = None) -> bool:
     """Room for ``num_tokens``' blocks beside the reservations already promised there
-    (``WorkerHandle.free_blocks``) and the room held for an earlier request waiting for it
-    (``held_tokens``: first come, first served; not held where it could never fit); a worker
-    that has not reported yet is taken to have it."""
+    (``WorkerHandle.free_blocks``) and the room ``hold`` keeps there (first come, first served;
+    none where it could never fit); a worker that has not reported yet is taken to have it."""
     if w.stats is None:
         return True
-    held = w.blocks_for(held_tokens)
+    held = w.blocks_for(hold.tokens) if hold is not None and hold.worker_id == w.worker_id else 0
     if held > w.stats.num_total_blocks:
         held = 0
     return w.blocks_for(num_tokens) + held <= w.free_blocks

@@ -192,6 +192,27 @@ def test_kv_room_goes_first_come_first_served(targets, head_leaves):
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("targets", [{}, {"ttft": 5.0, "tpot": 0.5}], ids=["best effort", "with targets"])
+def test_room_is_held_on_one_decode_worker_only(targets):
+    """The first request waiting for room holds it on the decode worker with the most room; a
+    later one still goes where room is left beside that (another worker), as a router in front
+    of engines with their own waiting queues would send it."""
+    async def scenario():
+        admission = cluster(free_blocks=20, num_decode=2)
+        d0, d1 = admission.registry.decode
+        d0.observe_stats(stats("d0", "decode", decode_steps(), free=8, running=1))
+        waiting = asyncio.create_task(admission.acquire(named(spec(prompt=480, **targets), "big")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and admission._room_line["big"].worker_id == "d1"
+        pair = await asyncio.wait_for(admission.acquire(named(spec(prompt=64, **targets), "small")), 1.0)
+        assert pair.decode is d0, "the worker not held takes it"
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert not admission._room_line
+
+    asyncio.run(scenario())
+
+
 def test_a_request_without_a_ttft_target_queued_past_the_backstop_is_told_so(monkeypatch):
     """Found by a probe: it read "queued past its TTFT deadline" though the client set none."""
     import router.admission
