@@ -133,7 +133,8 @@ def test_loopback_only_by_default():
 
 
 @pytest.mark.parametrize("args", [["--output-len", "-4"], ["--input-len", "0"], ["--range-ratio", "1.5"],
-                                  ["--burstiness", "0"], ["--max-concurrency", "0"]])
+                                  ["--burstiness", "0"], ["--max-concurrency", "0"], ["--max-duration-s", "0"],
+                                  ["--max-duration-s", "nan"], ["--request-timeout-s", "-1"]])
 def test_bad_options_are_a_usage_error_naming_them(args, capsys):
     """Found by a probe: a negative --output-len ended in a traceback."""
     with pytest.raises(SystemExit) as exit_:

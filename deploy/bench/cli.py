@@ -162,6 +162,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.max_duration_s > 0:   # NaN too
+        raise ValueError(f"--max-duration-s must be > 0, got {args.max_duration_s}")
+    if args.request_timeout_s is not None and not args.request_timeout_s > 0:
+        raise ValueError(f"--request-timeout-s must be > 0, got {args.request_timeout_s}")
     if args.launch:
         return
     if args.backend == "openai":
