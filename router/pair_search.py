@@ -402,6 +402,7 @@ class RoomHold:
 
     worker_id: str
     tokens: int
+    since: float = 0.0   # when the request began to wait for room (perf_counter)
 
 
 def has_kv_room(w: WorkerHandle, spec: RequestSpec, hold: RoomHold | None = None) -> bool:
