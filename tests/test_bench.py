@@ -379,22 +379,15 @@ def test_a_base_url_ending_in_v1_is_the_same_server(fake_openai):
     assert out.status == OK, out.error
 
 
-def test_an_address_that_is_no_url_is_one_line_not_a_table(capsys):
-    assert main(["--backend", "openai", "--base-url", "http://127.0.0.1:99999", "--allow-remote",
-                 "--num-prompts", "2"]) == 1
-    captured = capsys.readouterr()
-    assert "pdserve bench: error: " in captured.err and "Unclosed client session" not in captured.err, captured.err
-    assert "Serving Benchmark Result" not in captured.out
-
-
 @pytest.mark.parametrize("remote", [[], ["--allow-remote"]])
-@pytest.mark.parametrize("target", ["not a url at all", "127.0.0.1:8000", "ftp://127.0.0.1/"])
+@pytest.mark.parametrize("target", ["not a url at all", "127.0.0.1:8000", "ftp://127.0.0.1/", "http://127.0.0.1:99999",
+                                    "http://[::1", " http://127.0.0.1:8000"])
 def test_a_base_url_that_is_no_http_url_is_a_usage_error_naming_it(target, remote, capsys):
     """Found by a probe: ``--base-url not-a-url`` was refused as "'' is not a loopback address"."""
     with pytest.raises(SystemExit) as exit_:
         main(["--backend", "openai", "--base-url", target, *remote, "--num-prompts", "2"])
     assert exit_.value.code == 2
-    assert f"--base-url must be an http(s) URL such as http://127.0.0.1:8000, got {target!r}" in capsys.readouterr().err
+    assert f"--base-url must be an http(s) URL such as http://127.0.0.1:8000, got {target!r} (" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -169,12 +169,26 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.launch:
         return
     if args.backend == "openai":
-        url = urlsplit(args.base_url)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise ValueError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000, got {args.base_url!r}")
+        _check_base_url(args.base_url)
     host = _host_of(args.address) if args.backend == "grpc" else urlsplit(args.base_url).hostname
     if not args.allow_remote and not is_loopback(host):
         raise ValueError(f"{host!r} is not a loopback address; pass --allow-remote to benchmark it")
+
+
+def _check_base_url(base_url: str) -> None:
+    """An http(s) URL with a host and, if any, a port in range; nothing around it (urlsplit
+    drops leading spaces, the HTTP client does not)."""
+    problem = None
+    try:
+        url = urlsplit(base_url)
+        url.port   # noqa: B018 - raises for a port out of range
+    except ValueError as exc:   # "Invalid IPv6 URL", "Port out of range 0-65535"
+        problem = str(exc)
+    else:
+        if url.scheme not in ("http", "https") or not url.hostname or base_url != base_url.strip():
+            problem = "not an http(s) URL"
+    if problem:
+        raise ValueError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000, got {base_url!r} ({problem})")
 
 
 def _host_of(address: str) -> str:
