@@ -227,14 +227,14 @@ def test_room_is_held_only_once_the_first_request_has_waited_a_while(monkeypatch
     requests with TTFT targets on a tight pool when it was held at once)."""
     import router.admission
 
-    monkeypatch.setattr(router.admission, "HOLD_AFTER_S", 0.3)
+    monkeypatch.setattr(router.admission, "HOLD_AFTER_S", 0.8)   # far above a loaded loop's lag
 
     async def scenario():
         admission = cluster(free_blocks=20)
         waiting = asyncio.create_task(admission.acquire(named(spec(prompt=480), "big")))
         await asyncio.sleep(0.05)
         early = await asyncio.wait_for(admission.acquire(named(spec(prompt=64), "early")), 1.0)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.8)
         late = asyncio.create_task(admission.acquire(named(spec(prompt=64), "late")))
         await asyncio.sleep(0.05)
         assert early.decode is admission.registry.decode[0] and not late.done() and not waiting.done()
