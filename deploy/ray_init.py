@@ -46,13 +46,37 @@ logger = logging.getLogger(__name__)
 
 
 def shutdown_ray(wait_s: float = 10.0) -> None:
-    """``ray.shutdown()``, then wait up to ``wait_s`` for the Ray processes this one started
-    (an embedded Ray's GCS, raylet, agents and workers are all its descendants) to exit."""
-    descendants = psutil.Process().children(recursive=True)
+    """``ray.shutdown()``, then wait up to ``wait_s`` for the processes of the Ray this one started
+    (its GCS, raylet and the rest, and their descendants: agents, workers) to exit. Only those:
+    another child of this process (``multiprocessing``'s resource tracker lives as long as its
+    parent) is not Ray's to wait for."""
+    processes = _ray_processes()
     ray.shutdown()
-    _, alive = psutil.wait_procs(descendants, timeout=wait_s)
+    _, alive = psutil.wait_procs(processes, timeout=wait_s)
     if alive:
-        logger.warning("%d Ray processes still running %.0f s after shutdown", len(alive), wait_s)
+        logger.warning("%d Ray processes still running %.0f s after shutdown: %s", len(alive), wait_s,
+                       ", ".join(_describe(proc) for proc in alive))
+
+
+def _ray_processes() -> list[psutil.Process]:
+    """The processes of the Ray this process started and their descendants (none when it joined
+    a cluster: a joining node starts none)."""
+    node = ray._private.worker._global_node
+    started = [info.process.pid for infos in (node.all_processes.values() if node else ()) for info in infos]
+    processes = []
+    for pid in started:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            processes += [process, *process.children(recursive=True)]
+    return processes
+
+
+def _describe(proc: psutil.Process) -> str:
+    """``pid command line (status)`` of a process, for a log line."""
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:120] or proc.name()} ({proc.status()})"
+    except psutil.Error:
+        return f"{proc.pid} (gone)"
 
 
 def gcs_answers(timeout_s: float = 1.0) -> bool:

@@ -83,3 +83,33 @@ def test_stop_ends_the_clusters_own_tasks_before_it_shuts_ray_down(monkeypatch):
 
     monkeypatch.setattr(Cluster, "_init_ray", ray_up_then_fail)
     asyncio.run(scenario())
+
+
+def test_shutdown_waits_for_rays_processes_not_for_other_children():
+    """``shutdown_ray`` returns once the Ray it started is gone, its GCS, raylet and workers
+    included; a child of the process that is not Ray's (here a sleeper, as ``multiprocessing``'s
+    resource tracker is: it lives as long as its parent) is left alone and not waited for (CI
+    waited 10 s for one at each module's Ray teardown)."""
+    import subprocess
+
+    import psutil
+
+    from deploy.ray_init import _ray_processes, shutdown_ray
+
+    if ray.is_initialized():
+        shutdown_ray()
+    bystander = subprocess.Popen(["sleep", "120"])
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        assert ray.get(ray.remote(lambda: os.getpid()).remote()) != os.getpid()   # a worker process runs
+        processes = _ray_processes()
+        names = {p.name() for p in processes}
+        assert {"gcs_server", "raylet"} <= names and bystander.pid not in {p.pid for p in processes}
+        started = time.monotonic()
+        shutdown_ray()
+        assert time.monotonic() - started < 8.0
+        assert not [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert bystander.poll() is None, "a child that is not Ray's was stopped"
+    finally:
+        bystander.kill()
+        bystander.wait()
