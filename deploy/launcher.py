@@ -41,8 +41,7 @@ from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
 from engine.worker_spec import WorkerSpec
-from kvtransfer.rendezvous import rendezvous_address
-from kvtransfer.select import TRANSPORTS, choose_transport
+from kvtransfer.select import TRANSPORTS
 from kvtransfer.shm_reclaim import reclaim_stale_segments
 from router import event_loop
 from router.convert import ServerDefaults
@@ -51,6 +50,7 @@ from router.openai_api.tool_parsers import PARSERS
 from router.admission import Admission
 from router.first_token_inbox import FirstTokenInbox
 from router.health import ServingHealth
+from router.kv_group import KVGroup
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.prefix_index import PrefixIndex
@@ -165,6 +165,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.registry = WorkerRegistry(forced_transport=config.kv_transport)
+        self.kv_group = KVGroup(self.registry)
         self.server = None
         self.port: int | None = None
         self.tokenizer = None
@@ -198,7 +199,7 @@ class Cluster:
 
             self.tokenizer = load_tokenizer(model_dir)
         infos = await self._start_workers(model_dir)
-        await self._join_kv_group_if_needed()
+        await self.kv_group.form_if_needed()
         self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.metrics_host)
@@ -278,6 +279,7 @@ class Cluster:
         loop.create_task(self.health.update(self.registry.can_serve))
         loop.create_task(self._first_report(worker, worker.generation))
         self.admission.notify()   # requests queued for a worker to come back
+        self.kv_group.member_ready(worker)
 
     async def _first_report(self, worker: WorkerHandle, generation: int) -> None:
         """A worker's stats as it starts (the cluster's start, or a replacement's): an idle
@@ -418,21 +420,6 @@ class Cluster:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg)
         return cls.options(**opts)
 
-    async def _join_kv_group_if_needed(self) -> None:
-        reg = self.registry
-        if not reg.prefill:
-            return
-        needs = reg.forced_transport == "torch_dist" or (reg.forced_transport is None and any(
-            choose_transport(p.node_id, d.node_id, p.device, decode_device=d.device) == "torch_dist"
-            for p in reg.prefill for d in reg.decode))
-        if not needs:
-            return
-        address = rendezvous_address(ray.util.get_node_ip_address())
-        workers = reg.all
-        await asyncio.gather(*(w.actor.join_kv_group.remote(address, len(workers), rank) for rank, w in enumerate(workers)))
-        reg.dist_ready = True
-        logger.info("torch.distributed KV group up: %d workers at %s", len(workers), address)
-
     async def leak_reports(self) -> dict[str, dict]:
         """Per worker: what it still holds, and what the router still counts against it (see
         ``holds_anything``)."""
@@ -472,6 +459,7 @@ class Cluster:
         await self._cut_live_requests(deadline)
         if self.supervisor is not None:
             await self.supervisor.stop()
+        self.kv_group.stop()
         if self.standby is not None:
             await _until(deadline, self.standby.stop(), "standby workers")
         if self.http is not None:

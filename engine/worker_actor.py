@@ -6,7 +6,8 @@ constructor, in the actor's process), which owns all state: these only forward.
 
 Life cycle (the launcher's): construct -> ``ping`` (model loaded) -> [``activate`` for a spare
 taking a dead worker's place] -> ``start`` -> [``join_kv_group``] -> serve, ``lifeline`` held
-open by the router, ``heartbeat`` answered every few seconds -> ``shutdown``.
+open by the router, ``heartbeat`` answered every few seconds, [``join_kv_group`` again once a
+lost member of the group is replaced] -> ``shutdown``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,17 @@ class WorkerActor:
         """A standby spare takes a dead worker's place (then ``start``)."""
         self.worker.activate(worker_id)
 
+    async def kv_group_address(self) -> str:
+        """A rendezvous address on this worker's node, for a KV group it is rank 0 of (its store
+        listens there)."""
+        import ray
+
+        from kvtransfer.rendezvous import rendezvous_address
+
+        return rendezvous_address(ray.util.get_node_ip_address())
+
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
+        """Join the KV group at ``address``, leaving the one this worker is in (if any) first."""
         from kvtransfer import group   # torch.distributed: in the worker's process only
 
         await group.join(address, world_size, rank, self.worker.spec.engine.device)

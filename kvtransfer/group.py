@@ -1,7 +1,9 @@
 """Joining the workers' torch.distributed group (gloo on CPU, NCCL on GPU) from a worker actor.
 
-Life cycle: the launcher picks a rendezvous address and ranks, every KV-moving worker calls
-``join`` at once (it blocks until all have joined), transfers run, ``leave`` at shutdown.
+Life cycle: the launcher asks rank 0 for the rendezvous ``address`` (on rank 0's node, where its
+store listens), every KV-moving worker calls ``join`` at once (it blocks until all have joined),
+transfers run; after a member is replaced, every member calls ``join`` again with a fresh address
+(the old group is left once its transfers in flight end); ``leave`` at shutdown.
 """
 
 from __future__ import annotations

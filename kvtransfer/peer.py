@@ -5,7 +5,8 @@ reference of what the real workers do with a connector. Life cycle:
 
 1. ``KVPeer(layout, num_blocks, shm_path=...)`` allocates the cache (in /dev/shm when the
    path is given; this peer then owns the file) with one torch thread.
-2. For torch_dist, every peer calls ``join_group(address, world_size, rank)``.
+2. For torch_dist, every peer calls ``join_group(address, world_size, rank)`` (again, with a
+   fresh address, after a member died).
 3. Decode side: ``new_handle(...)``; prefill side: ``bind`` then ``send``; decode side:
    ``receive``. ``send``/``receive`` also return monotonic start/end stamps (one clock for
    all processes on a Linux host) so a driver can time a transfer end to end.
@@ -37,8 +38,7 @@ class KVPeer:
 
     # ---- set-up and data ----------------------------------------------------------------
     def join_group(self, init_method: str, world_size: int, rank: int, timeout_s: float = 30.0) -> None:
-        self._drop("torch_dist")
-        destroy_kv_group()
+        """Join a group (leaving the one this peer is in, if any)."""
         init_kv_group(init_method, world_size, rank, backend="gloo", timeout_s=timeout_s)
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:

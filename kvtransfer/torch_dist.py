@@ -1,12 +1,18 @@
 """torch.distributed point-to-point transport: NCCL between GPUs, gloo between CPUs, one path.
 
-Group set-up (once per worker, before any transfer):
+Group set-up (before any transfer; again whenever a member was replaced):
 
-1. The launcher picks a rendezvous address on the head node, ``rendezvous_address()``
-   (a free TCP port), and assigns every worker that moves KV a rank in ``[0, world_size)``.
+1. The launcher asks rank 0 for a rendezvous address on its own node (where rank 0's store
+   listens: ``rendezvous_address()``, a free TCP port) and assigns every worker that moves KV a
+   rank in ``[0, world_size)``.
 2. Every worker calls ``init_kv_group(address, world_size, rank, backend=...)``; it blocks
    until all ``world_size`` workers have joined. ``timeout_s`` becomes the process group's
    timeout: a gloo send/recv whose peer never shows up raises after it.
+3. A member died: the group is broken for everyone (a collective world cannot take a new
+   rank). Once its replacement is up, every member calls ``init_kv_group`` again with a fresh
+   address: this process's membership (``_Membership``, the one owner of the process-wide
+   group) refuses new transfers, lets those in flight end, leaves the old group and joins the
+   new one; per-peer state of the old group (a pair marked broken by the death) is not reused.
 
 One hand-off (the handle's locator is ``DistPeers(dst_rank, src_rank)``):
 
@@ -37,11 +43,12 @@ that peer is marked broken and later transfers with it raise until the group is 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import threading
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,21 +73,83 @@ def default_backend(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+class _Membership:
+    """This process's place in the KV group, which torch.distributed keeps process-wide: transfers
+    run inside it (``transfer``); joining (again) refuses new transfers, waits for those in flight
+    to end, then leaves the old group and joins the new one. ``generation`` counts the groups
+    joined, so per-peer state of an earlier group is dropped rather than reused."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._active = 0          # transfers in flight
+        self._joining = False
+        self.generation = 0
+
+    @contextlib.contextmanager
+    def transfer(self) -> Iterator[int]:
+        """One transfer in the current group (its generation): refused while the group changes."""
+        with self._changed:
+            if self._joining or not dist.is_initialized():
+                raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
+            self._active += 1
+            generation = self.generation
+        try:
+            yield generation
+        finally:
+            with self._changed:
+                self._active -= 1
+                self._changed.notify_all()
+
+    def rank(self) -> int:
+        if not dist.is_initialized():
+            raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
+        return dist.get_rank()
+
+    def join(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
+             drain_s: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._joining)   # one change at a time
+            self._joining = True
+            drained = self._changed.wait_for(lambda: self._active == 0, timeout=drain_s)
+        try:
+            if not drained:   # leaving would pull the group from under them
+                raise KVTransferError(f"{self._active} KV transfers still in flight after {drain_s:.0f} s: "
+                                      "the group is not joined again")
+            self._leave()
+            dist.init_process_group(
+                backend, init_method=init_method, world_size=world_size, rank=rank,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        finally:
+            with self._changed:
+                self._joining = False
+                self._changed.notify_all()
+
+    def leave(self) -> None:
+        with self._changed:
+            self._leave()
+
+    def _leave(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation += 1
+
+
+_membership = _Membership()
+
+
 def init_kv_group(
-    init_method: str, world_size: int, rank: int, *, backend: str = "gloo", timeout_s: float = 60.0
+    init_method: str, world_size: int, rank: int, *, backend: str = "gloo", timeout_s: float = 60.0,
+    drain_s: float = 45.0,
 ) -> None:
-    """Join the default process group that KV moves over (blocks until all ranks joined)."""
-    if dist.is_initialized():
-        raise KVTransferError("a torch.distributed process group already exists in this process")
-    dist.init_process_group(
-        backend, init_method=init_method, world_size=world_size, rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    """Join the process group that KV moves over (blocks until all ranks joined), leaving the one
+    this process is in first, once its transfers in flight have ended (up to ``drain_s``: each
+    is bounded by its own timeout)."""
+    _membership.join(init_method, world_size, rank, backend, timeout_s, drain_s)
 
 
 def destroy_kv_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    _membership.leave()
 
 
 # ---- wire format ----------------------------------------------------------------------
@@ -148,18 +217,36 @@ class _Channel:
 
 
 class _Channels:
+    """One channel per peer rank of the current group (an earlier group's are dropped)."""
+
     def __init__(self) -> None:
         self._by_rank: dict[int, _Channel] = {}
+        self._generation = 0
         self._lock = threading.Lock()
 
-    def get(self, rank: int) -> _Channel:
+    @contextlib.contextmanager
+    def use(self, rank: int) -> Iterator[_Channel]:
+        """The channel with ``rank`` in the current group, held for one transfer."""
+        with _membership.transfer() as generation:
+            channel = self._get(rank, generation)
+            with channel.lock:
+                channel.check()
+                yield channel
+
+    def _get(self, rank: int, generation: int) -> _Channel:
         with self._lock:
+            if generation != self._generation:
+                self._release()
+                self._by_rank, self._generation = {}, generation
             return self._by_rank.setdefault(rank, _Channel(rank))
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._by_rank.values():
-                channel.staging.release()
+            self._release()
+
+    def _release(self) -> None:
+        for channel in self._by_rank.values():
+            channel.staging.release()
 
 
 def _layer_chunks(num_layers: int) -> list[slice]:
@@ -184,13 +271,12 @@ class TorchDistSender:
 
     def bind(self, handle: KVBlocksHandle, src_block_ids: Sequence[int]) -> KVBlocksHandle:
         peers = _peers(handle, need_src=False)
-        return handle.with_source(src_block_ids, DistPeers(peers.dst_rank, dist.get_rank()))
+        return handle.with_source(src_block_ids, DistPeers(peers.dst_rank, _membership.rank()))
 
     def send(self, cache: torch.Tensor, handle: KVBlocksHandle, *, timeout_s: float | None = None) -> TransferResult:
         start = time.perf_counter()
-        channel = self._channels.get(_peers(handle, need_src=True).dst_rank)
-        with channel.lock:
-            channel.check()
+        dst_rank = _peers(handle, need_src=True).dst_rank
+        with self._channels.use(dst_rank) as channel:
             try:
                 check_side(cache, handle, "src")
             except KVTransferError:  # tell the receiver, so it fails now and the pair stays in step
@@ -210,13 +296,12 @@ class TorchDistReceiver:
         self._channels = _Channels()
 
     def locator(self, cache: torch.Tensor) -> object:
-        return DistPeers(dst_rank=dist.get_rank())
+        return DistPeers(dst_rank=_membership.rank())
 
     def receive(self, cache: torch.Tensor, handle: KVBlocksHandle, *, timeout_s: float | None = None) -> TransferResult:
         start = time.perf_counter()
-        channel = self._channels.get(_peers(handle, need_src=True).src_rank)
-        with channel.lock:
-            channel.check()
+        src_rank = _peers(handle, need_src=True).src_rank
+        with self._channels.use(src_rank) as channel:
             _receive(channel, cache, handle, timeout_s)
         return TransferResult(handle, handle.num_bytes, time.perf_counter() - start)
 

@@ -219,8 +219,8 @@ def test_local_transport_moves_blocks_and_fails_on_demand():
 # ---- two real processes (Ray actors) --------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def peers():
-    """(prefill-like peer, decode-like peer with a /dev/shm cache, that cache's path)."""
+def peer_actor():
+    """``KVPeer`` as a Ray actor class (Ray started for the module if it is not running)."""
     ray = pytest.importorskip("ray")
     from kvtransfer.peer import KVPeer
 
@@ -232,8 +232,18 @@ def peers():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     else:
         actor = actor.options(runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    yield actor
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def peers(peer_actor):
+    """(prefill-like peer, decode-like peer with a /dev/shm cache, that cache's path)."""
+    import ray
+
     path = shm_path()
-    prefill, decode = actor.remote(LAYOUT, NUM_BLOCKS), actor.remote(LAYOUT, NUM_BLOCKS, shm_path=path)
+    prefill, decode = peer_actor.remote(LAYOUT, NUM_BLOCKS), peer_actor.remote(LAYOUT, NUM_BLOCKS, shm_path=path)
     ray.get(prefill.write_blocks.remote(list(SRC_IDS), random_blocks(len(SRC_IDS), seed=5)))
     ray.get(decode.write_blocks.remote(list(range(NUM_BLOCKS)), random_blocks(NUM_BLOCKS, seed=6)))
     yield prefill, decode, path
@@ -241,8 +251,6 @@ def peers():
     assert not os.path.exists(path), "the owner's close() must unlink its /dev/shm cache"
     for peer in (prefill, decode):
         ray.kill(peer)
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture
@@ -352,6 +360,88 @@ def test_torch_dist_receive_times_out(peers, gloo_pair):
         ray.get(decode.receive.remote(handle, 0.5))
     with pytest.raises(KVTransferError, match="re-create the process group"):
         ray.get(decode.receive.remote(handle, 0.5))
+
+
+def test_torch_dist_pair_works_in_a_new_group_after_a_member_died(peer_actor, peers):
+    """A member of the group dies: a transfer with it fails and marks that pair broken. Once its
+    replacement is up, the survivors join a fresh group with it under the same ranks (each leaves
+    the broken one first): transfers work again, byte exact, the broken pair's state not reused."""
+    import ray
+
+    from kvtransfer.rendezvous import rendezvous_address
+
+    prefill, decode, _ = peers
+    doomed = peer_actor.remote(LAYOUT, NUM_BLOCKS)
+    address = rendezvous_address()
+    ray.get([prefill.join_group.remote(address, 2, 0, 20.0), doomed.join_group.remote(address, 2, 1, 20.0)])
+    transfer(prefill, doomed, "req-before-death", "torch_dist")
+    handle = ray.get(prefill.bind.remote(ray.get(doomed.new_handle.remote("req-dying", list(DST_IDS), NUM_TOKENS,
+                                                                            "torch_dist")), list(SRC_IDS)))
+    ray.kill(doomed)
+    with pytest.raises(KVTransferError, match="rank 1"):
+        ray.get(prefill.send.remote(handle, 5.0))
+    with pytest.raises(KVTransferError, match="failed earlier"):
+        ray.get(prefill.send.remote(handle, 5.0))
+    address = rendezvous_address()   # the replacement (here ``decode``) takes rank 1
+    ray.get([prefill.join_group.remote(address, 2, 0, 20.0), decode.join_group.remote(address, 2, 1, 20.0)])
+    before = ray.get(decode.snapshot.remote())
+    sent, received = transfer(prefill, decode, "req-new-group", "torch_dist")
+    assert sent.num_bytes == received.num_bytes == len(DST_IDS) * LAYOUT.bytes_per_block
+    assert_landed(prefill, decode, before)
+
+
+def test_joining_again_waits_for_transfers_in_flight_and_refuses_new_ones():
+    """In one process (a 1-rank group): a join while a transfer runs waits for it; transfers
+    asked for meanwhile are refused; a transfer that outlasts ``drain_s`` keeps the old group."""
+    import time
+
+    import torch.distributed as dist
+
+    from kvtransfer import torch_dist
+    from kvtransfer.rendezvous import rendezvous_address
+
+    membership = torch_dist._membership
+    torch_dist.init_kv_group(rendezvous_address(), 1, 0, timeout_s=10.0)
+    try:
+        in_flight, done = threading.Event(), threading.Event()
+
+        def transfer_in_flight():
+            with membership.transfer():
+                in_flight.set()
+                done.wait(10)
+
+        holder = threading.Thread(target=transfer_in_flight)
+        holder.start()
+        assert in_flight.wait(5)
+        generation = membership.generation
+        joiner = threading.Thread(target=torch_dist.init_kv_group, args=(rendezvous_address(), 1, 0),
+                                  kwargs={"timeout_s": 10.0})
+        joiner.start()
+        time.sleep(0.3)
+        assert joiner.is_alive(), "the join did not wait for the transfer in flight"
+        with pytest.raises(KVTransferError, match="not in a KV group"):
+            with membership.transfer():
+                pass
+        done.set()
+        holder.join(5)
+        joiner.join(10)
+        assert not joiner.is_alive() and membership.generation > generation and dist.is_initialized()
+        with membership.transfer() as now:
+            assert now == membership.generation
+        # a transfer that does not end within drain_s: the join gives up and the group stays
+        in_flight.clear(), done.clear()
+        holder = threading.Thread(target=transfer_in_flight)
+        holder.start()
+        assert in_flight.wait(5)
+        generation = membership.generation
+        with pytest.raises(KVTransferError, match="still in flight"):
+            torch_dist.init_kv_group(rendezvous_address(), 1, 0, timeout_s=10.0, drain_s=0.2)
+        assert membership.generation == generation and dist.is_initialized()
+        done.set()
+        holder.join(5)
+    finally:
+        torch_dist.destroy_kv_group()
+    assert not dist.is_initialized()
 
 
 # ---- CUDA IPC (hardware-gated) ----------------------------------------------------------------

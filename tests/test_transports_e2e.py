@@ -1,12 +1,13 @@
 """Every KV transport end to end (real Ray actors, real gRPC, tiny random Llama): output equals
-HF generate; a failed hand-off is recomputed, never decoded from garbage; a decode worker that
-dies in a torch.distributed group is replaced, its request migrates and the pairs route around
-the broken group. Each test ends with a cluster-wide leak check."""
+HF generate; a failed hand-off is recomputed, never decoded from garbage; a worker that dies in a
+torch.distributed group is replaced, its request migrates, the pairs route around the broken
+group until it is formed again with the replacement. Each test ends with a cluster-wide leak check."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import ray
@@ -80,26 +81,47 @@ def test_shared_prefix_moves_fewer_bytes(cluster, hf_reference, transport):
     assert cluster_leaks(cluster) == {}
 
 
-def test_dead_decode_worker_in_the_kv_group_is_replaced_and_routed_around(cluster, hf_reference):
-    """Runs last in this module: it kills the cluster's decode worker mid-stream while the pair
-    moves KV over torch.distributed. The stream migrates (output still equals HF), the worker is
-    replaced, and the broken group is routed around."""
+def _torch_dist_handoffs(cluster) -> float:
+    return cluster.cluster.metrics.registry.get_sample_value(
+        "pdserve_kv_transfer_bytes_count", {"transport": "torch_dist"}) or 0.0
+
+
+def _wait_for_group(registry, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not registry.dist_ready:
+        assert time.monotonic() < deadline, "the KV group was not formed again"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_dead_member_of_the_kv_group_is_replaced_and_the_group_formed_again(cluster, hf_reference, role):
+    """A worker of the torch.distributed group dies mid-stream (the decode worker, or the prefill
+    worker: rank 0, whose node holds the group's store). The stream migrates (output still equals
+    HF) while pairs route around the broken group; the worker is replaced and the group formed
+    again with it, after which KV moves over torch.distributed again."""
     registry = cluster.cluster.registry
     registry.force_transport("torch_dist")
-    decode = registry.get("decode-0")
+    victim = registry.get(f"{role}-0")
+    restarts = victim.restarts
+    formed = cluster.cluster.kv_group.num_formed
     prompt = list(range(10, 40))
     with PdserveClient(address(cluster)) as client:
         stream = client.generate(token_ids=prompt, max_tokens=60, ignore_eos=True)
         tokens = list(next(stream).token_ids)
-        decode.actor.inject_fault.remote("die")
+        victim.actor.inject_fault.remote("die")
         for msg in stream:
             tokens.extend(msg.token_ids)
             last = msg
     assert tokens == hf_greedy(hf_reference, prompt, 60)
-    assert last.timings.migrations == 1
-    assert decode.restarts == 1 and decode.alive
-    assert registry.transport(registry.prefill[0], decode) != "torch_dist"
+    if role == "decode":   # the prefill worker's part was done: only the decode side's loss moves it
+        assert last.timings.migrations == 1
+    _wait_for_group(registry)
+    assert victim.restarts == restarts + 1 and victim.alive
+    assert cluster.cluster.kv_group.num_formed == formed + 1
+    assert registry.transport(registry.prefill[0], registry.decode[0]) == "torch_dist"
+    moved = _torch_dist_handoffs(cluster)
     with PdserveClient(address(cluster)) as client:
         result = client.generate_text(token_ids=prompt, max_tokens=5, ignore_eos=True)
     assert list(result.token_ids) == hf_greedy(hf_reference, prompt, 5) and result.timings.kv_handoff == "ok"
+    assert _torch_dist_handoffs(cluster) == moved + 1, "the KV did not move over the new group"
     assert cluster_leaks(cluster) == {}
