@@ -268,10 +268,13 @@ class Admission:
             return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", best, kv_tokens_of(spec))
         return Decision(Action.ADMIT, Cause.WITHIN_SLO, prediction=best)
 
-    async def acquire(self, spec: RequestSpec, metrics=None, resuming: bool = False) -> Prediction:
+    async def acquire(self, spec: RequestSpec, metrics=None, resuming: bool = False,
+                      line_since: float | None = None) -> Prediction:
         """Admit (returning the pair), wait in the queue, or raise CapacityError.
         ``resuming``: a migrating request, placed best effort; it waits up to
-        ``RESUME_WAIT_S`` for a worker to come back."""
+        ``RESUME_WAIT_S`` for a worker to come back. ``line_since``: a retry of a request
+        admitted once (its reservation was refused for room) queues for room in the place of a
+        request that began to wait then (its arrival), not behind every later one."""
         ttft_t, _ = self._targets(spec)
         start = time.perf_counter()
         # Backstop: the TTFT prediction counts the wait too.
@@ -281,7 +284,7 @@ class Admission:
         try:
             while decision.action is Action.QUEUE:
                 queue_reason = decision.reason
-                self._line_up(spec.req_id, decision, resuming)
+                self._line_up(spec.req_id, decision, resuming, line_since)
                 if ticket is None:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
@@ -327,16 +330,19 @@ class Admission:
             return None
         return first[1]
 
-    def _line_up(self, req_id: str, decision: Decision, resuming: bool) -> None:
-        """A request queued for KV room keeps its place in the room line (joining it at the back
-        the first time); queued for anything else, it leaves it."""
+    def _line_up(self, req_id: str, decision: Decision, resuming: bool, line_since: float | None = None) -> None:
+        """A request queued for KV room keeps its place in the room line (joining it the first
+        time: at the back, or where ``line_since`` puts it); queued for anything else, it leaves it."""
         if decision.cause is Cause.KV_FULL and not resuming:
             # where most room is now: the worker it can get into soonest (re-chosen at each decision)
             roomiest = max(self.registry.alive("decode"), key=lambda w: w.free_blocks or 0, default=None)
-            if roomiest is not None:
-                held = self._room_line.get(req_id)
-                since = held.since if held is not None else time.perf_counter()
-                self._room_line[req_id] = RoomHold(roomiest.worker_id, decision.room_tokens, since)
+            if roomiest is None:
+                return
+            held = self._room_line.get(req_id)
+            since = held.since if held is not None else (line_since or time.perf_counter())
+            self._room_line[req_id] = RoomHold(roomiest.worker_id, decision.room_tokens, since)
+            if held is None and line_since is not None:
+                self._room_line = dict(sorted(self._room_line.items(), key=lambda item: item[1].since))
         else:
             self._leave_line(req_id)
 

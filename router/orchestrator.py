@@ -183,7 +183,8 @@ class Orchestrator:
         room_deadline = time.monotonic() + (spec.slo.ttft_s or REFUSED_WAIT_S)   # see ReservationRefused below
         while True:
             attempt_spec = run.attempt_spec()
-            pair = await self._admit(attempt_spec, run.num_migrations)
+            # a retry after a refused reservation keeps the place in the room line its arrival gives it
+            pair = await self._admit(attempt_spec, run.num_migrations, trace.start_s if run.num_refusals else None)
             trace.path.admitted(time.perf_counter())
             try:
                 # A resumed or retried attempt's latency is the loss's or the wait's, not admission's
@@ -212,14 +213,14 @@ class Orchestrator:
                 run.refused()
                 await self.admission.capacity_changed(RESERVE_RETRY_S)
 
-    async def _admit(self, spec: RequestSpec, num_migrations: int) -> Prediction:
+    async def _admit(self, spec: RequestSpec, num_migrations: int, line_since: float | None = None) -> Prediction:
         """Admission (queueing included), as the request trace's ``admission`` span."""
         parent = tracing.context_of(spec.traceparent)
         if parent is None:   # untraced: no span at all
-            return await self.admission.acquire(spec, self.metrics, resuming=num_migrations > 0)
+            return await self.admission.acquire(spec, self.metrics, num_migrations > 0, line_since)
         with tracing.tracer().start_as_current_span("admission", context=parent,
                                                     attributes={"pdserve.migrations": num_migrations}) as span:
-            pair = await self.admission.acquire(spec, self.metrics, resuming=num_migrations > 0)
+            pair = await self.admission.acquire(spec, self.metrics, num_migrations > 0, line_since)
             span.set_attributes({"pdserve.prefill_worker": pair.prefill.worker_id if pair.prefill else "",
                                  "pdserve.decode_worker": pair.decode.worker_id,
                                  "pdserve.predicted_ttft_s": float(pair.ttft_s or 0.0)})

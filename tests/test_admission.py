@@ -221,6 +221,33 @@ def test_room_is_held_on_one_decode_worker_only(targets, hold_at_once):
     asyncio.run(scenario())
 
 
+def test_a_retry_after_a_refused_reservation_keeps_its_place_in_the_room_line(hold_at_once):
+    """Found by a probe: a request admitted once whose reservation the decode worker refused for
+    room retried under a new attempt id and joined the room line at the back, behind requests
+    that came after it. Its retry lines up where its arrival puts it, and holds the room first."""
+    import time
+
+    async def scenario():
+        admission = cluster(free_blocks=20)
+        decode = admission.registry.decode[0]
+        arrived = time.perf_counter()
+        await asyncio.sleep(0.01)
+        later = asyncio.create_task(admission.acquire(named(spec(prompt=400), "later")))   # 25 blocks: waits
+        await asyncio.sleep(0.05)
+        retry = asyncio.create_task(admission.acquire(named(spec(prompt=400), "first.r1"), line_since=arrived))
+        await asyncio.sleep(0.05)
+        assert list(admission._room_line) == ["first.r1", "later"]
+        decode.observe_stats(stats("d0", "decode", decode_steps(), free=30, running=1))   # room for one
+        admission.notify(decode)
+        await asyncio.wait_for(retry, 1.0)
+        assert not later.done() and list(admission._room_line) == ["later"]
+        later.cancel()
+        await asyncio.gather(later, return_exceptions=True)
+        assert not admission._room_line and admission.num_queued == 0
+
+    asyncio.run(scenario())
+
+
 def test_room_is_held_only_once_the_first_request_has_waited_a_while(monkeypatch):
     """A short wait is bin packing (a later, smaller request takes room the first one cannot
     use yet); past ``HOLD_AFTER_S`` it is held (a probe measured 20-30% less throughput of small
