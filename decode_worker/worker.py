@@ -80,12 +80,14 @@ class DecodeWorker(WorkerBase):
         if spec.req_id in self._handles:   # a retried call: the reservation it made stands
             return self._handles[spec.req_id]
         self._refuse_if_ended(spec.req_id)
+        # Before any block is reserved: a transport that cannot take KV now (not in a KV group,
+        # say) refuses with nothing to free.
+        locator = self._receiver(transport).locator(self.engine.cache)
         block_ids, num_cached = await self.call(lambda e: e.reserve_prefix(spec))
         # An abort that ran meanwhile found no reservation; its engine abort, queued after
         # reserve_prefix on the loop, frees these blocks.
         self._refuse_if_ended(spec.req_id)
         self._spans.remember(spec.req_id, spec.traceparent)
-        locator = self._receiver(transport).locator(self.engine.cache)
         handle = self._handles[spec.req_id] = KVBlocksHandle(
             req_id=spec.req_id,
             src_block_ids=(),

@@ -444,6 +444,31 @@ def test_joining_again_waits_for_transfers_in_flight_and_refuses_new_ones():
     assert not dist.is_initialized()
 
 
+def test_a_reservation_for_torch_dist_outside_a_group_is_refused_before_any_block_is_held():
+    """A decode worker not in a KV group (it is being formed again) refuses a torch_dist
+    reservation: it said so only after reserving the prompt's blocks, which nothing freed."""
+    import asyncio
+
+    from decode_worker.worker import DecodeWorker
+    from engine.config import EngineConfig
+    from engine.types import RequestSpec, SamplingParams
+    from engine.worker_base import WorkerSpec
+
+    async def scenario():
+        worker = DecodeWorker(WorkerSpec("decode-t", random_model={"seed": 0}, engine=EngineConfig(num_kv_blocks=32)))
+        worker.start()
+        try:
+            spec = RequestSpec("r", tuple(range(1, 40)), SamplingParams(max_tokens=4))
+            with pytest.raises(KVTransferError, match="not in a KV group"):
+                await worker.reserve(spec, "torch_dist")
+            return await worker.leak_report()
+        finally:
+            worker.shutdown()
+
+    report = asyncio.run(scenario())
+    assert report["requests"] == 0 and report["free_blocks"] == report["total_blocks"]
+
+
 # ---- CUDA IPC (hardware-gated) ----------------------------------------------------------------
 
 def _cuda_ipc_sender(handle: KVBlocksHandle, src: torch.Tensor) -> None:
