@@ -201,6 +201,8 @@ class Cluster:
         infos = await self._start_workers(model_dir)
         await self.kv_group.form_if_needed()
         self.metrics = RouterMetrics(mode=cfg.mode, kv_transport=cfg.kv_transport or "auto")
+        if self.kv_group.wanted:
+            self.metrics.kv_group(lambda: self.registry.dist_ready)
         if cfg.metrics_port is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.metrics_host)
         limits = cfg.defaults.get("limits") or ServerLimits()

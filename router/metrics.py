@@ -43,6 +43,8 @@ Metrics (every name starts with ``pdserve_``):
     router_queued_requests                       -
     goodput_requests_per_second                  -           (last ``window_s``, default 60 s)
     slo_attainment_ratio                         -           (same window; NaN when empty)
+    kv_group_up                                  -           (1 while the torch.distributed KV group
+                                                              is formed; only where the cluster has one)
 
 Conventions: Prometheus base units (seconds, bytes, ratios in 0-1), counters end in ``_total``
 (prometheus-client appends it), ``worker_*`` gauges carry ``{worker, role}``, and labels stay
@@ -408,6 +410,12 @@ class RouterMetrics:
         self.worker_stalls.labels(worker_id, role)
         if restarted:
             restarts.inc()
+
+    def kv_group(self, is_up: Callable[[], bool]) -> None:
+        """Export whether the cluster's torch.distributed KV group is formed (read at scrape time)."""
+        up = Gauge("pdserve_kv_group_up", "1 while the torch.distributed KV group is formed; 0 from a "
+                   "member's loss until it is formed again.", registry=self.registry)
+        up.set_function(lambda: 1.0 if is_up() else 0.0)
 
     def worker_stalled(self, worker_id: str, role: str) -> None:
         self.worker_stalls.labels(worker_id, role).inc()

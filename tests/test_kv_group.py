@@ -11,6 +11,7 @@ import pytest
 
 from router import kv_group
 from router.kv_group import KVGroup
+from router.metrics import RouterMetrics
 from router.registry import WorkerHandle, WorkerRegistry
 
 
@@ -72,11 +73,16 @@ def test_formed_at_start_when_a_pair_uses_it_with_rank_0s_address():
 def test_formed_again_once_the_lost_members_replacement_is_up():
     registry, group, calls = _cluster()
     decode = registry.get("decode-0")
+    metrics = RouterMetrics()
+    metrics.kv_group(lambda: registry.dist_ready)
+    gauge = []
 
     async def scenario():
         await group.form_if_needed()
+        gauge.append(metrics.registry.get_sample_value("pdserve_kv_group_up"))
         decode.mark_down(0)
         registry.lose_kv_group()
+        gauge.append(metrics.registry.get_sample_value("pdserve_kv_group_up"))
         assert registry.transport(*registry.all) == "shm"
         group.member_ready(registry.get("prefill-0"))   # another member's news: the lost one is still down
         await asyncio.sleep(0.05)
@@ -87,6 +93,7 @@ def test_formed_again_once_the_lost_members_replacement_is_up():
 
     asyncio.run(scenario())
     assert registry.dist_ready and group.num_formed == 2
+    assert gauge + [metrics.registry.get_sample_value("pdserve_kv_group_up")] == [1.0, 0.0, 1.0]
     assert registry.transport(*registry.all) == "torch_dist", "forced before the loss: forced again"
     assert _joins(calls)[-2:] == [("tcp://p0:1", 2, 0), ("tcp://p0:1", 2, 1)]
     assert ("d0b.join", ("tcp://p0:1", 2, 1)) in calls

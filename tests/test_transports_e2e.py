@@ -86,6 +86,10 @@ def _torch_dist_handoffs(cluster) -> float:
         "pdserve_kv_transfer_bytes_count", {"transport": "torch_dist"}) or 0.0
 
 
+def _group_gauge(cluster) -> float | None:
+    return cluster.cluster.metrics.registry.get_sample_value("pdserve_kv_group_up")
+
+
 def _wait_for_group(registry, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not registry.dist_ready:
@@ -117,7 +121,7 @@ def test_a_dead_member_of_the_kv_group_is_replaced_and_the_group_formed_again(cl
         assert last.timings.migrations == 1
     _wait_for_group(registry)
     assert victim.restarts == restarts + 1 and victim.alive
-    assert cluster.cluster.kv_group.num_formed == formed + 1
+    assert cluster.cluster.kv_group.num_formed == formed + 1 and _group_gauge(cluster) == 1.0
     assert registry.transport(registry.prefill[0], registry.decode[0]) == "torch_dist"
     moved = _torch_dist_handoffs(cluster)
     with PdserveClient(address(cluster)) as client:
