@@ -75,8 +75,15 @@ class KVGroup:
         members = self.registry.all
         generations = [w.generation for w in members]
         address = await call(members[0], "kv_group_address", generation=generations[0])
-        await asyncio.gather(*(call(w, "join_kv_group", address, len(members), rank, generation=gen)
-                               for rank, (w, gen) in enumerate(zip(members, generations))))
+        # Every join is awaited to its end, failed or not: a member still waiting out a rendezvous
+        # that another never reached takes the next forming's join only after it (found by a
+        # probe: joins left running piled up behind each other, and no forming met again).
+        joined = await asyncio.gather(*(call(w, "join_kv_group", address, len(members), rank, generation=gen)
+                                        for rank, (w, gen) in enumerate(zip(members, generations))),
+                                      return_exceptions=True)
+        failed = next((result for result in joined if isinstance(result, BaseException)), None)
+        if failed is not None:
+            raise failed
         if any(not w.alive or w.generation != gen for w, gen in zip(members, generations)):
             raise RuntimeError("a member was lost while the group formed")
         self.num_formed += 1

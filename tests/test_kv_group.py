@@ -155,3 +155,38 @@ def test_stop_ends_a_forming_in_progress(monkeypatch):
 
     asyncio.run(scenario())
     assert not registry.dist_ready
+
+
+def test_a_forming_ends_only_when_every_members_join_has_ended(monkeypatch):
+    """Found by a probe: a member whose join failed at once ended the forming while another still
+    waited out the rendezvous; the next forming's join queued behind it, and so on: the group
+    was never formed again. Each forming now waits for every join, so they never overlap."""
+    monkeypatch.setattr(kv_group, "FIRST_REFORM_BACKOFF_S", 0.01)
+    registry, group, calls = _cluster()
+    prefill = registry.get("prefill-0")
+    spans: list[tuple[float, float]] = []
+
+    class _SlowJoin:
+        """The rendezvous a member that never joined leaves the other waiting out."""
+
+        def remote(self, *args):
+            calls.append(("p0.join", args))
+
+            async def answer():
+                loop = asyncio.get_running_loop()
+                start = loop.time()
+                await asyncio.sleep(0.2)
+                spans.append((start, loop.time()))
+            return answer()
+
+    async def scenario():
+        await group.form_if_needed()
+        registry.lose_kv_group()
+        prefill.actor.join_kv_group = _SlowJoin()
+        registry.get("decode-0").actor.fail_joins = 1
+        group.member_ready(registry.get("decode-0"))
+        await asyncio.wait_for(group._reforming, 5)
+
+    asyncio.run(scenario())
+    assert registry.dist_ready and group.num_formed == 2 and len(spans) == 2
+    assert spans[1][0] >= spans[0][1], "the second forming's join overlapped the first's"
