@@ -52,6 +52,7 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from engine.dtypes import torch_dtype
 from engine.errors import KVTransferError
@@ -116,10 +117,14 @@ class _Membership:
                 raise KVTransferError(f"{self._active} KV transfers still in flight after {drain_s:.0f} s: "
                                       "the group is not joined again")
             self._leave()
-            dist.init_process_group(
-                backend, init_method=init_method, world_size=world_size, rank=rank,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
+            try:
+                dist.init_process_group(
+                    backend, init_method=init_method, world_size=world_size, rank=rank,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+            except BaseException:
+                _forget_failed_group()
+                raise
         finally:
             with self._changed:
                 self._joining = False
@@ -133,6 +138,16 @@ class _Membership:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.generation += 1
+
+
+def _forget_failed_group() -> None:
+    """After a failed ``init_process_group``: torch counted the group it did not make (the
+    default group's name, hence its store keys, is that count) and nothing resets the count
+    but a ``destroy_process_group`` of a group that exists. A member whose join failed would
+    look for another group's keys at every later join than a fresh process (its replacement)
+    does, and never meet it (found by a probe). Reset as ``destroy_process_group`` does."""
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 _membership = _Membership()

@@ -444,6 +444,55 @@ def test_joining_again_waits_for_transfers_in_flight_and_refuses_new_ones():
     assert not dist.is_initialized()
 
 
+def _fresh_member(address: str, out) -> None:
+    """A replacement's first join (rank 1), then one tensor to rank 0."""
+    import torch.distributed as dist
+
+    from kvtransfer import torch_dist
+
+    torch.set_num_threads(1)
+    try:
+        torch_dist.init_kv_group(address, 2, 1, timeout_s=20.0)
+        dist.send(torch.arange(4.0), 0)
+        out.put("ok")
+    except Exception as exc:   # noqa: BLE001 - reported to the test, which fails naming it
+        out.put(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    finally:
+        torch_dist.destroy_kv_group()
+
+
+def test_a_member_whose_join_failed_meets_a_fresh_process_at_the_next_join():
+    """Found by a probe: a member whose join failed (its peer died during the rendezvous) kept
+    torch's count of the group it did not make, so at every later join it waited for other store
+    keys than its fresh replacement peer wrote, and the group was never formed again."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from kvtransfer import torch_dist
+    from kvtransfer.rendezvous import rendezvous_address
+
+    with pytest.raises(Exception):   # noqa: B017 - torch's own timeout error: no peer ever comes
+        torch_dist.init_kv_group(rendezvous_address(), 2, 0, timeout_s=1.0)
+    assert not dist.is_initialized()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    address = rendezvous_address()
+    child = ctx.Process(target=_fresh_member, args=(address, out))
+    child.start()
+    try:
+        torch_dist.init_kv_group(address, 2, 0, timeout_s=20.0)
+        got = torch.zeros(4)
+        dist.recv(got, 1)
+        assert torch.equal(got, torch.arange(4.0))
+        assert out.get(timeout=20) == "ok"
+    finally:
+        torch_dist.destroy_kv_group()
+        child.join(20)
+        if child.is_alive():
+            child.kill()
+
+
 def test_a_reservation_for_torch_dist_outside_a_group_is_refused_before_any_block_is_held():
     """A decode worker not in a KV group (it is being formed again) refuses a torch_dist
     reservation: it said so only after reserving the prompt's blocks, which nothing freed."""
