@@ -17,6 +17,12 @@ import pytest
 
 # Tests decide Ray's auth explicitly: local test clusters run without token auth.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Each test module starts its own Ray from this process, which by then runs gRPC threads (earlier
+# modules' servers and channels): Ray forks its GCS and raylet, and gRPC's fork handlers run in
+# that fork ("Other threads are currently calling into gRPC, skipping fork() handlers"). Nothing
+# here uses gRPC in a forked child (every child execs), so they are switched off (read when grpc
+# is first imported). CI saw a module's Ray start time out now and then, its GCS silent.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
