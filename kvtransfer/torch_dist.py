@@ -102,9 +102,12 @@ class _Membership:
                 self._changed.notify_all()
 
     def rank(self) -> int:
-        if not dist.is_initialized():
-            raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
-        return dist.get_rank()
+        """This process's rank in the current group, for a transfer about to start (refused while
+        the group changes: binding a hand-off first means no receiver is left waiting for it)."""
+        with self._changed:
+            if self._joining or not dist.is_initialized():
+                raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
+            return dist.get_rank()
 
     def join(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
              drain_s: float) -> None:

@@ -422,6 +422,8 @@ def test_joining_again_waits_for_transfers_in_flight_and_refuses_new_ones():
         with pytest.raises(KVTransferError, match="not in a KV group"):
             with membership.transfer():
                 pass
+        with pytest.raises(KVTransferError, match="not in a KV group"):   # nor is a hand-off bound
+            membership.rank()
         done.set()
         holder.join(5)
         joiner.join(10)
