@@ -5,7 +5,8 @@ Life cycle: ``Cluster.start()`` joins Ray (an embedded local instance by default
 group (PACK: KV moves within a node where possible) with the cores divided among them
 (``torch.set_num_threads`` per worker) and, when the engines run on "cuda", the GPUs too
 (fractions when workers outnumber GPUs: a pair on one GPU moves KV by CUDA IPC), joins
-them into a torch.distributed group when a pair needs it (across nodes or GPUs), then starts
+them into a torch.distributed group when a pair needs it (across nodes or GPUs: ``router/kv_group.py``,
+which forms it again after a member's replacement), then starts
 the router's gRPC server and, when ``http_port`` is set, the OpenAI-compatible HTTP API in the
 same event loop (``router/openai_api``). While it serves, the router's ``Supervisor`` replaces a worker whose
 actor dies: ``_spawn`` activates a warm spare (``deploy/standby.py``) or starts a fresh actor
