@@ -34,24 +34,37 @@ def _reference(hf_reference, prompt: tuple[int, ...], n: int) -> tuple[list[floa
     return chosen, ids.tolist(), values.tolist()
 
 
-def _ranks(hf_reference, prompt) -> list[int]:
-    """vLLM's rank: 1 + how many tokens the model finds more likely at that position."""
+TIE_EPS = 1e-5   # logprobs closer than this are a tie: batched and HF's float32 sums differ by ~1e-6
+
+
+def _rank_bounds(hf_reference, prompt) -> list[tuple[int, int]]:
+    """vLLM's rank (1 + how many tokens the model finds more likely at that position), as the
+    range HF's logprobs allow: a token within ``TIE_EPS`` of the prompt's own may fall on either
+    side of it (a clean-clone CI run saw 78 vs 79 at one position of a 250-token prompt)."""
     with torch.no_grad():
         lp = torch.log_softmax(hf_reference(torch.tensor([list(prompt)])).logits[0].float(), dim=-1)
-    return [int((lp[p] > lp[p, prompt[p + 1]]).sum()) + 1 for p in range(len(prompt) - 1)]
+    own = [lp[p, prompt[p + 1]] for p in range(len(prompt) - 1)]
+    return [(int((lp[p] > own[p] + TIE_EPS).sum()) + 1, int((lp[p] > own[p] - TIE_EPS).sum()) + 1)
+            for p in range(len(prompt) - 1)]
 
 
 def _assert_matches(got: PromptLogprobs, hf_reference, prompt, n: int) -> None:
     chosen, ids, values = _reference(hf_reference, prompt, n)
     assert tuple(got.token_ids) == tuple(prompt)
     assert got.logprobs == pytest.approx(chosen, abs=1e-4)
-    assert list(got.ranks) == _ranks(hf_reference, prompt)
+    bounds = _rank_bounds(hf_reference, prompt)
+    assert len(got.ranks) == len(bounds)
+    assert all(low <= rank <= high for rank, (low, high) in zip(got.ranks, bounds)), (list(got.ranks), bounds)
     if not n:
         assert got.top == ()
         return
     assert len(got.top) == len(prompt) - 1
-    for top, want_ids, want_values in zip(got.top, ids, values):
-        assert [t for t, _ in top] == want_ids
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_reference(torch.tensor([list(prompt)])).logits[0].float(), dim=-1)
+    for p, (top, want_ids, want_values) in enumerate(zip(got.top, ids, values)):
+        # HF's token at each place, or one HF finds as likely (a tie within TIE_EPS)
+        assert all(t == want or abs(float(lp[p, t]) - value) <= TIE_EPS
+                   for (t, _), want, value in zip(top, want_ids, want_values)), (top, want_ids)
         assert [v for _, v in top] == pytest.approx(want_values, abs=1e-4)
 
 
