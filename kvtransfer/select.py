@@ -59,7 +59,9 @@ def choose_transport(
     the same. GPU names must identify physical GPUs (a UUID or the physical index), because
     Ray gives every actor its own CUDA_VISIBLE_DEVICES and each sees its GPU as cuda:0.
 
-    - forced: that one (it must be registered);
+    - forced: that one (it must be registered); a forced "torch_dist" while the process group
+      is down (``dist_ready`` false: a member was lost, it is being formed again) gives way to
+      what the placement allows meanwhile;
     - same node, both CPU: "shm";
     - same node, same GPU: "cuda_ipc";
     - otherwise, both CPU or both GPU: "torch_dist" (gloo or NCCL) when the process group is
@@ -69,7 +71,8 @@ def choose_transport(
     if forced is not None:
         if forced not in TRANSPORTS:  # checked by name: importing the backend would pull in torch
             raise KVTransferError(f"unknown KV transport {forced!r}; known: {sorted(TRANSPORTS)}")
-        return forced
+        if forced != "torch_dist" or dist_ready:
+            return forced
     decode_device = device if decode_device is None else decode_device
     same_node = prefill_node_id == decode_node_id
     kinds = {_kind(device), _kind(decode_device)}

@@ -345,12 +345,10 @@ class PrefillWorker(WorkerBase):
         if sender.rendezvous:  # the receiver must be inside receive() while we send
             async with self._transfer_locks.setdefault(decode.peer_id, asyncio.Lock()):  # FIFO per pair
                 _check_lease(handle)   # after the wait for the lock: the write starts now
-                commit = asyncio.ensure_future(decode.commit(done.req_id, done.first_token_id, bound))
-                try:
-                    sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
-                except BaseException:   # the receive fails too, for the same reason: the send's error is the one told
-                    commit.add_done_callback(_consume)
-                    raise
+                # Read even when the send fails (the receive then fails for the same reason, and the
+                # send's error is the one told): asyncio must not log it as never retrieved.
+                commit = _resolving(decode.commit(done.req_id, done.first_token_id, bound))
+                sent = await asyncio.to_thread(sender.send, self.engine.cache, bound, timeout_s=TRANSFER_TIMEOUT_S)
             await commit
         else:
             _check_lease(handle)
@@ -396,12 +394,6 @@ def _resolving(awaitable) -> asyncio.Task:
     task = asyncio.ensure_future(awaitable)
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return task
-
-
-def _consume(future: asyncio.Future) -> None:
-    """Retrieve a future's outcome nobody awaits (asyncio logs an unretrieved exception)."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _check_lease(handle: KVBlocksHandle) -> None:

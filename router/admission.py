@@ -339,7 +339,9 @@ class Admission:
             if roomiest is None:
                 return
             held = self._room_line.get(req_id)
-            since = held.since if held is not None else (line_since or time.perf_counter())
+            since = held.since if held is not None else line_since
+            if since is None:
+                since = time.perf_counter()
             self._room_line[req_id] = RoomHold(roomiest.worker_id, decision.room_tokens, since)
             if held is None and line_since is not None:
                 self._room_line = dict(sorted(self._room_line.items(), key=lambda item: item[1].since))

@@ -48,7 +48,7 @@ class KVGroup:
 
     def member_ready(self, worker: WorkerHandle) -> None:
         """``worker`` is up again (a replacement): form the group again if it is down."""
-        if not self.wanted or worker.role == "colocated" or self.registry.dist_ready:
+        if not self.wanted or self.registry.dist_ready:
             return
         if self._reforming is None or self._reforming.done():
             self._reforming = asyncio.get_running_loop().create_task(self._reform(), name="kv-group-reform")

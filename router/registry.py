@@ -215,7 +215,6 @@ class WorkerRegistry:
     decode: list[WorkerHandle] = field(default_factory=list)
     forced_transport: str | None = None
     dist_ready: bool = False      # the torch.distributed group is up
-    dist_forced: bool = False     # torch_dist was forced for every pair: forced again when the group is back
     _transports: dict[tuple[str, str], str] = field(default_factory=dict)
     _failures: dict[tuple[str, str], int] = field(default_factory=dict)   # consecutive failed hand-offs
 
@@ -242,10 +241,8 @@ class WorkerRegistry:
 
     def kv_group_up(self) -> None:
         """The torch.distributed group is formed (at start, or again after a loss): pairs use it
-        where it is the best transport (or everywhere, when it was forced)."""
+        where it is the best transport (or everywhere, when it is forced)."""
         self.dist_ready = True
-        if self.dist_forced:
-            self.forced_transport, self.dist_forced = "torch_dist", False
         self._transports.clear()
         self._failures.clear()
 
@@ -253,10 +250,8 @@ class WorkerRegistry:
         """A member of the torch.distributed group died, which breaks the group for everyone:
         route pairs around it (shm on one node, the object store across nodes) until it is
         formed again, once the lost member's replacement is up (router/kv_group.py)."""
-        if self.dist_ready or self.forced_transport == "torch_dist":
+        if self.dist_ready:   # a forced torch_dist gives way meanwhile (choose_transport)
             self.dist_ready = False
-            if self.forced_transport == "torch_dist":
-                self.forced_transport, self.dist_forced = None, True
             self._transports.clear()
             logger.warning("the torch.distributed KV group lost a member: KV moves over shm on one node and "
                            "the object store across nodes until the group is formed again")
@@ -288,7 +283,7 @@ class WorkerRegistry:
 
     def force_transport(self, name: str | None) -> None:
         """Use ``name`` for every pair from now on (None: choose from placement again)."""
-        self.forced_transport, self.dist_forced = name, False
+        self.forced_transport = name
         self._transports.clear()
 
     def get(self, worker_id: str) -> WorkerHandle | None:

@@ -188,6 +188,11 @@ def test_a_send_into_an_unlinked_pool_is_the_decode_worker_lost_not_a_failed_tra
     (("n1", "n2", "cuda:0"), {}, "torch_dist"),
     (("n1", "n1", "cuda:0"), {"decode_device": "cpu"}, "object_store"),
     (("n1", "n1", "cpu", "object_store"), {}, "object_store"),
+    (("n1", "n1", "cpu", "torch_dist"), {}, "torch_dist"),
+    # a forced torch_dist while its group is down (being formed again): what placement allows
+    (("n1", "n1", "cpu", "torch_dist"), {"dist_ready": False}, "shm"),
+    (("n1", "n2", "cpu", "torch_dist"), {"dist_ready": False}, "object_store"),
+    (("n1", "n1", "cpu", "shm"), {"dist_ready": False}, "shm"),
 ])
 def test_choose_transport(args, kwargs, expected):
     assert choose_transport(*args, **kwargs) == expected
