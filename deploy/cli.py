@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import enum
+import faulthandler
 import logging
 import os
 import signal
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":   # a native crash of the router names its Python stack (Ray's C++ handler is off here: deploy.ray_init)
+        faulthandler.enable()
     try:
         return args.run(args)
     except KeyboardInterrupt:  # Ctrl-C before serve's own handlers are in place (imports)

@@ -24,8 +24,10 @@ and the caller ends the process with ``os._exit`` once its own cleanup is done (
 SIGTERM: ``ray.init`` installs a SIGTERM handler that calls ``sys.exit(15)`` wherever the main
 thread happens to be, first thing, for the whole start (seconds); the caller's handler
 (``pdserve serve``: a graceful stop, or a cancelled start exiting 143) stays in place instead:
-Ray's installer is a no-op for the call. The driver's C++ core worker also installs a
-failure-signal handler for SIGTERM as it connects; the caller's is installed again after the call.
+Ray's installer is a no-op for the call. The driver's C++ core worker would also install absl's
+failure-signal handler (SIGTERM included) as it connects: it is switched off for the driver (a
+SIGTERM then aborted the process), and the caller's handler is installed again after the call in
+any case.
 """
 
 from __future__ import annotations
@@ -160,12 +162,19 @@ def _keep_sigterm_handler() -> Iterator[None]:
     previous = signal.getsignal(signal.SIGTERM)
     install = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = lambda handler: None   # a SIGTERM mid-init reaches the caller's handler
+    # The driver's core worker installs absl's failure-signal handler (SIGTERM included) as it
+    # connects, read from this constant at that moment: a SIGTERM in the second or so before the
+    # handler below is put back printed a C++ stack and aborted the process (SIGABRT, the start's
+    # Ray processes left running; found by a probe). The driver's own crashes keep Python's
+    # faulthandler; the workers, other processes, keep Ray's handler.
+    disable_failure_handler = ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     try:
         yield
     finally:
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = disable_failure_handler
         ray_utils.set_sigterm_handler = install
         if previous is not None:   # None: set outside Python, nothing of ours to restore
-            # Always: the core worker's C++ failure-signal handler took SIGTERM over at the OS
-            # level (invisible to signal.getsignal); left there, it prints a stack on every
-            # SIGTERM and the process later dies of SIGABRT.
+            # Always: a C++ handler that took SIGTERM over at the OS level is invisible to
+            # signal.getsignal; left there, it prints a stack on every SIGTERM and aborts.
             signal.signal(signal.SIGTERM, previous)

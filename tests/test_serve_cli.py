@@ -5,7 +5,8 @@ garbage collection before it serves; SIGTERM stops it gracefully
 ones get UNAVAILABLE and health says NOT_SERVING, and a second signal ends the drain at once
 (the request it cuts gets UNAVAILABLE naming the shutdown); a SIGTERM or SIGINT to the whole
 process group (Ray's processes included) stops it in seconds too;
-SIGINT or SIGTERM during start-up stops the start (exit 130 / 143); a worker that cannot be built
+SIGINT or SIGTERM during start-up stops the start (exit 130 / 143), a group SIGTERM as the driver
+connects does not abort it; a worker that cannot be built
 (a KV pool past the machine's memory) ends the start with one line naming the worker and the cause
 as the last thing printed (exit 1, nothing left); the embedded Ray listens on loopback only.
 
@@ -206,6 +207,22 @@ def test_signal_during_start_up_stops_the_start(runs, sig):
     run = runs()
     run.wait_for("Started a local Ray instance", START_TIMEOUT_S)  # ~2 s in: Ray up, workers not yet
     assert_start_stopped_by(run, sig)
+
+
+def test_a_group_sigterm_as_the_driver_connects_does_not_abort(runs):
+    """Found by a probe: a SIGTERM to the whole process group in the second after Ray's start
+    (the driver's core worker connecting) met Ray's C++ failure-signal handler: a stack printed,
+    then SIGABRT. Now the start ends by the signal (143) or, when the raylet it was registering
+    with died of it first, by Ray's own exit 1 with one line; nothing is left either way."""
+    run = runs()
+    run.wait_for("Started a local Ray instance", START_TIMEOUT_S)
+    time.sleep(0.3)
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    code = run.exit_code(STOP_BOUND_S)
+    assert code in (1, 128 + signal.SIGTERM), (code, run.text)
+    assert "SIGTERM received" not in run.text, run.text
+    assert run.session_gone(45), [p.name() for p in run.session]
+    assert not orphaned(run.pools_before)
 
 
 def test_sigint_while_workers_start_tears_them_down(runs):
