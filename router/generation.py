@@ -49,9 +49,14 @@ TOKENIZER_THREADS = 2       # HF fast tokenizers release the GIL: two prompts to
 
 @dataclass(frozen=True, slots=True)
 class MalformedRequest:
-    """A GenerateRequest that did not parse (e.g. invalid UTF-8 in a string field)."""
+    """A request message that did not parse (e.g. invalid UTF-8 in a string field)."""
 
     error: str
+
+    def refusal(self, message_type: str) -> InvalidRequestError:
+        # protobuf's own reason ("String field had bad UTF-8", "Wire format was corrupt"),
+        # without its "Error parsing message with type ...:" preamble
+        return InvalidRequestError("request", f"not a valid {message_type}: {self.error.rsplit(': ', 1)[-1]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +95,7 @@ class GenerationCore:
     def claim(self, request: pb.GenerateRequest | MalformedRequest) -> RequestIdentity:
         """Cheap checks, before any tokenizer runs: the message parsed, its sizes, its label."""
         if isinstance(request, MalformedRequest):
-            # protobuf's own reason ("String field had bad UTF-8", "Wire format was corrupt"),
-            # without its "Error parsing message with type ...:" preamble
-            raise InvalidRequestError("request", f"not a valid GenerateRequest: {request.error.rsplit(': ', 1)[-1]}")
+            raise request.refusal("GenerateRequest")
         request_limits.check_request(request, self.limits)
         try:
             return self.live.claim(convert.label_from_proto(request))

@@ -149,8 +149,10 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         await context.abort(*self.core.failure(exc, identity), trailing_metadata=pushback)
 
     # ---- ServerInfo -------------------------------------------------------------------------
-    async def ServerInfo(self, request: pb.ServerInfoRequest, context) -> pb.ServerInfoResponse:
+    async def ServerInfo(self, request: pb.ServerInfoRequest | MalformedRequest, context) -> pb.ServerInfoResponse:
         try:
+            if isinstance(request, MalformedRequest):   # INVALID_ARGUMENT, as Generate answers it (not UNKNOWN)
+                raise request.refusal("ServerInfoRequest")
             statuses = await self._fresh_statuses()
             return convert.server_info_to_proto(
                 self.core.defaults, model=self.info.model, block_size=self.info.block_size, mode=self.info.mode,
@@ -224,7 +226,7 @@ def _add_servicer(servicer: PdserveServicer, server: grpc.aio.Server) -> None:
             servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest.FromString),
             response_serializer=pb.GenerateResponse.SerializeToString),
         "ServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.ServerInfo, request_deserializer=pb.ServerInfoRequest.FromString,
+            servicer.ServerInfo, request_deserializer=_lenient(pb.ServerInfoRequest.FromString),
             response_serializer=pb.ServerInfoResponse.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Pdserve"].full_name

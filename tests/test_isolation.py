@@ -146,6 +146,17 @@ def test_malformed_bytes_on_the_wire_are_invalid_argument(cluster, payload, reas
     assert cluster_leaks(cluster) == {}
 
 
+def test_malformed_server_info_bytes_are_invalid_argument(cluster):
+    """Found by a probe: ServerInfo answered UNKNOWN with Python's exception text."""
+    with grpc.insecure_channel(address(cluster)) as channel:
+        call = channel.unary_unary("/pdserve.v1.Pdserve/ServerInfo", request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff", timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details() == "request: not a valid ServerInfoRequest: Wire format was corrupt"
+
+
 def test_delta_queue_merges_and_overflows():
     async def scenario():
         queue = DeltaQueue(max_pending_tokens=6)

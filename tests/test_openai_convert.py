@@ -35,7 +35,7 @@ def test_chat_body_becomes_the_generate_request_grpc_would_send():
         "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 4, "stop": "x",
         "logprobs": True, "top_logprobs": 3, "user": "ignored", "top_k": 5, "ignore_eos": True, "ttft_ms": 100})
     msg = chat_request(req, "label-1")
-    assert msg.request_id == "label-1" and msg.chat.messages[0].content == "ab"
+    assert msg.request_id == "label-1" and msg.chat.messages[0].content == "a\nb"   # vLLM joins text parts by lines
     s = msg.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop), s.logprobs, s.top_logprobs, s.top_k,
             s.ignore_eos) == (7, 0.5, 0.9, 4, ["x"], True, 3, 5, True)

@@ -147,7 +147,8 @@ class _Api:
         req, label = await self._parse(request, CompletionRequest)
         msgs = self._checked(completion_requests, req, label)
         # Decoding a batch of token-id prompts is tokenizer work: off the event loop that streams.
-        echoes = await self.core.on_tokenizer_pool(echo_texts, req, self.core.tokenizer) if req.echo \
+        echoes = await self._as_client_error(self.core.on_tokenizer_pool(
+            echo_texts, req, self.core.tokenizer, self.core.defaults.vocab_size), chat=False) if req.echo \
             else [None] * len(msgs)
         return self._response(msgs, echoes, req, label, chat=False, logprobs=req.logprobs is not None)
 

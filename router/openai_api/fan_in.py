@@ -26,11 +26,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from engine.errors import InvalidRequestError
 from engine.types import RequestSpec
 from protos import pdserve_pb2 as pb
 from router.delta_queue import SLOW_READER
 from router.generation import GenerationCore, GenerationEvent
 from router.identity import RequestIdentity
+from router.openai_api.requests import in_batch
 
 SEED_RANGE = 2**63   # seed + i kept an int64; the sampler reads seeds mod 2**63, so it samples as seed + i
 
@@ -49,10 +51,12 @@ def choices(request: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
 
 
 async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], identities: list[RequestIdentity],
-                 door: str) -> AsyncIterator[tuple[int, GenerationEvent]]:
-    """Every choice's events as (index, event); ends when every choice has ended."""
+                 door: str, batch_of: int = 0) -> AsyncIterator[tuple[int, GenerationEvent]]:
+    """Every choice's events as (index, event); ends when every choice has ended. ``batch_of``:
+    the choices per prompt of a completions batch (0: one prompt), for errors that name it."""
     try:
-        specs = await asyncio.gather(*(core.spec(r, identity.req_id) for r, identity in zip(requests, identities)))
+        specs = await asyncio.gather(*(_spec(core, r, identity, index // batch_of if batch_of else None)
+                                       for index, (r, identity) in enumerate(zip(requests, identities))))
     except asyncio.CancelledError:   # the client left while they were tokenized: each an abort, as in ``stream``
         core.left_early(len(requests))
         raise
@@ -76,6 +80,16 @@ async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], ident
         # The pumps' own ends (cancelled or not) are collected; a cancel of the caller itself while it
         # waits here propagates (the pumps are cancelled already and finish on their own).
         await asyncio.gather(*pumps, return_exceptions=True)
+
+
+async def _spec(core: GenerationCore, request: pb.GenerateRequest, identity: RequestIdentity,
+                prompt_index: int | None) -> RequestSpec:
+    try:
+        return await core.spec(request, identity.req_id)
+    except InvalidRequestError as exc:
+        if prompt_index is None:
+            raise
+        raise in_batch(exc, prompt_index) from None
 
 
 async def _pump(core: GenerationCore, index: int, request: pb.GenerateRequest, identity: RequestIdentity,

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from engine.errors import InvalidRequestError
 from engine.types import SamplingParams
+from engine.validation import check_token_ids
 from protos import pdserve_pb2 as pb
 from router.openai_api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeRequest
 from router.openai_api.tool_calls import ToolPlan
@@ -190,7 +191,7 @@ def _message(m: ChatMessage, i: int) -> pb.ChatMessage:
         for j, part in enumerate(content):
             _refuse(part.type == "text" and part.text is not None, f"messages[{i}].content[{j}]",
                     f"only text content parts are supported, got {part.type!r}")
-        content = "".join(part.text for part in content)
+        content = "\n".join(part.text for part in content)   # vLLM's rendering of text parts (one string, a line each)
     out = pb.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=content or "",
                          tool_call_id=m.tool_call_id or "", name=m.name or "")
     if m.tool_calls:
@@ -241,12 +242,28 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
     return [prompt]
 
 
-def echo_texts(req: CompletionRequest, tokenizer) -> list[str]:
+def echo_texts(req: CompletionRequest, tokenizer, vocab_size: int) -> list[str]:
     """What ``echo`` puts before each prompt's completions: the prompt as sent, token ids decoded
-    (tokenizer work: the caller runs it on the tokenizer pool)."""
-    return [prompt if isinstance(prompt, str) else
-            tokenizer.decode(list(prompt), skip_special_tokens=False) if tokenizer is not None else ""
-            for prompt in prompts_of(req)]
+    (tokenizer work: the caller runs it on the tokenizer pool). The ids are checked first, as
+    the generation would check them: a tokenizer cannot decode an id past 32 bits (found by a
+    probe: a 500 where the same body without echo got its 400)."""
+    prompts = prompts_of(req)
+    texts = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            texts.append(prompt)
+            continue
+        try:
+            check_token_ids(prompt, vocab_size, "prompt")
+        except InvalidRequestError as exc:
+            raise in_batch(exc, index) if len(prompts) > 1 else exc from None
+        texts.append(tokenizer.decode(list(prompt), skip_special_tokens=False) if tokenizer is not None else "")
+    return texts
+
+
+def in_batch(exc: InvalidRequestError, index: int) -> InvalidRequestError:
+    """A batch prompt's error, naming which prompt of the batch it is."""
+    return InvalidRequestError(exc.field, f"the batch's prompt {index}: {exc.message}")
 
 
 def _common(req, label: str | None) -> pb.GenerateRequest:

@@ -101,7 +101,8 @@ class GenerationResponse(Response):
             stream = self.core.stream(self.requests[0], identities[0], door="http")
             events = _indexed(stream)
         else:
-            events = stream = merged(self.core, self.requests, identities, door="http")
+            batch_of = self.choices_per_prompt if len(self.requests) > self.choices_per_prompt else 0
+            events = stream = merged(self.core, self.requests, identities, door="http", batch_of=batch_of)
         async with contextlib.aclosing(stream), contextlib.aclosing(events):
             if self.stream:
                 await self._stream(events, send)
