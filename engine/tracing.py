@@ -1,7 +1,11 @@
 """OpenTelemetry tracing shared by the router and both workers (torch-free).
 
 One trace per request: the router's ``request`` span is the root (``tokenize``, ``admission``
-and ``stream`` under it); its W3C ``traceparent`` rides in ``RequestSpec.traceparent`` over the
+and ``stream`` under it), or the child of the client's own span when the client sent a W3C
+trace context (``traceparent`` / ``tracestate`` header or gRPC metadata: ``client_context``);
+it names the client's request id (``label``), the token counts, and, when the request failed
+by the server's fault, the error (status ERROR). The choices of one OpenAI body (n > 1, a
+batch of prompts) are each a ``request`` under one ``choices`` span; its W3C ``traceparent`` rides in ``RequestSpec.traceparent`` over the
 Ray calls, and each worker parents its own spans on it: the prefill worker's ``prefill``
 (``prefill.queue``, ``prefill.compute``, ``kv_handoff`` with bytes, transport and outcome) and
 the decode worker's ``decode`` (KV commit to the request's last token). Each process exports its
@@ -31,6 +35,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -42,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 FLUSH_AT_STOP_S = 3.0   # for spans still batched to reach the collector when tracing is reset
 _PROPAGATOR = TraceContextTextMapPropagator()
+_W3C_FIELDS = frozenset(_PROPAGATOR.fields)   # traceparent, tracestate: a client's header / metadata keys
 _NOOP = trace.NoOpTracer()
 
 
@@ -69,11 +75,40 @@ def enabled() -> bool:
     return _state["provider"] is not None
 
 
-def start(name: str, **attributes) -> trace.Span | None:
-    """A root span (the router's ``request``); None when tracing is off."""
+def client_context(pairs: Iterable[tuple[str, object]]) -> dict[str, str] | None:
+    """The W3C trace context a client sent with its request (HTTP headers, gRPC metadata), for
+    ``start``'s ``parent``; None when tracing is off or it sent none."""
     if not enabled():
         return None
-    return tracer().start_span(name, kind=trace.SpanKind.SERVER, attributes=_attrs(attributes))
+    carrier = {key.lower(): value for key, value in pairs if key.lower() in _W3C_FIELDS and isinstance(value, str)}
+    return carrier or None
+
+
+def start(name: str, parent: Mapping[str, str] | None = None, **attributes) -> trace.Span | None:
+    """A request's span (the router's ``request``): under ``parent``, a W3C trace context (the
+    client's, or the router's own span for the choices of one body), else a root; None when
+    tracing is off. A context that does not parse starts a root, as OpenTelemetry's propagator
+    does."""
+    if not enabled():
+        return None
+    context = _PROPAGATOR.extract(parent) if parent else None
+    return tracer().start_span(name, context=context, kind=trace.SpanKind.SERVER, attributes=_attrs(attributes))
+
+
+def end(span: trace.Span, error: BaseException | None = None, **attributes) -> None:
+    """End ``span`` with ``attributes``; ``error``: the server's fault it ended with (status ERROR,
+    the exception recorded), so trace back ends count it as failed."""
+    span.set_attributes(_attrs(attributes))
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+    span.end()
+
+
+def context_of_span(span: trace.Span | None) -> dict[str, str] | None:
+    """``span`` as a trace context for ``start``'s ``parent``; None without a span."""
+    traceparent = traceparent_of(span) if span is not None else None
+    return {"traceparent": traceparent} if traceparent else None
 
 
 def child(parent: trace.Span | None, name: str):
@@ -175,7 +210,8 @@ def _as_dict(span) -> dict:
     return {"name": span.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
             "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
             "service": span.resource.attributes.get("service.name"), "start_ns": span.start_time,
-            "end_ns": span.end_time, "attributes": dict(span.attributes or {})}
+            "end_ns": span.end_time, "attributes": dict(span.attributes or {}),
+            "status": span.status.status_code.name, "events": [event.name for event in span.events]}
 
 
 class RequestSpans:

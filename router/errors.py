@@ -11,6 +11,7 @@ included, goes to that log only. Never UNKNOWN.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
@@ -44,6 +45,19 @@ def status_for(exc: BaseException, req_id: str = "") -> tuple[grpc.StatusCode, s
     if isinstance(exc, WorkerFailedError):   # our own words (the cause: which worker, what limit)
         return grpc.StatusCode.UNAVAILABLE, _logged(f"unavailable: {exc}", exc, req_id)
     return grpc.StatusCode.INTERNAL, _logged("internal error", exc, req_id)
+
+
+# Endings that are not the server's failure: the client's mistake or its own label reused, a
+# refusal under load, the drain at a stop (each answered by its own status above), the client
+# leaving (a cancel, or its stream closed).
+_NOT_OURS = (InvalidRequestError, DuplicateRequestError, CapacityError, ShuttingDownError,
+             asyncio.CancelledError, GeneratorExit)
+
+
+def servers_fault(exc: BaseException) -> bool:
+    """Whether a request that ended with ``exc`` failed by the server's fault (what a trace marks
+    as an error, as OpenTelemetry's conventions mark a 5xx)."""
+    return not isinstance(unwrap(exc), _NOT_OURS)
 
 
 def retry_after_s(exc: BaseException) -> float | None:

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 import grpc
 
@@ -36,7 +36,7 @@ from router import convert, limits as request_limits
 from router.chat_prompt import chat_from_proto
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
-from router.errors import RequestFailedError, status_for
+from router.errors import RequestFailedError, servers_fault, status_for
 from router.identity import CUT_AT_STOP, DuplicateRequestError, LiveRequests, RequestIdentity, ShuttingDownError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
@@ -108,13 +108,18 @@ class GenerationCore:
         if identity is not None:
             self.live.release(identity)
 
-    async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity,
-                     door: str = "grpc", spec: RequestSpec | None = None) -> AsyncIterator[GenerationEvent]:
-        """``door`` names the front door ("grpc", "http") on the request's trace span. ``spec``: the
-        request already tokenized and validated (``spec``; the HTTP API checks every choice of a
-        body before any runs), else done here."""
-        span = tracing.start("request", door=door, req_id=identity.req_id)   # None: tracing off
+    async def stream(self, request: pb.GenerateRequest, identity: RequestIdentity, door: str = "grpc",
+                     spec: RequestSpec | None = None,
+                     trace_context: Mapping[str, str] | None = None) -> AsyncIterator[GenerationEvent]:
+        """``door`` names the front door ("grpc", "http") on the request's trace span, which
+        continues ``trace_context`` (the client's: ``tracing.client_context``) when given. ``spec``:
+        the request already tokenized and validated (``spec``; the HTTP API checks every choice of
+        a body before any runs), else done here."""
+        span = tracing.start("request", trace_context, door=door, req_id=identity.req_id,
+                             label=identity.label)   # None: tracing off
         outcome: FinishReason | str = "unfinished"
+        error: BaseException | None = None
+        num_tokens = 0
         try:
             try:
                 if spec is None:
@@ -124,18 +129,20 @@ class GenerationCore:
                 self.left_early()
                 raise
             if span is not None:
+                span.set_attribute("pdserve.prompt_tokens", len(spec.prompt_token_ids))
                 spec = dataclasses.replace(spec, traceparent=tracing.traceparent_of(span))
             async with contextlib.aclosing(self._stream(spec, request, span)) as events:
                 async for event in events:
                     outcome = event.delta.finish_reason or outcome
+                    num_tokens += len(event.delta.token_ids)
                     yield event
         except BaseException as exc:   # refused, failed, cancelled: named on the span
-            outcome = type(exc).__name__
+            outcome, error = type(exc).__name__, exc
             raise
         finally:
             if span is not None:
-                span.set_attribute("pdserve.outcome", getattr(outcome, "value", outcome))
-                span.end()
+                tracing.end(span, error if error is not None and servers_fault(error) else None,
+                            outcome=getattr(outcome, "value", outcome), completion_tokens=num_tokens)
 
     async def _stream(self, spec: RequestSpec, request: pb.GenerateRequest, span) -> AsyncIterator[GenerationEvent]:
         trace = RequestTrace()

@@ -36,7 +36,11 @@ Metrics (every name starts with ``pdserve_``):
     kv_transfer_saved_bytes_total                -           (KV the decode worker held already)
     prompt_tokens_total, generation_tokens_total -
     slo_met_requests_total                       -           (goodput = its rate)
+    worker_restarts_total, worker_stalls_total   worker, role (replaced after a death; killed as hung)
+    request_migrations_total                     -           (moved to another worker after theirs died)
+    kv_handoff_total                             outcome     (how each prefill reached its decode worker)
   gauges
+    worker_up                                    worker, role (1 serving; 0 down or restarting)
     worker_running_requests, worker_waiting_requests, worker_waiting_tokens,
     worker_kv_usage_ratio (0-1), worker_free_blocks,
     worker_step_time_seconds (mean of the recent steps)   worker, role

@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine import tracing
 from engine.types import WorkerStats
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -116,7 +117,8 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         try:
             identity = self.core.claim(request)
             headers = _Headers(context)
-            async with contextlib.aclosing(self.core.stream(request, identity)) as events:
+            client_trace = tracing.client_context(context.invocation_metadata() or ())
+            async with contextlib.aclosing(self.core.stream(request, identity, trace_context=client_trace)) as events:
                 async for event in events:
                     await headers.sent()
                     await context.write(_response(event, identity.label))

@@ -27,7 +27,7 @@ from engine import tracing
 from router.client import PdserveClient
 from router.openai_api.server import openai_server
 from router.security import ServerSecurity
-from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy
+from tests.conftest import ByteTokenizer, cluster_leaks, hf_greedy, outcomes_since, request_outcomes
 from tests.test_cluster_e2e import address, start_cluster
 
 TOKEN = "http-test-token"
@@ -724,12 +724,27 @@ def test_tokenize_gives_the_ids_generation_feeds_the_model(cluster, model_name):
     ("/detokenize", {}, "tokens"),
 ])
 def test_tokenize_and_detokenize_refuse_bad_input_naming_the_parameter(cluster, path, body, param):
+    """... and are no generation requests: their refusals are not counted as ``invalid`` ones
+    (found by a probe: a client checking prompts with /tokenize inflated the rejection rate)."""
     root = base_url(cluster).removesuffix("/v1")
+    before = request_outcomes(cluster)
     status, err = _post(root + path, body)
     assert status == 400 and err["error"]["param"] == param, err
     assert err["error"]["type"] == "invalid_request_error"
     status, err = _post(root + path, {**body, "model": "gpt-4", "tokens": [5], "prompt": "x"})
     assert status == 404 and err["error"]["param"] == "model"
+    assert outcomes_since(cluster, before) == {}
+
+
+def test_a_generation_for_a_model_not_served_is_counted_invalid(cluster, model_name):
+    """Found by a probe: its 404 was counted under no outcome, so the rejection panels missed it."""
+    before = request_outcomes(cluster)
+    err = _error(lambda: client_for(cluster).completions.create(model="gpt-4o", prompt="x", max_tokens=2))
+    assert isinstance(err, openai.NotFoundError) and err.body["param"] == "model"
+    err = _error(lambda: client_for(cluster).chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "x"}], max_tokens=2))
+    assert isinstance(err, openai.NotFoundError)
+    assert outcomes_since(cluster, before) == {"invalid": 2}
 
 
 def test_tokenize_needs_the_token_where_the_server_has_one(cluster, authed_port):

@@ -6,7 +6,10 @@ trace per request, with the router's ``request`` span as the root, the prefill w
 ``decode`` parented on it across the Ray calls. The same spans also go out over OTLP/HTTP
 (``--otlp-traces-endpoint``: the batched exporter every process runs in a deployment) to a
 local sink that decodes them: each request's trace arrives from all three processes. Without a
-tracing config nothing is traced. A collector that accepts connections and never answers holds
+tracing config nothing is traced. A client's own W3C trace context (HTTP header, gRPC
+metadata) is continued; the request span names the client's request id and the token counts,
+and a request failed by the server's fault is an error span; an OpenAI body's choices are one
+trace. A collector that accepts connections and never answers holds
 ``reset()`` (each stop) for ``FLUSH_AT_STOP_S``, not the exporter's timeouts and retries.
 """
 
@@ -17,12 +20,15 @@ import socket
 import time
 from collections import defaultdict
 
+import grpc
 import openai
 import pytest
+import ray
 
 from benchmarks.otlp_sink import OtlpSink
 from engine import tracing
-from router.client import PdserveClient
+from protos import pdserve_pb2_grpc as pb_grpc
+from router.client import PdserveClient, build_request
 from tests.conftest import cluster_leaks
 from tests.test_cluster_e2e import address, start_cluster
 
@@ -140,3 +146,103 @@ def test_an_aborted_request_ends_its_decode_span(traced):
     aborted = [s for spans in traces.values() for s in spans if s["name"] == "decode"
                and s["attributes"].get("pdserve.aborted")]
     assert aborted, "the cancelled request's decode span was not ended"
+
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+def _client_traceparent(span_id: str) -> str:
+    return f"00-{CLIENT_TRACE}-{span_id}-01"
+
+
+def _trace_of(path, trace_id: str, names: set[str], timeout_s: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = [s for s in _spans(path) if s["trace_id"] == trace_id]
+        if names <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.1)
+
+
+def test_a_clients_trace_context_is_continued_on_both_doors(traced):
+    """Found by a probe: a client's ``traceparent`` was ignored, every request a new root."""
+    cluster, path = traced
+    before = {s["span_id"] for s in _spans(path)}
+    grpc_parent, http_parent = "00f067aa0ba902b7", "b7ad6b7169203331"
+    with grpc.insecure_channel(address(cluster)) as channel:
+        stub = pb_grpc.PdserveStub(channel)
+        list(stub.Generate(build_request(None, None, [5, 6, 7], max_tokens=3, ignore_eos=True, request_id="mine-1"),
+                           metadata=(("traceparent", _client_traceparent(grpc_parent)), ("tracestate", "k=v")),
+                           timeout=60))
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.cluster.http_port}/v1", api_key="x", max_retries=0)
+    http.completions.create(model=http.models.list().data[0].id, prompt=[5, 6, 7, 8], max_tokens=2,
+                            extra_body={"ignore_eos": True},
+                            extra_headers={"traceparent": _client_traceparent(http_parent), "X-Request-Id": "mine-2"})
+    spans = [s for s in _trace_of(path, CLIENT_TRACE, {"request", "decode"}) if s["span_id"] not in before]
+    roots = {s["attributes"]["pdserve.door"]: s for s in spans if s["name"] == "request"}
+    assert set(roots) == {"grpc", "http"}, spans
+    assert roots["grpc"]["parent_id"] == grpc_parent and roots["http"]["parent_id"] == http_parent
+    assert roots["grpc"]["attributes"]["pdserve.label"] == "mine-1" and roots["http"]["attributes"]["pdserve.label"] == "mine-2"
+    assert (roots["grpc"]["attributes"]["pdserve.prompt_tokens"], roots["grpc"]["attributes"]["pdserve.completion_tokens"]) == (3, 3)
+    assert (roots["http"]["attributes"]["pdserve.prompt_tokens"], roots["http"]["attributes"]["pdserve.completion_tokens"]) == (4, 2)
+    assert all(s["status"] == "UNSET" for s in roots.values())
+    # the workers' spans join the same trace, under the router's request span
+    decode = [s for s in spans if s["name"] == "decode"]
+    assert {s["parent_id"] for s in decode} <= {r["span_id"] for r in roots.values()} and decode
+    # a context that does not parse starts a root, as OpenTelemetry's propagator does
+    with grpc.insecure_channel(address(cluster)) as channel:
+        list(pb_grpc.PdserveStub(channel).Generate(build_request(None, None, [5, 6], max_tokens=1, request_id="mine-3"),
+                                                   metadata=(("traceparent", "garbage"),), timeout=60))
+    deadline = time.monotonic() + 20
+    while not (mine := [s for s in _spans(path) if s["name"] == "request" and s["attributes"].get("pdserve.label") == "mine-3"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert mine[0]["parent_id"] is None
+    assert cluster_leaks(cluster) == {}
+
+
+def test_an_http_bodys_choices_are_one_trace(traced):
+    cluster, path = traced
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.cluster.http_port}/v1", api_key="x", max_retries=0)
+    out = http.completions.create(model=http.models.list().data[0].id, prompt=[[5, 6], [7, 8]], max_tokens=2, n=2,
+                                  extra_body={"ignore_eos": True})
+    label = out.id.removeprefix("cmpl-")   # the response's id names the request the trace is found by
+    deadline = time.monotonic() + 20
+    while not (top := [s for s in _spans(path) if s["name"] == "choices" and s["attributes"].get("pdserve.label") == label]):
+        assert time.monotonic() < deadline, "no choices span"
+        time.sleep(0.1)
+    (choices,) = top
+    spans = _trace_of(path, choices["trace_id"], {"choices"})
+    deadline = time.monotonic() + 20
+    while len([s for s in spans if s["name"] == "decode"]) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        spans = _trace_of(path, choices["trace_id"], {"choices"})
+    requests = [s for s in spans if s["name"] == "request"]
+    assert len(requests) == 4 and {s["parent_id"] for s in requests} == {choices["span_id"]}
+    assert choices["parent_id"] is None and choices["attributes"]["pdserve.num_choices"] == 4
+    assert len([s for s in spans if s["name"] == "decode"]) == 4
+    assert cluster_leaks(cluster) == {}
+
+
+def test_a_request_failed_by_the_server_is_an_error_span_and_a_refused_one_is_not(traced):
+    cluster, path = traced
+    decode = cluster.cluster.registry.get("decode-0")
+    with PdserveClient(address(cluster)) as client:
+        stream = client.generate(token_ids=list(range(10, 30)), max_tokens=300, ignore_eos=True, request_id="fails-1")
+        next(stream)
+        ray.get(decode.actor.inject_fault.remote("step"))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate_text(token_ids=[10**6], max_tokens=2, request_id="invalid-1")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    deadline = time.monotonic() + 20
+    while len(roots := {s["attributes"].get("pdserve.label"): s for s in _spans(path) if s["name"] == "request"
+                        and s["attributes"].get("pdserve.label") in ("fails-1", "invalid-1")}) < 2:
+        assert time.monotonic() < deadline, roots
+        time.sleep(0.1)
+    assert roots["fails-1"]["status"] == "ERROR" and "exception" in roots["fails-1"]["events"]
+    assert roots["fails-1"]["attributes"]["pdserve.outcome"] == "RequestFailedError"
+    assert roots["invalid-1"]["status"] == "UNSET" and roots["invalid-1"]["attributes"]["pdserve.outcome"] == "InvalidRequestError"
+    assert cluster_leaks(cluster) == {}

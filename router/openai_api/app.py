@@ -27,12 +27,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from engine import tracing
 from engine.errors import CapacityError, InvalidRequestError
 from router.auth import check_bearer
 from router.generation import GenerationCore
@@ -51,6 +53,7 @@ from router.openai_api.tool_calls import ToolPlan
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+_GENERATION_BODIES = (ChatCompletionRequest, CompletionRequest)   # requests counted by outcome
 
 
 def _installed_version() -> str:
@@ -141,7 +144,8 @@ class _Api:
         req, label = await self._parse(request, ChatCompletionRequest)
         tools = self._checked(tool_calls.plan, req, self.config.tool_call_parser)
         msg = self._checked(chat_request, req, label, tools)
-        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools)
+        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools,
+                              trace_context=tracing.client_context(request.headers.items()))
 
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)
@@ -150,14 +154,15 @@ class _Api:
         echoes = await self._as_client_error(self.core.on_tokenizer_pool(
             echo_texts, req, self.core.tokenizer, self.core.defaults.vocab_size), chat=False) if req.echo \
             else [None] * len(msgs)
-        return self._response(msgs, echoes, req, label, chat=False, logprobs=req.logprobs is not None)
+        return self._response(msgs, echoes, req, label, chat=False, logprobs=req.logprobs is not None,
+                              trace_context=tracing.client_context(request.headers.items()))
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/tokenize``: the ids a generation request with this prompt (or these messages,
         through the chat template) would feed the model."""
         req, _ = await self._parse(request, TokenizeRequest)
-        msg = self._checked(tokenize_request, req)
-        ids = await self._as_client_error(self.core.prompt_ids(msg), chat=req.messages is not None)
+        msg = self._checked(tokenize_request, req, counted=False)
+        ids = await self._as_client_error(self.core.prompt_ids(msg), chat=req.messages is not None, counted=False)
         strs = await self.core.on_tokenizer_pool(self.core.tokenizer.convert_ids_to_tokens, ids) \
             if req.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
@@ -166,7 +171,7 @@ class _Api:
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/detokenize``: the text of token ids, special tokens included."""
         req, _ = await self._parse(request, DetokenizeRequest)
-        text = await self._as_client_error(self.core.text_of(list(req.tokens), "tokens"), chat=False)
+        text = await self._as_client_error(self.core.text_of(list(req.tokens), "tokens"), chat=False, counted=False)
         return JSONResponse({"prompt": text})
 
     async def internal_error(self, request: Request, exc: Exception) -> JSONResponse:
@@ -186,23 +191,31 @@ class _Api:
             raise errors.unauthorized(f"{result.value} bearer token (header 'Authorization: Bearer <token>')")
 
     async def _parse(self, request: Request, model: type):
+        """The body as ``model``, and the request's label: the client's ``X-Request-Id``, else one
+        made here (the response's ``id`` and the trace name the same). A generation body refused
+        is a request counted (as ``invalid``); a ``/tokenize`` or ``/detokenize`` body is not."""
         self._authorize(request)
         body = await self._body(request)
+        counted = model in _GENERATION_BODIES
         try:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._bad("body", f"not valid JSON: {exc}") from None
+            raise self._bad("body", f"not valid JSON: {exc}", counted=counted) from None
         except RecursionError:   # Python's parser recurses per level: '[' * 5000 would be a 500
-            raise self._bad("body", "JSON nested too deeply") from None
+            raise self._bad("body", "JSON nested too deeply", counted=counted) from None
         except ValueError:   # an integer past Python's int-from-text limit (4,300 digits) would be a 500
-            raise self._bad("body", f"a number in it has more than {sys.get_int_max_str_digits()} digits") from None
-        req = self._checked(parse, model, data)
+            raise self._bad("body", f"a number in it has more than {sys.get_int_max_str_digits()} digits",
+                            counted=counted) from None
+        req = self._checked(parse, model, data, counted=counted)
         if req.model is not None:
-            self._check_model(req.model)
-        return req, request.headers.get(REQUEST_ID_HEADER)
+            self._check_model(req.model, counted=counted)
+        label = request.headers.get(REQUEST_ID_HEADER)
+        return req, uuid.uuid4().hex if label is None else label
 
-    def _check_model(self, name: str) -> None:
+    def _check_model(self, name: str, *, counted: bool = False) -> None:
         if name != self.config.model:
+            if counted:   # a generation request refused: counted as the client's mistake, as a 400 is
+                self._count_invalid()
             raise errors.not_found(f"the model {name!r} does not exist; this server serves "
                                    f"{self.config.model!r}", "model")
 
@@ -247,30 +260,39 @@ class _Api:
         code, message = self.core.failure(exc, None)
         raise errors.from_status(code, message, exc)
 
-    def _checked(self, fn, *args):
-        """``fn(*args)``; bad input is a 400 (counted like gRPC's INVALID_ARGUMENT)."""
+    def _checked(self, fn, *args, counted: bool = True):
+        """``fn(*args)``; bad input is a 400 (``counted``: like gRPC's INVALID_ARGUMENT)."""
         try:
             return fn(*args)
         except InvalidRequestError as exc:
-            raise self._bad(exc.field, exc.message) from None
+            raise self._bad(exc.field, exc.message, counted=counted) from None
 
-    async def _as_client_error(self, call, *, chat: bool):
+    async def _as_client_error(self, call, *, chat: bool, counted: bool = True):
         """Await ``call``; bad input is a 400 naming the OpenAI parameter (``param_for``)."""
         try:
             return await call
         except InvalidRequestError as exc:
-            raise self._bad(param_for(exc.field, chat=chat), exc.message) from None
+            raise self._bad(param_for(exc.field, chat=chat), exc.message, counted=counted) from None
 
-    def _bad(self, param: str, message: str) -> ApiError:
-        code, _ = self.core.failure(InvalidRequestError(param, message), None)   # counted as invalid
-        return ApiError(400, f"{param}: {message}", "invalid_request_error", param, code.name.lower())
+    def _bad(self, param: str, message: str, *, counted: bool = True) -> ApiError:
+        """A 400; ``counted``: a generation request refused (``/tokenize``'s is no request)."""
+        if counted:
+            self._count_invalid()
+        return ApiError(400, f"{param}: {message}", "invalid_request_error", param,
+                        grpc.StatusCode.INVALID_ARGUMENT.name.lower())
 
-    def _response(self, msgs: list, echoes: list[str | None], req, label: str | None, *, chat: bool,
-                  logprobs: bool, tools: ToolPlan | None = None) -> GenerationResponse:
-        """One response over every prompt's (``msgs``, each with its ``echoes`` text) ``n`` choices."""
+    def _count_invalid(self) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.request_invalid()
+
+    def _response(self, msgs: list, echoes: list[str | None], req, label: str, *, chat: bool,
+                  logprobs: bool, tools: ToolPlan | None = None,
+                  trace_context: dict[str, str] | None = None) -> GenerationResponse:
+        """One response over every prompt's (``msgs``, each with its ``echoes`` text) ``n`` choices;
+        ``trace_context``: the client's, its trace continued."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-        response_id = prefix + (label or uuid.uuid4().hex)
+        response_id = prefix + label
         first = ResponseFormat(chat, response_id, self.config.model, logprobs=logprobs, include_usage=include_usage,
                                tokenizer=self.core.tokenizer, prompt_logprobs=req.prompt_logprobs is not None,
                                echo=echoes[0], tools=tools)
@@ -278,4 +300,4 @@ class _Api:
         fmts = [first] + [first.for_choice(i, echoes[i // req.n]) for i in range(1, len(requests))]
         return GenerationResponse(self.core, requests, fmts, stream=req.stream,
                                   sent_as=sent_as(req, chat=chat, tools=tools),
-                                  choices_per_prompt=req.n)
+                                  choices_per_prompt=req.n, trace_context=trace_context)

@@ -26,10 +26,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from engine import tracing
 from engine.errors import InvalidRequestError
 from engine.types import RequestSpec
 from protos import pdserve_pb2 as pb
 from router.delta_queue import SLOW_READER
+from router.errors import servers_fault
 from router.generation import GenerationCore, GenerationEvent
 from router.identity import RequestIdentity
 from router.openai_api.requests import in_batch
@@ -51,9 +53,29 @@ def choices(request: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
 
 
 async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], identities: list[RequestIdentity],
-                 door: str, batch_of: int = 0) -> AsyncIterator[tuple[int, GenerationEvent]]:
+                 door: str, batch_of: int = 0,
+                 trace_context: dict[str, str] | None = None) -> AsyncIterator[tuple[int, GenerationEvent]]:
     """Every choice's events as (index, event); ends when every choice has ended. ``batch_of``:
-    the choices per prompt of a completions batch (0: one prompt), for errors that name it."""
+    the choices per prompt of a completions batch (0: one prompt), for errors that name it;
+    each choice's trace is a ``request`` under one ``choices`` span (under ``trace_context``,
+    the client's, when given)."""
+    span = tracing.start("choices", trace_context, door=door, label=identities[0].label, num_choices=len(requests))
+    error: BaseException | None = None
+    try:
+        async with contextlib.aclosing(_merged(core, requests, identities, door, batch_of,
+                                               tracing.context_of_span(span))) as events:
+            async for item in events:
+                yield item
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        if span is not None:
+            tracing.end(span, error if error is not None and servers_fault(error) else None)
+
+
+async def _merged(core: GenerationCore, requests: list[pb.GenerateRequest], identities: list[RequestIdentity],
+                  door: str, batch_of: int, trace_context: dict[str, str] | None) -> AsyncIterator[tuple[int, GenerationEvent]]:
     try:
         specs = await asyncio.gather(*(_spec(core, r, identity, index // batch_of if batch_of else None)
                                        for index, (r, identity) in enumerate(zip(requests, identities))))
@@ -62,7 +84,7 @@ async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], ident
         raise
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(requests))
     caller = asyncio.current_task()
-    pumps = [asyncio.ensure_future(_pump(core, i, request, identity, spec, door, queue, caller))
+    pumps = [asyncio.ensure_future(_pump(core, i, request, identity, spec, door, queue, caller, trace_context))
              for i, (request, identity, spec) in enumerate(zip(requests, identities, specs))]
     try:
         running = len(pumps)
@@ -93,9 +115,11 @@ async def _spec(core: GenerationCore, request: pb.GenerateRequest, identity: Req
 
 
 async def _pump(core: GenerationCore, index: int, request: pb.GenerateRequest, identity: RequestIdentity,
-                spec: RequestSpec, door: str, queue: asyncio.Queue, caller: asyncio.Task) -> None:
+                spec: RequestSpec, door: str, queue: asyncio.Queue, caller: asyncio.Task,
+                trace_context: dict[str, str] | None) -> None:
     try:
-        async with contextlib.aclosing(core.stream(request, identity, door=door, spec=spec)) as events:
+        async with contextlib.aclosing(core.stream(request, identity, door=door, spec=spec,
+                                                   trace_context=trace_context)) as events:
             async for event in events:
                 await queue.put((index, event, None))
         await queue.put((index, None, None))

@@ -52,11 +52,14 @@ def sse(data: dict | str) -> bytes:
 
 class GenerationResponse(Response):
     def __init__(self, core: GenerationCore, requests: list[pb.GenerateRequest], fmts: list[ResponseFormat], *,
-                 stream: bool, sent_as: dict[str, str] | None = None, choices_per_prompt: int = 1) -> None:
-        """One request per choice (``fan_in.choices``; a batch: each prompt's n in turn) and one format each."""
+                 stream: bool, sent_as: dict[str, str] | None = None, choices_per_prompt: int = 1,
+                 trace_context: dict[str, str] | None = None) -> None:
+        """One request per choice (``fan_in.choices``; a batch: each prompt's n in turn) and one
+        format each; ``trace_context``: the client's (``tracing.client_context``)."""
         super().__init__(status_code=200)
         self.core, self.requests, self.fmts, self.stream = core, requests, fmts, stream
         self.choices_per_prompt = choices_per_prompt
+        self.trace_context = trace_context
         self.fmt = fmts[0]
         self._sent_as = sent_as   # field paths -> the parameter names this body used (param_for)
         self._started = False     # a status line went out: errors are events from now on
@@ -98,11 +101,12 @@ class GenerationResponse(Response):
 
     async def _run(self, identities: list[RequestIdentity], send) -> None:
         if len(identities) == 1:
-            stream = self.core.stream(self.requests[0], identities[0], door="http")
+            stream = self.core.stream(self.requests[0], identities[0], door="http", trace_context=self.trace_context)
             events = _indexed(stream)
         else:
             batch_of = self.choices_per_prompt if len(self.requests) > self.choices_per_prompt else 0
-            events = stream = merged(self.core, self.requests, identities, door="http", batch_of=batch_of)
+            events = stream = merged(self.core, self.requests, identities, door="http", batch_of=batch_of,
+                                     trace_context=self.trace_context)
         async with contextlib.aclosing(stream), contextlib.aclosing(events):
             if self.stream:
                 await self._stream(events, send)
