@@ -25,9 +25,11 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
 
 
 def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, prefix: str = "",
-                      eos_token_ids: Sequence[int] = ()) -> None:
+                      eos_token_ids: Sequence[int] = (), num_generated: int = 0) -> None:
     """``prefix`` + the field name is what the error names (the router passes "sampling.");
-    ``eos_token_ids``: the model's (what ``min_tokens`` holds back unless EOS is ignored)."""
+    ``eos_token_ids``: the model's (what ``min_tokens`` holds back unless EOS is ignored);
+    ``num_generated``: output tokens a resumed request (``RequestSpec.num_generated``) already
+    has, which ``max_tokens`` no longer counts and ``min_tokens`` still does."""
     s = sampling
     require(s.max_tokens >= 1, prefix + "max_tokens", f"must be >= 1, got {s.max_tokens}")
     # isfinite also rejects NaN, which would slip past every comparison; inf would turn every
@@ -45,8 +47,8 @@ def validate_sampling(sampling: SamplingParams, vocab_size: int | None = None, p
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {s.prompt_logprobs}")
     require(all(s.stop), prefix + "stop", "stop strings must not be empty")
     require(all(s.bad_words_token_ids), prefix + "bad_words", "a bad word must have at least one token")
-    require(0 <= s.min_tokens <= s.max_tokens, prefix + "min_tokens",
-            f"must be in [0, max_tokens ({s.max_tokens})], got {s.min_tokens}")
+    require(0 <= s.min_tokens <= s.max_tokens + num_generated, prefix + "min_tokens",
+            f"must be in [0, max_tokens ({s.max_tokens + num_generated})], got {s.min_tokens}")
     held = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
     require(not (s.min_tokens and s.allowed_token_ids and set(s.allowed_token_ids) <= held),
             prefix + "allowed_token_ids", "every allowed token is EOS or a stop token id, which min_tokens holds back")
@@ -81,7 +83,7 @@ def validate_spec(spec: RequestSpec, *, max_model_len: int, vocab_size: int, eos
     require(len(ids) > 0, "prompt", "must not be empty")
     require(len(ids) < max_model_len, "prompt", f"has {len(ids)} tokens; max_model_len is {max_model_len}")
     check_token_ids(ids, vocab_size, "prompt_token_ids")
-    validate_sampling(spec.sampling, vocab_size, eos_token_ids=eos_token_ids)
+    validate_sampling(spec.sampling, vocab_size, eos_token_ids=eos_token_ids, num_generated=spec.num_generated)
     require(len(ids) + spec.sampling.max_tokens <= max_model_len, "max_tokens",
              f"prompt ({len(ids)}) + max_tokens ({spec.sampling.max_tokens}) exceeds max_model_len "
              f"{max_model_len} (the model's, or what the worker's KV pool holds)")

@@ -109,8 +109,11 @@ def test_kill_decode_worker_mid_stream_with_penalties_and_logit_bias(cluster, hf
                                              output_len=(40, 70))
     params = [SamplingParams(max_tokens=n, ignore_eos=True, **a) for n, a in zip(max_tokens, ADJUSTMENTS)]
     refs = [hf_adjusted_greedy(hf_reference, p, s.max_tokens, s) for p, s in zip(prompts, params)]
+    # min_tokens = max_tokens (EOS ignored: outputs unchanged): a migrated request's max_tokens no
+    # longer counts the tokens it streamed, its min_tokens does (a probe: INVALID_ARGUMENT before)
     sampling = [dict(repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
-                     presence_penalty=s.presence_penalty, logit_bias=dict(s.logit_bias)) for s in params]
+                     presence_penalty=s.presence_penalty, logit_bias=dict(s.logit_bias), min_tokens=s.max_tokens)
+                for s in params]
     decode = cluster.cluster.registry.get("decode-0")
     restarts = decode.restarts
     results = asyncio.run(_streams(address(cluster), prompts, max_tokens, lambda: _kill(decode.pid), sampling))

@@ -23,7 +23,7 @@ from engine.errors import InvalidRequestError
 from engine.logit_adjust import adjust
 from engine.request import Request
 from engine.types import PrefillSubmission, RequestSpec, SamplingParams
-from engine.validation import validate_sampling
+from engine.validation import validate_sampling, validate_spec
 from tests.conftest import assert_no_leaks, hf_greedy
 from tests.test_engine_exact import CONFIGS, run_staggered
 
@@ -195,6 +195,16 @@ def test_min_tokens_after_a_migration_counts_the_tokens_streamed_before(tiny_mod
     assert torch.equal(free, row)
     ignoring = Request(RequestSpec("m", (5,), SamplingParams(max_tokens=9, min_tokens=4, ignore_eos=True)))
     assert torch.equal(adjust(row[None].clone(), [ignoring], frozenset({2}))[0], row), "an ignored EOS is not held back"
+
+
+def test_a_resumed_requests_min_tokens_counts_what_it_streamed_before():
+    """Found by a probe: a request migrated (or recomputed after a failed hand-off) with
+    min_tokens above its remaining max_tokens was refused as INVALID_ARGUMENT mid-stream."""
+    params = SamplingParams(max_tokens=10, min_tokens=60)   # 50 streamed before: 60 in all
+    validate_spec(RequestSpec("m", (5, 6), params, num_generated=50), max_model_len=512, vocab_size=VOCAB)
+    with pytest.raises(InvalidRequestError, match=r"must be in \[0, max_tokens \(59\)\], got 60") as err:
+        validate_spec(RequestSpec("m", (5, 6), params, num_generated=49), max_model_len=512, vocab_size=VOCAB)
+    assert err.value.field == "min_tokens"
 
 
 @pytest.mark.parametrize("fields, name", [

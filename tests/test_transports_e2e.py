@@ -49,7 +49,10 @@ def test_failed_hand_off_is_recomputed(cluster, small_workload):
     prefill = cluster.cluster.registry.get("prefill-0")
     ray.get(prefill.actor.inject_fault.remote("kv_send"))
     with PdserveClient(address(cluster)) as client:
-        result = client.generate_text(token_ids=prompts[1], max_tokens=max_tokens[1], ignore_eos=True)
+        # min_tokens = max_tokens: the recompute continues after the first token, which its
+        # max_tokens no longer counts and its min_tokens does (a probe: INVALID_ARGUMENT before)
+        result = client.generate_text(token_ids=prompts[1], max_tokens=max_tokens[1], ignore_eos=True,
+                                      min_tokens=max_tokens[1])
     assert list(result.token_ids) == refs[1]
     assert result.timings.kv_transfer_bytes == 0, "nothing moved: the decode worker recomputed"
     assert result.timings.kv_handoff == "transfer_failed" and result.timings.recomputed_on_decode
