@@ -264,6 +264,7 @@ class HandoffOutcome(str, enum.Enum):
     RESERVE_REFUSED = "reserve_refused"    # the decode worker had no room for the prompt's blocks
     RESERVE_FAILED = "reserve_failed"      # the decode worker's reserve raised anything else
     TRANSFER_FAILED = "transfer_failed"    # the bytes did not land (or the lease ran out): recompute
+    GROUP_CHANGED = "group_changed"        # set up in a KV group formed again since: recompute (the link is fine)
     PEER_DEAD = "peer_dead"                # the decode worker died during the hand-off
     LOCAL = "prefilled_locally"            # no prefill worker: the decode worker prefilled it
 

@@ -35,6 +35,11 @@ from engine.types import KVLayout
 _LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(KVLayout))
 
 
+class KVGroupChangedError(KVTransferError):
+    """The hand-off was set up in a KV group formed again since: its ranks may name other
+    workers now, so nothing is sent (the request is recomputed; no fault of the pair's link)."""
+
+
 class KVLayoutMismatchError(KVTransferError):
     """The two sides' ``KVLayout`` differ; ``field`` names the first field that does."""
 
@@ -61,10 +66,12 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class DistPeers:
-    """``torch_dist`` locator: the two ranks of the pair in the default process group."""
+    """``torch_dist`` locator: the two ranks of the pair in the default process group, and which
+    group that is (ranks name other workers once the group is formed again)."""
 
     dst_rank: int                   # the decode worker's rank (set when the handle is made)
     src_rank: int | None = None     # the prefill worker's rank (set by the sender's bind)
+    group: str = ""                 # the group the ranks are in (its rendezvous address: one per forming)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ Group set-up (before any transfer; again whenever a member was replaced):
 
 One hand-off (the handle's locator is ``DistPeers(dst_rank, src_rank)``):
 
-1. decode: handles carry ``receiver.locator(cache)`` = ``DistPeers(dst_rank=<own rank>)``.
+1. decode: handles carry ``receiver.locator(cache)`` = ``DistPeers(dst_rank=<own rank>, group=<the
+   group's address>)``; a hand-off set up in an earlier group is refused by both sides.
 2. prefill: ``handle = sender.bind(handle, src_ids)`` adds ``src_rank``; it then starts the
    decode worker's ``receiver.receive(cache, handle)`` (a non-blocking Ray call) and calls
    ``sender.send(cache, handle)``. ``send`` sends a header, then gathers the blocks into a
@@ -60,7 +61,7 @@ from engine.types import KVLayout
 from kvtransfer.blocks import Staging, check_side, gather_blocks, scatter_blocks
 from kvtransfer.cache_alloc import layout_of
 from kvtransfer.connector import TransferResult
-from kvtransfer.handle import DistPeers, KVBlocksHandle, check_layout
+from kvtransfer.handle import DistPeers, KVBlocksHandle, KVGroupChangedError, check_layout
 
 _MAGIC = 0x4B56_5844_0001  # "KVXD" v1
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -78,20 +79,25 @@ class _Membership:
     """This process's place in the KV group, which torch.distributed keeps process-wide: transfers
     run inside it (``transfer``); joining (again) refuses new transfers, waits for those in flight
     to end, then leaves the old group and joins the new one. ``generation`` counts the groups
-    joined, so per-peer state of an earlier group is dropped rather than reused."""
+    joined, so per-peer state of an earlier group is dropped rather than reused; ``group`` names
+    the one joined (its rendezvous address), which a hand-off carries from its reservation on:
+    one set up in an earlier group is refused on both sides (found by a probe: a hand-off whose
+    reservation died with its decode worker was sent, after the group was formed again, to that
+    rank's new holder, taking the receive of another hand-off: 30 s stalls, a pair broken)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self._active = 0          # transfers in flight
         self._joining = False
         self.generation = 0
+        self.group: str | None = None
 
     @contextlib.contextmanager
-    def transfer(self) -> Iterator[int]:
-        """One transfer in the current group (its generation): refused while the group changes."""
+    def transfer(self, group: str) -> Iterator[int]:
+        """One transfer of a hand-off set up in ``group`` (yields this side's generation):
+        refused while the group changes, and once another group was formed."""
         with self._changed:
-            if self._joining or not dist.is_initialized():
-                raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
+            self._check(group)
             self._active += 1
             generation = self.generation
         try:
@@ -101,13 +107,25 @@ class _Membership:
                 self._active -= 1
                 self._changed.notify_all()
 
-    def rank(self) -> int:
-        """This process's rank in the current group, for a transfer about to start (refused while
-        the group changes: binding a hand-off first means no receiver is left waiting for it)."""
+    def place(self) -> tuple[int, str]:
+        """This process's rank and group, for a reservation's locator."""
         with self._changed:
-            if self._joining or not dist.is_initialized():
-                raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
+            self._check(None)
+            return dist.get_rank(), self.group
+
+    def rank(self, group: str) -> int:
+        """This process's rank in ``group``, for a hand-off about to start (refused while the
+        group changes: binding a hand-off first means no receiver is left waiting for it)."""
+        with self._changed:
+            self._check(group)
             return dist.get_rank()
+
+    def _check(self, group: str | None) -> None:
+        if self._joining or not dist.is_initialized():
+            raise KVTransferError("this worker is not in a KV group now (it is being formed again)")
+        if group is not None and group != self.group:
+            raise KVGroupChangedError("the hand-off was set up in an earlier KV group, formed again since: "
+                                      "its ranks may name other workers now")
 
     def join(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
              drain_s: float) -> None:
@@ -128,6 +146,7 @@ class _Membership:
             except BaseException:
                 _forget_failed_group()
                 raise
+            self.group = init_method
         finally:
             with self._changed:
                 self._joining = False
@@ -141,6 +160,7 @@ class _Membership:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.generation += 1
+        self.group = None
 
 
 def _forget_failed_group() -> None:
@@ -243,9 +263,10 @@ class _Channels:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def use(self, rank: int) -> Iterator[_Channel]:
-        """The channel with ``rank`` in the current group, held for one transfer."""
-        with _membership.transfer() as generation:
+    def use(self, rank: int, group: str) -> Iterator[_Channel]:
+        """The channel with ``rank`` in the current group, held for one transfer of a hand-off
+        set up in ``group``."""
+        with _membership.transfer(group) as generation:
             channel = self._get(rank, generation)
             with channel.lock:
                 channel.check()
@@ -289,12 +310,12 @@ class TorchDistSender:
 
     def bind(self, handle: KVBlocksHandle, src_block_ids: Sequence[int]) -> KVBlocksHandle:
         peers = _peers(handle, need_src=False)
-        return handle.with_source(src_block_ids, DistPeers(peers.dst_rank, _membership.rank()))
+        return handle.with_source(src_block_ids, DistPeers(peers.dst_rank, _membership.rank(peers.group), peers.group))
 
     def send(self, cache: torch.Tensor, handle: KVBlocksHandle, *, timeout_s: float | None = None) -> TransferResult:
         start = time.perf_counter()
-        dst_rank = _peers(handle, need_src=True).dst_rank
-        with self._channels.use(dst_rank) as channel:
+        peers = _peers(handle, need_src=True)
+        with self._channels.use(peers.dst_rank, peers.group) as channel:
             try:
                 check_side(cache, handle, "src")
             except KVTransferError:  # tell the receiver, so it fails now and the pair stays in step
@@ -314,12 +335,13 @@ class TorchDistReceiver:
         self._channels = _Channels()
 
     def locator(self, cache: torch.Tensor) -> object:
-        return DistPeers(dst_rank=_membership.rank())
+        rank, group = _membership.place()
+        return DistPeers(dst_rank=rank, group=group)
 
     def receive(self, cache: torch.Tensor, handle: KVBlocksHandle, *, timeout_s: float | None = None) -> TransferResult:
         start = time.perf_counter()
-        src_rank = _peers(handle, need_src=True).src_rank
-        with self._channels.use(src_rank) as channel:
+        peers = _peers(handle, need_src=True)
+        with self._channels.use(peers.src_rank, peers.group) as channel:
             _receive(channel, cache, handle, timeout_s)
         return TransferResult(handle, handle.num_bytes, time.perf_counter() - start)
 

@@ -57,7 +57,7 @@ from engine.types import (FinishReason, FirstToken, HandoffOutcome, PrefillResul
                           TokenDelta, WorkerStats)
 from engine.unix_push import UnixPusher
 from engine.worker_base import WorkerBase, WorkerSpec
-from kvtransfer.handle import KVBlocksHandle
+from kvtransfer.handle import KVBlocksHandle, KVGroupChangedError
 from kvtransfer.select import make_sender
 from prefill_worker.submissions import SubmissionServer
 
@@ -326,6 +326,10 @@ class PrefillWorker(WorkerBase):
         except PeerLostError as exc:
             logger.warning("KV hand-off of %s: the decode worker died: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=str(exc), outcome=HandoffOutcome.PEER_DEAD)
+        except KVGroupChangedError as exc:   # nothing was sent: recomputed, not held against the pair's link
+            logger.info("KV hand-off of %s not sent: %s", req_id, exc)
+            return _result(done, FinishReason.ERROR, error=f"KV transfer not sent: {exc}",
+                           outcome=HandoffOutcome.GROUP_CHANGED)
         except Exception as exc:   # KVTransferError, or anything else a send raised: recompute
             logger.warning("KV hand-off of %s failed: %s", req_id, exc)
             return _result(done, FinishReason.ERROR, error=f"KV transfer failed: {exc}",

@@ -376,7 +376,7 @@ class Orchestrator:
                 raise ReservationRefused(result.error or f"no room on {decode.worker_id}")
             case HandoffOutcome.RESERVE_FAILED:
                 raise WorkerFailedError(f"decode worker {decode.worker_id} failed the reservation: {result.error}")
-            case HandoffOutcome.TRANSFER_FAILED:
+            case HandoffOutcome.TRANSFER_FAILED | HandoffOutcome.GROUP_CHANGED:
                 await self._recompute(at, trace, result.error or "", sent)
                 return None
             case HandoffOutcome.ENDED_AT_PREFILL | HandoffOutcome.ABORTED:

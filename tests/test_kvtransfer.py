@@ -25,7 +25,7 @@ from engine.errors import KVTransferError, PeerLostError
 from engine.types import KVLayout
 from kvtransfer.blocks import block_runs, check_side, copy_blocks
 from kvtransfer.cache_alloc import allocate_kv_cache, attach_kv_cache, release_kv_cache
-from kvtransfer.handle import CudaIpcLocator, DistPeers, KVBlocksHandle, KVLayoutMismatchError, check_layout
+from kvtransfer.handle import CudaIpcLocator, DistPeers, KVBlocksHandle, KVGroupChangedError, KVLayoutMismatchError, check_layout
 from kvtransfer.local import LocalReceiver, LocalSender
 from kvtransfer.select import choose_transport, make_receiver
 from kvtransfer.shm import ShmSender
@@ -382,6 +382,7 @@ def test_torch_dist_pair_works_in_a_new_group_after_a_member_died(peer_actor, pe
     transfer(prefill, doomed, "req-before-death", "torch_dist")
     handle = ray.get(prefill.bind.remote(ray.get(doomed.new_handle.remote("req-dying", list(DST_IDS), NUM_TOKENS,
                                                                             "torch_dist")), list(SRC_IDS)))
+    reserved = ray.get(doomed.new_handle.remote("req-reserved", list(DST_IDS), NUM_TOKENS, "torch_dist"))   # not yet bound
     ray.kill(doomed)
     with pytest.raises(KVTransferError, match="rank 1"):
         ray.get(prefill.send.remote(handle, 5.0))
@@ -389,6 +390,15 @@ def test_torch_dist_pair_works_in_a_new_group_after_a_member_died(peer_actor, pe
         ray.get(prefill.send.remote(handle, 5.0))
     address = rendezvous_address()   # the replacement (here ``decode``) takes rank 1
     ray.get([prefill.join_group.remote(address, 2, 0, 20.0), decode.join_group.remote(address, 2, 1, 20.0)])
+    # Hand-offs set up in the old group are refused on both sides, nothing sent: rank 1 is another
+    # worker now (a probe: a dead decode worker's reservation, bound and sent after the group was
+    # formed again, took the receive of the replacement's own hand-off: a 30 s stall, a broken pair).
+    with pytest.raises(KVGroupChangedError):
+        ray.get(prefill.bind.remote(reserved, list(SRC_IDS)))
+    with pytest.raises(KVGroupChangedError):
+        ray.get(prefill.send.remote(handle, 5.0))
+    with pytest.raises(KVGroupChangedError):
+        ray.get(decode.receive.remote(handle, 5.0))
     before = ray.get(decode.snapshot.remote())
     sent, received = transfer(prefill, decode, "req-new-group", "torch_dist")
     assert sent.num_bytes == received.num_bytes == len(DST_IDS) * LAYOUT.bytes_per_block
@@ -407,11 +417,12 @@ def test_joining_again_waits_for_transfers_in_flight_and_refuses_new_ones():
 
     membership = torch_dist._membership
     torch_dist.init_kv_group(rendezvous_address(), 1, 0, timeout_s=10.0)
+    group = membership.group
     try:
         in_flight, done = threading.Event(), threading.Event()
 
         def transfer_in_flight():
-            with membership.transfer():
+            with membership.transfer(group):
                 in_flight.set()
                 done.wait(10)
 
@@ -425,15 +436,19 @@ def test_joining_again_waits_for_transfers_in_flight_and_refuses_new_ones():
         time.sleep(0.3)
         assert joiner.is_alive(), "the join did not wait for the transfer in flight"
         with pytest.raises(KVTransferError, match="not in a KV group"):
-            with membership.transfer():
+            with membership.transfer(group):
                 pass
         with pytest.raises(KVTransferError, match="not in a KV group"):   # nor is a hand-off bound
-            membership.rank()
+            membership.rank(group)
         done.set()
         holder.join(5)
         joiner.join(10)
         assert not joiner.is_alive() and membership.generation > generation and dist.is_initialized()
-        with membership.transfer() as now:
+        with pytest.raises(KVGroupChangedError):   # set up in the group before
+            with membership.transfer(group):
+                pass
+        group = membership.group
+        with membership.transfer(group) as now:
             assert now == membership.generation
         # a transfer that does not end within drain_s: the join gives up and the group stays
         in_flight.clear(), done.clear()
