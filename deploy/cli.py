@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import enum
 import faulthandler
+import io
 import logging
 import os
 import signal
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.command == "serve" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":   # a native crash of the router names its Python stack (Ray's C++ handler is off here: deploy.ray_init)
-        faulthandler.enable()
+        with contextlib.suppress(io.UnsupportedOperation, AttributeError, ValueError):   # stderr no file (called in-process)
+            faulthandler.enable()
     try:
         return args.run(args)
     except KeyboardInterrupt:  # Ctrl-C before serve's own handlers are in place (imports)
