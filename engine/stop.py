@@ -4,6 +4,7 @@ model's maximum length."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from engine.request import Request
@@ -41,27 +42,39 @@ class StopChecker:
     def _hits_stop_string(self, request: Request) -> bool:
         if self.tokenizer is None:
             return False
-        # A stop string ends within the text of the last few tokens; decoding only that tail keeps
-        # the check O(1) per token. A token is at least one byte of text, not one character
-        # (byte-level BPE splits an emoji into up to 4 tokens), so the stop string's UTF-8 length
-        # + 1 tokens suffice.
-        window = max(len(s.encode("utf-8")) for s in request.sampling.stop) + 1
-        tail_ids = request.generated_tail(window)
-        start = len(request.all_token_ids) - len(tail_ids)
-        context = request.all_token_ids[max(0, start - CONTEXT_TOKENS):start]
-        before = self.tokenizer.decode(context, skip_special_tokens=True) if context else ""
-        prev_text = self._text_after(context, before, tail_ids[:-1])
-        text = self._text_after(context, before, tail_ids)
-        # Only a match that the newest token completes counts, so a stop string is found once.
-        return any(s in text and s not in prev_text for s in request.sampling.stop)
+        stops, skip = request.sampling.stop, request.sampling.skip_special_tokens
+        longest = max(len(s) for s in stops)
+        # A stop string ends within the newest token's text and begins at most ``longest``
+        # characters before it: decoding only the output's tail keeps the check O(1) per token.
+        # The tail is grown until the text before the newest token holds that many characters or
+        # it reaches the output's start: at once almost always (a token is at least one byte of
+        # text), not where tokens decode to nothing (a skipped special token, an id past the
+        # tokenizer's vocabulary: found by a probe, a stop string around such tokens was missed).
+        window = max(len(s.encode("utf-8")) for s in stops) + 1
+        while True:
+            tail_ids = request.generated_tail(window)
+            start = len(request.all_token_ids) - len(tail_ids)
+            context = request.all_token_ids[max(0, start - CONTEXT_TOKENS):start]
+            before = self.tokenizer.decode(context, skip_special_tokens=skip) if context else ""
+            prev_text = self._text_after(context, before, tail_ids[:-1], skip)
+            if len(prev_text) >= longest or len(tail_ids) < window:
+                break
+            window *= 2
+        text = self._text_after(context, before, tail_ids, skip)
+        # Only a match that the newest token completes counts (it ends past the text before it,
+        # vLLM's rule), so a stop string is found once; one that also ended earlier, within
+        # min_tokens, still counts where it ends again (a probe: "aa" in "aaa" was missed).
+        seen = len(os.path.commonprefix([prev_text, text]))
+        return any(text.find(s, max(0, seen - len(s) + 1)) >= 0 for s in stops)
 
-    def _text_after(self, context: list[int], before: str, ids: list[int]) -> str:
+    def _text_after(self, context: list[int], before: str, ids: list[int], skip: bool) -> str:
         """The text of ``ids`` as it reads after ``context`` (the tokens before them, whose text
-        is ``before``): the text the client sees. A SentencePiece tokenizer (Llama's) drops a
-        word's leading space at the start of a decoded text, so ``ids`` decoded alone would miss
-        a stop string " Paris" at the first generated token. The context's own text is not part
-        of it: a stop string matches the output alone (vLLM's rule)."""
-        text = self.tokenizer.decode(context + ids, skip_special_tokens=True)
+        is ``before``): the text the client sees (``skip``: its ``skip_special_tokens``). A
+        SentencePiece tokenizer (Llama's) drops a word's leading space at the start of a decoded
+        text, so ``ids`` decoded alone would miss a stop string " Paris" at the first generated
+        token. The context's own text is not part of it: a stop string matches the output alone
+        (vLLM's rule)."""
+        text = self.tokenizer.decode(context + ids, skip_special_tokens=skip)
         if text.startswith(before):
             return text[len(before):]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)   # the context ends inside a character
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)   # the context ends inside a character

@@ -63,6 +63,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False   # the router keeps a stop string in the text (what follows goes)
+    skip_special_tokens: bool = True   # the output text leaves special tokens out: where stop strings are matched
     logprobs: bool = False
     top_logprobs: int = 0       # with logprobs: also the N most likely tokens at each position (<= MAX_TOP_LOGPROBS)
     # None: off; N in [0, MAX_TOP_LOGPROBS]: each prompt token's logprob and its N most likely (engine/prompt_logprobs.py)

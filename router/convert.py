@@ -226,6 +226,8 @@ def spec_from_proto(
     prompt = tuple(int(t) for t in prompt_token_ids)
     check_token_ids(prompt, defaults.vocab_size, field)
     sampling = sampling_from_proto(request.sampling, defaults)
+    if not skip_special_tokens_from_proto(request):   # a request-level field: the text stop strings are found in
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
     if bad_words_token_ids:
         sampling = dataclasses.replace(sampling, bad_words_token_ids=bad_words_token_ids)
     room = limit - len(prompt)

@@ -147,7 +147,7 @@ class GenerationCore:
     async def _stream(self, spec: RequestSpec, request: pb.GenerateRequest, span) -> AsyncIterator[GenerationEvent]:
         trace = RequestTrace()
         stream_span = None
-        detok = self._detokenizer(request, spec)
+        detok = self._detokenizer(spec)
         trim = StopTextTrimmer(spec.sampling.stop, spec.sampling.include_stop_str_in_output) if spec.sampling.stop else None
         outcome: FinishReason | None = FinishReason.ABORT  # until the stream says otherwise (None: invalid)
         rejected: str | None = None   # refused by admission: the reason it is counted under
@@ -265,11 +265,11 @@ class GenerationCore:
         bad_words = convert.bad_words_from_proto(request.sampling, self.tokenizer)
         return convert.spec_from_proto(request, prompt, self.defaults, req_id, bad_words)
 
-    def _detokenizer(self, request, spec: RequestSpec) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, spec: RequestSpec) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        skip = convert.skip_special_tokens_from_proto(request)
-        return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids, skip_special_tokens=skip)
+        return IncrementalDetokenizer(self.tokenizer, spec.prompt_token_ids,
+                                      skip_special_tokens=spec.sampling.skip_special_tokens)
 
     def _ended_by_stop_token(self, delta: TokenDelta, spec: RequestSpec) -> bool:
         """The delta's last token is the EOS or stop token id that ended the request: its text is

@@ -73,9 +73,11 @@ class StopTextTrimmer:
         if not checked:
             self._checked_from = self._sent + len(held)
         skip = self._checked_from - self._sent + 1   # a match must start past skip - len(stop)
-        found = min(((i, n) for i, n in ((held.find(s, max(0, skip - len(s))), n) for n, s in enumerate(self._stops))
-                     if i >= 0), default=None)
-        if found is not None:   # the earliest match; at one place, the first stop string listed
+        # The first stop string listed that the text holds, as vLLM cuts (a probe: stops ["b", "ab"]
+        # on "xab" gave "x", vLLM "xa"): the engine stopped at the first token completing any, so
+        # every match here ends in that token's text, and there vLLM takes them in the given order.
+        found = next(((i, n) for n, s in enumerate(self._stops) if (i := held.find(s, max(0, skip - len(s)))) >= 0), None)
+        if found is not None:
             cut, n = found
             self._stopped, self._held, self.matched = True, "", self._stops[n]
             return held[:cut + len(self._stops[n])] if self._include_stop else held[:cut]

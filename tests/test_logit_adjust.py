@@ -263,7 +263,7 @@ def test_a_request_whose_adjustment_fails_fails_alone():
 def test_the_adjustments_survive_the_direct_submissions_json():
     """A prefill worker on the router's node gets the request over a socket as JSON
     (``PrefillSubmission``): the first token it chooses needs the same adjustments."""
-    spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, stop=("x",), stop_token_ids=(9,),
+    spec = RequestSpec("j", (5, 6, 7), SamplingParams(max_tokens=3, stop=("x",), stop_token_ids=(9,), skip_special_tokens=False,
                                                       bad_words_token_ids=((4,), (8, 3)), **ADJUSTMENTS[-1]))
     assert PrefillSubmission.from_json(PrefillSubmission(spec, "shm", "d0", None).to_json()).spec == spec
 

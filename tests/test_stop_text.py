@@ -14,15 +14,15 @@ _TEXT = st.text(alphabet="abx", max_size=6)
 
 
 def _reference(stops: list[str], deltas: list[str], include: bool = False) -> str:
-    """What the client must see: the engine stops at the first delta after which a stop string
-    appears, and the text is cut where the earliest one found begins (with ``include``: where it
-    ends; at one place, the first listed); all text if none."""
+    """What the client must see: the engine stops at the first delta (a token's text) after which
+    a stop string appears, and the text is cut where the first one listed that appears begins
+    (with ``include``: where it ends), as vLLM cuts; all text if none."""
     text = ""
     for delta in deltas:
         text += delta
-        found = sorted((text.find(s), n) for n, s in enumerate(stops) if s in text)
+        found = next(((text.find(s), n) for n, s in enumerate(stops) if s in text), None)
         if found:
-            cut, n = found[0]
+            cut, n = found
             return text[:cut + len(stops[n])] if include else text[:cut]
     return text
 
@@ -56,10 +56,10 @@ def _reference_after_min_tokens(stops: list[str], deltas: list[str], unchecked: 
         text += delta
         if i < unchecked:
             continue
-        found = sorted((at, n) for n, s in enumerate(stops)
-                       if (at := text.find(s, max(0, checked_from - len(s) + 1))) >= 0)
+        found = next(((at, n) for n, s in enumerate(stops)
+                      if (at := text.find(s, max(0, checked_from - len(s) + 1))) >= 0), None)
         if found:
-            cut, n = found[0]
+            cut, n = found
             return text[:cut + len(stops[n])] if include else text[:cut]
     return text
 
