@@ -334,9 +334,16 @@ def _text(ids, finished: bool, detok: IncrementalDetokenizer, trim: StopTextTrim
         return detok.push(ids, finished=finished)
     if within_min <= 0:
         return trim.push(detok.push(ids, finished=finished), finished=finished)
+    head_ids = ids[:within_min]
     last = within_min >= len(ids)
-    head = trim.push(detok.push(ids[:within_min], finished=finished and last), finished=finished and last,
-                     checked=False)
+    # Token by token, as vLLM's detokenizer marks where min_tokens ends in the text: decoded
+    # together, a head that ends inside a character would hold its whole text back, and a stop
+    # string ending within min_tokens would then be checked with the next tokens' text (found by
+    # a probe: the same request's text differed with how its tokens were batched into messages).
+    head = ""
+    for i, token in enumerate(head_ids):
+        ends = finished and last and i == len(head_ids) - 1
+        head += trim.push(detok.push([token], finished=ends), finished=ends, checked=False)
     if last:
         return head
     return head + trim.push(detok.push(ids[within_min:], finished=finished), finished=finished)

@@ -83,3 +83,39 @@ def test_long_stop_strings_do_not_slow_each_delta():
     out = "".join(trimmer.push("a") for _ in range(2000))
     assert out == "a" * (2000 - 255)          # the last 255 characters could still begin a stop
     assert trimmer.push("b", finished=True) == ""
+
+
+class _BytesTokenizer:
+    """One token per UTF-8 byte: a character may take several tokens (byte-level BPE's case)."""
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+_PIECES = [b"a", b"!", b"b", "é".encode(), "€".encode()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_PIECES), min_size=1, max_size=12), min_tokens=st.integers(0, 12),
+       cuts=st.lists(st.integers(1, 4), min_size=1, max_size=12), stop=st.sampled_from(["!", "a!", "é", "!b"]))
+def test_the_text_does_not_depend_on_how_tokens_are_batched_into_messages(pieces, min_tokens, cuts, stop):
+    """Found by a probe: with min_tokens, a message whose tokens straddled where min_tokens ends,
+    the head ending inside a character, held that head's text back and then checked a stop string
+    that ended within min_tokens. Any batching gives the text of one token per message."""
+    from router.convert import IncrementalDetokenizer
+    from router.generation import _text
+
+    tokens = [b for piece in pieces for b in piece]
+
+    def streamed(sizes) -> str:
+        detok, trim = IncrementalDetokenizer(_BytesTokenizer(), [97]), StopTextTrimmer([stop])
+        out, sent, i = "", 0, 0
+        while sent < len(tokens):
+            chunk = tokens[sent:sent + sizes[i % len(sizes)]]
+            sent, i = sent + len(chunk), i + 1
+            out += _text(chunk, sent == len(tokens), detok, trim, min_tokens - (sent - len(chunk)))
+            if trim.matched:
+                break
+        return out
+
+    assert streamed(cuts) == streamed([1])
