@@ -146,6 +146,18 @@ class ReservationRefused(CapacityError):
     """The decode worker had no room for the prompt's blocks when the KV was ready."""
 
 
+def _waited_for_room(spec: RequestSpec, migrating: bool, refused: ReservationRefused) -> CapacityError:
+    """A request whose reservations were refused until its deadline: how long it waited, why."""
+    if migrating:
+        waited = f"its migration waited {RESUME_WAIT_S:g} s"
+    elif spec.slo.ttft_s:
+        waited = "it waited past its TTFT deadline"
+    else:
+        waited = f"it waited {REFUSED_WAIT_S:g} s, the limit for a request without a TTFT target"
+    return CapacityError(f"no decode worker had room for the prompt's KV blocks: {waited} (the last refusal: {refused})",
+                         "queue_deadline")
+
+
 @dataclass(slots=True)
 class _Attempt:
     """One attempt's workers, pinned to the actor generations it started on."""
@@ -202,14 +214,15 @@ class Orchestrator:
                 logger.warning("%s: %s; migrating (attempt %d) with %d tokens already sent", spec.req_id,
                                lost.cause, run.num_migrations + 1, len(run.sent_token_ids))
                 resume_deadline = time.monotonic() + RESUME_WAIT_S
-            except ReservationRefused:
+            except ReservationRefused as refused:
                 # The decode side was full after all: admission saw its last report, which the
                 # reservations in flight outrun in a burst. As when admission sees it full, the
                 # request waits for room and tries again (a fresh one until its TTFT target, a
-                # migrating one until its resume deadline); then RESOURCE_EXHAUSTED.
+                # migrating one until its resume deadline); then RESOURCE_EXHAUSTED, in
+                # admission's words (not the worker's block count alone).
                 deadline = room_deadline if resume_deadline is None else resume_deadline
                 if time.monotonic() > deadline:
-                    raise
+                    raise _waited_for_room(spec, resume_deadline is not None, refused) from refused
                 run.refused()
                 await self.admission.capacity_changed(RESERVE_RETRY_S)
 

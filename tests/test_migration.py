@@ -477,3 +477,20 @@ def test_a_decode_actors_refusal_reaches_the_hand_off_in_its_own_words(ray_sessi
     with pytest.raises(CapacityError) as info:
         asyncio.run(peer.reserve(RequestSpec("r", (1, 2)), "shm"))
     assert str(info.value) == "3 KV blocks needed, 2 free"
+
+
+@pytest.mark.parametrize("ttft_s, migrating, said", [
+    (None, False, "it waited 30 s, the limit for a request without a TTFT target"),
+    (0.5, False, "it waited past its TTFT deadline"),
+    (0.5, True, "its migration waited 60 s"),
+])
+def test_reservations_refused_to_the_deadline_are_said_in_admissions_words(ttft_s, migrating, said):
+    """Found by a probe: the client got the last decode worker's words alone ("21 KV blocks
+    needed, 6 free"), counted under no cause of admission's."""
+    from engine.types import SLOTarget
+    from router.orchestrator import ReservationRefused, _waited_for_room
+
+    spec = RequestSpec("r", (1, 2), slo=SLOTarget(ttft_s=ttft_s))
+    error = _waited_for_room(spec, migrating, ReservationRefused("21 KV blocks needed, 6 free"))
+    assert str(error) == f"no decode worker had room for the prompt's KV blocks: {said} (the last refusal: 21 KV blocks needed, 6 free)"
+    assert error.reason == "queue_deadline"
