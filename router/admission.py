@@ -274,12 +274,15 @@ class Admission:
         ``resuming``: a migrating request, placed best effort; it waits up to
         ``RESUME_WAIT_S`` for a worker to come back. ``line_since``: a retry of a request
         admitted once (its reservation was refused for room) queues for room in the place of a
-        request that began to wait then (its arrival), not behind every later one."""
+        request that began to wait then (its arrival), not behind every later one, and its wait
+        and TTFT deadline count from then too (found by a probe: a retry queued for a second
+        whole TTFT budget, its prediction leaving out the time already spent)."""
         ttft_t, _ = self._targets(spec)
-        start = time.perf_counter()
+        start = time.perf_counter() if line_since is None else line_since
         # Backstop: the TTFT prediction counts the wait too.
         deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or QUEUE_BACKSTOP_S))
-        decision = self.decide(spec, best_effort=resuming, hold=self._hold(spec.req_id, resuming))
+        decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
+                               hold=self._hold(spec.req_id, resuming))
         ticket, admitted = None, False
         try:
             while decision.action is Action.QUEUE:
@@ -292,9 +295,9 @@ class Admission:
                     ticket = self._waiters.enter(None if resuming else lambda worker: self._could_take(worker, spec))
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
-                if remaining <= 0 and decision.prediction is None:
+                if remaining <= 0 and resuming and decision.prediction is None:
                     raise WorkerFailedError(f"no serving worker came back in time ({decision.reason})")
-                if remaining <= 0:
+                if remaining <= 0:   # a fresh request's own deadline, whatever it waited for (a restart too)
                     raise CapacityError(_queue_deadline_message(ttft_t, decision.reason), "queue_deadline")
                 # Woken by one worker's report, the check ran in ``notify``, but earlier waiters may
                 # have taken that worker's room since: checked again (a decision only if still free).
@@ -313,7 +316,7 @@ class Admission:
         if decision.action is Action.REJECT:
             raise CapacityError(decision.reason + (f"; queued for: {queue_reason}" if queued else ""),
                                 decision.cause.value, _retry_after_s(decision, ttft_t, self.ttft_margin.share))
-        if metrics is not None:
+        if metrics is not None and line_since is None:   # a retry is the same request's admission: counted once
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
 

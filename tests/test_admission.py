@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -284,6 +285,59 @@ def test_a_request_without_a_ttft_target_queued_past_the_backstop_is_told_so(mon
     assert str(refused.value) == ("queued longer than 0.2 s, the limit for a request without a TTFT target "
                                   "(decode KV cache full)") and refused.value.reason == "queue_deadline"
     assert not admission._room_line and admission.num_queued == 0
+
+
+def test_a_retrys_wait_and_deadline_count_from_the_requests_arrival():
+    """Found by a probe: a request retried after its reservation was refused queued for a second
+    whole TTFT budget, its prediction leaving out the time already spent."""
+    import time
+
+    async def scenario():
+        admission = cluster(free_blocks=2)   # room for no 200-token prompt: it queues for room
+        arrived = time.perf_counter() - 0.3
+        started = time.perf_counter()
+        with pytest.raises(CapacityError) as refused:
+            await admission.acquire(named(spec(ttft=0.5, tpot=0.5), "r.r1"), line_since=arrived)
+        assert time.perf_counter() - started < 0.4, "it waited from the retry, not from its arrival"
+        # refused at once: its prediction counts the 0.3 s already spent (then 0 ms were)
+        queued = re.search(r"TTFT \d+ ms \((\d+) ms of it queued\)", str(refused.value))
+        assert refused.value.reason == "ttft" and queued and int(queued.group(1)) >= 290, str(refused.value)
+        assert admission.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_admitted_again_is_counted_once():
+    """Found by a probe: admit decisions outnumbered the requests served by the retries."""
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    admission = cluster()
+    asyncio.run(admission.acquire(named(spec(), "r"), metrics))
+    asyncio.run(admission.acquire(named(spec(), "r.r1"), metrics, line_since=0.0))
+    admits = metrics.registry.get_sample_value("pdserve_admission_decisions_total",
+                                               {"decision": "admit", "reason": Cause.BEST_EFFORT.value})
+    assert admits == 1
+
+
+def test_a_fresh_request_past_its_deadline_while_a_decode_worker_restarts_is_resource_exhausted(monkeypatch):
+    """Found by a probe: UNAVAILABLE ("no serving worker came back in time") with a traceback in
+    the log, though its own deadline ran out, not the restart's; a migrating request still gets it."""
+    from engine.errors import WorkerFailedError
+    from router.registry import WorkerState
+
+    admission = cluster()
+    admission.registry.decode[0].state = WorkerState.RESTARTING
+    with pytest.raises(CapacityError) as refused:
+        asyncio.run(admission.acquire(spec(ttft=0.2, tpot=0.5)))
+    assert str(refused.value) == "queued past its TTFT deadline (waiting for a decode worker to restart)"
+    assert refused.value.reason == "queue_deadline" and refused.value.retry_after_s > 0
+    import router.admission
+
+    monkeypatch.setattr(router.admission, "RESUME_WAIT_S", 0.2)
+    with pytest.raises(WorkerFailedError, match="no serving worker came back in time"):
+        asyncio.run(admission.acquire(spec(), resuming=True))
+    assert admission.num_queued == 0
 
 
 def colocated_worker(prior_prompts=(), now=100.0) -> tuple[Admission, WorkerHandle]:

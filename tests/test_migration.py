@@ -494,3 +494,37 @@ def test_reservations_refused_to_the_deadline_are_said_in_admissions_words(ttft_
     error = _waited_for_room(spec, migrating, ReservationRefused("21 KV blocks needed, 6 free"))
     assert str(error) == f"no decode worker had room for the prompt's KV blocks: {said} (the last refusal: 21 KV blocks needed, 6 free)"
     assert error.reason == "queue_deadline"
+
+
+def test_workers_run_requests_in_the_order_admission_let_them_in():
+    """Found by a probe: best-effort long prompts that arrived first but were let in as room freed
+    went before short ones admitted earlier with a TTFT target (workers order by arrival), which
+    then missed it 3-5x. An attempt reaches the workers stamped with its admission; a migrating
+    one keeps its arrival (it goes first: its client is mid-stream)."""
+    from engine.types import FinishReason
+    from router.orchestrator import Orchestrator, RequestTrace
+
+    decode = WorkerHandle("d0", "decode", None, "n", "cpu")
+    seen: list[RequestSpec] = []
+
+    async def admit(spec, num_migrations, line_since=None):
+        await asyncio.sleep(0.01)
+        return SimpleNamespace(prefill=None, decode=decode)
+
+    async def attempt(spec, pair, trace, learn=True):
+        seen.append(spec)
+        if len(seen) == 1:
+            yield TokenDelta(spec.req_id, (7,))
+            raise WorkerLost(decode, 0, "died")
+        yield TokenDelta(spec.req_id, (8,), FinishReason.LENGTH)
+
+    orchestrator = Orchestrator(WorkerRegistry(), None, None)
+    orchestrator._admit, orchestrator._attempt = admit, attempt
+    spec = RequestSpec("r", (1, 2), SamplingParams(max_tokens=2), arrival_s=time.monotonic() - 5.0)
+
+    async def run():
+        return [delta.token_ids async for delta in orchestrator.generate(spec, RequestTrace())]
+
+    assert asyncio.run(run()) == [(7,), (8,)]
+    assert seen[0].arrival_s > spec.arrival_s + 4.9, "the first attempt is stamped with its admission"
+    assert seen[1].arrival_s == spec.arrival_s and seen[1].num_generated == 1, "a migrating one keeps its arrival"
