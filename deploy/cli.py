@@ -18,12 +18,13 @@ import enum
 import faulthandler
 import io
 import logging
+import math
 import os
 import signal
 import sys
 
 from deploy import security_args
-from deploy.start_failure import WorkerStartError, first_line
+from deploy.start_failure import RayUnreachableError, WorkerStartError, first_line
 from kvtransfer.select import TRANSPORTS
 from router import event_loop
 from router.event_loop import LoopKind
@@ -211,6 +212,9 @@ def cluster_config(args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:   # vLLM's rule: both or "auto" stays off
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's call syntax)")
 
+    if not math.isfinite(args.kv_cache_gib):   # int(inf) would be a traceback
+        raise ValueError(f"--kv-cache-gib must be a finite number, got {args.kv_cache_gib}")
+
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
@@ -255,7 +259,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         code = event_loop.run(_serve(config), config.event_loop)
-    except WorkerStartError as exc:   # printed after the stop: the worker's log (its traceback) comes first
+    except (WorkerStartError, RayUnreachableError) as exc:   # printed after the stop: the worker's log (its traceback) comes first
         print(f"pdserve serve: error: {exc}", file=sys.stderr, flush=True)
         code = 1
     from deploy import ray_init   # here: Ray only where a cluster ran
@@ -322,6 +326,9 @@ async def _drain(cluster, timeout_s: float, signals: list, again: asyncio.Event)
     live = len(cluster.servicer.core.live) if timeout_s else 0
     if not live:
         print(f"pdserve: {signals[0].name}, shutting down", flush=True)
+        # health NOT_SERVING and new requests refused through the stop all the same (found by a
+        # probe: health said SERVING until the server was gone)
+        await cluster.drain(0)
         return
     print(f"pdserve: {signals[0].name}, draining {live} live request(s) for up to {timeout_s:.0f} s "
           f"(new ones are refused; Ctrl-C again stops now)", flush=True)

@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.standby import StandbyPool
 from deploy.start_failure import WorkerStartError, cause_line, first_line
-from deploy.ray_init import abandon_ray, abandoned, gcs_answers, init_ray, shutdown_ray, valid_address
+from deploy.ray_init import abandon_ray, abandoned, gcs_answers, init_ray, shutdown_ray, valid_address, wait_reachable
 from engine import tracing
 from engine.config import EngineConfig
 from engine.unix_push import UnixPusher
@@ -188,6 +188,8 @@ class Cluster:
         self._callers_tasks.update(asyncio.all_tasks())   # what runs now is the caller's, not this cluster's
         reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
         tracing.configure(cfg.tracing, "pdserve-router")
+        if not ray.is_initialized():
+            await wait_reachable(cfg.address)
         self._init_ray()
         model_dir, name = None, None
         if cfg.random_model is None:

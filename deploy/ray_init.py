@@ -32,6 +32,7 @@ any case.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -43,6 +44,8 @@ import psutil
 import ray
 from ray._private import ray_constants
 from ray._private import utils as ray_utils
+
+from deploy.start_failure import RayUnreachableError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,33 @@ def valid_address(address: str | None) -> bool:
         return True
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+REACH_TIMEOUT_S = 30.0   # an explicit --address must answer within this (systemd restarts a failed start)
+
+
+async def wait_reachable(address: str | None, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """A Ray address given as ``host:port`` (or ``RAY_ADDRESS``) must accept a TCP connection
+    within ``timeout_s``, else ``RayUnreachableError`` naming it. ``ray.init`` would retry for
+    minutes holding the event loop, where no signal is handled (found by a probe: a SIGTERM
+    waited out systemd's stop timeout). Async, so a signal meanwhile cancels the start."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address is None or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
+            writer.close()
+            return
+        except (OSError, TimeoutError) as exc:
+            if loop.time() >= deadline:
+                raise RayUnreachableError(f"--address {address}: nothing answers there after {timeout_s:.0f} s "
+                                          f"({first_line(exc) or type(exc).__name__}); is Ray's head up?") from None
+        await asyncio.sleep(1.0)
 
 
 def init_ray(address: str | None, **kwargs) -> bool:

@@ -20,6 +20,11 @@ class WorkerStartError(RuntimeError):
         self.cause = cause
 
 
+class RayUnreachableError(RuntimeError):
+    """Nothing answers at the Ray address the router was told to join (``ray_init.wait_reachable``);
+    ``pdserve serve`` prints it as its error and exits 1, as for a worker that cannot start."""
+
+
 def first_line(error: BaseException | str, limit: int = 300) -> str:
     """An error's first non-blank line, bounded (Ray's death notices run to a paragraph, a server's
     error page to a whole HTML document); an exception with no text gives its type's name."""

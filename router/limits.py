@@ -73,9 +73,13 @@ class ServerLimits:
         for name in _COUNTS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("min_ttft_ms", "min_tpot_ms", "http_receive_timeout_s"):
+            if getattr(self, name) > MAX_COUNT:
+                raise ValueError(f"{name} must be at most 2^30 (gRPC's arguments are 32-bit), got {getattr(self, name)}")
+        for name in ("min_ttft_ms", "min_tpot_ms", "http_receive_timeout_s", "max_ttft_ms", "max_tpot_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not math.isfinite(getattr(self, name)):   # a NaN bound passed every comparison (a probe)
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:
             raise ValueError("SLO hint ranges must have min <= max")
         if self.min_priority > self.max_priority:
@@ -85,7 +89,10 @@ class ServerLimits:
 
 
 
-# Limits that count something: none of them can be 0 (or less) and leave a usable server.
+# Limits that count something: none of them can be 0 (or less) and leave a usable server, nor
+# past 2^30: gRPC's channel arguments are 32-bit (twice max_concurrent_streams is one), and a
+# larger value ended a started cluster with a traceback (found by a probe).
+MAX_COUNT = 2**30
 _COUNTS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_prompt_bytes", "max_chat_messages",
            "max_structured_output_chars", "max_receive_message_bytes", "max_concurrent_streams", "max_queued_requests", "max_pending_tokens")
 

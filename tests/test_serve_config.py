@@ -23,6 +23,12 @@ REFUSED = [
     ("--max-num-batched-tokens 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
     ("--metrics-port -1", "metrics_port must be in [0, 65535]"),
     ("--kv-cache-gib 0", "kv_cache_bytes must be >= 1"),
+    ("--kv-cache-gib inf", "--kv-cache-gib must be a finite number, got inf"),     # a probe: a traceback
+    ("--kv-cache-gib nan", "--kv-cache-gib must be a finite number, got nan"),
+    ("--max-receive-message-bytes 99999999999", "max_receive_message_bytes must be at most 2^30"),   # after the start, before
+    ("--max-concurrent-streams 99999999999", "max_concurrent_streams must be at most 2^30"),
+    ("--max-ttft-ms nan", "max_ttft_ms must be > 0, got nan"),   # a probe: accepted
+    ("--max-tpot-ms inf", "max_tpot_ms must be a finite number, got inf"),
     ("--threads-per-worker 0", "threads_per_worker must be >= 1"),
     ("--cpus-per-worker 0", "cpus_per_worker must be > 0"),
     ("--gpus-per-worker -1", "gpus_per_worker must be > 0"),
@@ -103,3 +109,24 @@ def test_generate_and_chat_sampling_flags_become_the_requests_fields():
 def test_demo_refuses_a_request_count_it_cannot_run(capsys):
     assert main(["demo", "--num-requests", "0"]) == 2
     assert "pdserve demo: error: --num-requests must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_stop_with_nothing_live_still_says_not_serving_first():
+    """Found by a probe: with no live request, SIGTERM went straight to the stop, and health said
+    SERVING until the server was gone; the drain (health NOT_SERVING, new requests refused) runs
+    all the same, without waiting."""
+    import asyncio
+    import signal
+    from types import SimpleNamespace
+
+    from deploy.cli import _drain
+
+    drained: list[float] = []
+
+    async def drain(timeout_s: float) -> int:
+        drained.append(timeout_s)
+        return 0
+
+    cluster = SimpleNamespace(servicer=SimpleNamespace(core=SimpleNamespace(live={})), drain=drain)
+    asyncio.run(_drain(cluster, 30.0, [signal.SIGTERM], asyncio.Event()))
+    assert drained == [0]
