@@ -53,6 +53,18 @@ def orphaned(since: set[Path]) -> set[Path]:
     return {f for f in pools() - since if owner_state(owner_pid(f)) is not Owner.ALIVE}
 
 
+def session_processes(sid: int) -> list[psutil.Process]:
+    """Every live process of session ``sid`` (a run started with ``start_new_session``)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            continue
+    return out
+
+
 class Serve:
     """One ``pdserve serve`` process in its own session, its output read by a thread."""
 
@@ -94,14 +106,7 @@ class Serve:
     @property
     def session(self) -> list[psutil.Process]:
         """Every live process of this run's session (the CLI, Ray's services, its workers)."""
-        out = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except (ProcessLookupError, psutil.Error, PermissionError):
-                continue
-        return out
+        return session_processes(self.proc.pid)
 
     def segments(self) -> set[Path]:
         """KV pools in /dev/shm owned by a live process of this run."""
