@@ -64,6 +64,8 @@ def said(exc: BaseException) -> str:
     """A usage error in the user's words: the file and why it cannot be read, or the message."""
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, OSError) and exc.strerror:   # ours name the flag there; no "[Errno 98]" before it
+        return exc.strerror
     return str(exc)
 
 

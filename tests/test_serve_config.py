@@ -130,3 +130,13 @@ def test_a_stop_with_nothing_live_still_says_not_serving_first():
     cluster = SimpleNamespace(servicer=SimpleNamespace(core=SimpleNamespace(live={})), drain=drain)
     asyncio.run(_drain(cluster, 30.0, [signal.SIGTERM], asyncio.Event()))
     assert drained == [0]
+
+
+def test_a_listen_error_is_said_without_its_errno():
+    """Found by a probe: "[Errno 98] the HTTP API cannot listen on ...": the flag's words alone."""
+    from deploy.cli import said
+
+    message = "the HTTP API cannot listen on 127.0.0.1:8000 (--http-port): Address already in use"
+    assert said(OSError(98, message)) == message
+    assert said(FileNotFoundError(2, "No such file or directory", "/x")) == "/x: No such file or directory"
+    assert said(ValueError("port must be in [0, 65535]")) == "port must be in [0, 65535]"
