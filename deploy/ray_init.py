@@ -154,7 +154,7 @@ async def wait_reachable(address: str | None, timeout_s: float = REACH_TIMEOUT_S
         except (OSError, TimeoutError) as exc:
             if loop.time() >= deadline:
                 raise RayUnreachableError(f"--address {address}: nothing answers there after {timeout_s:.0f} s "
-                                          f"({first_line(exc) or type(exc).__name__}); is Ray's head up?") from None
+                                          f"({first_line(exc)}); is Ray's head up?") from None
         await asyncio.sleep(1.0)
 
 

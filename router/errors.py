@@ -54,10 +54,10 @@ _NOT_OURS = (InvalidRequestError, DuplicateRequestError, CapacityError, Shutting
              asyncio.CancelledError, GeneratorExit)
 
 
-def servers_fault(exc: BaseException) -> bool:
-    """Whether a request that ended with ``exc`` failed by the server's fault (what a trace marks
-    as an error, as OpenTelemetry's conventions mark a 5xx)."""
-    return not isinstance(unwrap(exc), _NOT_OURS)
+def fault_of(exc: BaseException | None) -> BaseException | None:
+    """``exc`` where a request that ended with it failed by the server's fault (what a trace span
+    records as its error, as OpenTelemetry's conventions mark a 5xx), else None."""
+    return exc if exc is not None and not isinstance(unwrap(exc), _NOT_OURS) else None
 
 
 def retry_after_s(exc: BaseException) -> float | None:

@@ -36,7 +36,7 @@ from router import convert, limits as request_limits
 from router.chat_prompt import chat_from_proto
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
-from router.errors import RequestFailedError, servers_fault, status_for
+from router.errors import RequestFailedError, fault_of, status_for
 from router.identity import CUT_AT_STOP, DuplicateRequestError, LiveRequests, RequestIdentity, ShuttingDownError
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
@@ -141,7 +141,7 @@ class GenerationCore:
             raise
         finally:
             if span is not None:
-                tracing.end(span, error if error is not None and servers_fault(error) else None,
+                tracing.end(span, fault_of(error),
                             outcome=getattr(outcome, "value", outcome), completion_tokens=num_tokens)
 
     async def _stream(self, spec: RequestSpec, request: pb.GenerateRequest, span) -> AsyncIterator[GenerationEvent]:

@@ -144,8 +144,7 @@ class _Api:
         req, label = await self._parse(request, ChatCompletionRequest)
         tools = self._checked(tool_calls.plan, req, self.config.tool_call_parser)
         msg = self._checked(chat_request, req, label, tools)
-        return self._response([msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools,
-                              trace_context=tracing.client_context(request.headers.items()))
+        return self._response(request, [msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools)
 
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)
@@ -154,8 +153,7 @@ class _Api:
         echoes = await self._as_client_error(self.core.on_tokenizer_pool(
             echo_texts, req, self.core.tokenizer, self.core.defaults.vocab_size), chat=False) if req.echo \
             else [None] * len(msgs)
-        return self._response(msgs, echoes, req, label, chat=False, logprobs=req.logprobs is not None,
-                              trace_context=tracing.client_context(request.headers.items()))
+        return self._response(request, msgs, echoes, req, label, chat=False, logprobs=req.logprobs is not None)
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's ``/tokenize``: the ids a generation request with this prompt (or these messages,
@@ -285,11 +283,10 @@ class _Api:
         if self.core.metrics is not None:
             self.core.metrics.request_invalid()
 
-    def _response(self, msgs: list, echoes: list[str | None], req, label: str, *, chat: bool,
-                  logprobs: bool, tools: ToolPlan | None = None,
-                  trace_context: dict[str, str] | None = None) -> GenerationResponse:
+    def _response(self, request: Request, msgs: list, echoes: list[str | None], req, label: str, *, chat: bool,
+                  logprobs: bool, tools: ToolPlan | None = None) -> GenerationResponse:
         """One response over every prompt's (``msgs``, each with its ``echoes`` text) ``n`` choices;
-        ``trace_context``: the client's, its trace continued."""
+        the trace context the client's ``request`` carries is continued."""
         prefix = "chatcmpl-" if chat else "cmpl-"
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
         response_id = prefix + label
@@ -300,4 +297,5 @@ class _Api:
         fmts = [first] + [first.for_choice(i, echoes[i // req.n]) for i in range(1, len(requests))]
         return GenerationResponse(self.core, requests, fmts, stream=req.stream,
                                   sent_as=sent_as(req, chat=chat, tools=tools),
-                                  choices_per_prompt=req.n, trace_context=trace_context)
+                                  choices_per_prompt=req.n,
+                                  trace_context=tracing.client_context(request.headers.items()))

@@ -31,7 +31,7 @@ from engine.errors import InvalidRequestError
 from engine.types import RequestSpec
 from protos import pdserve_pb2 as pb
 from router.delta_queue import SLOW_READER
-from router.errors import servers_fault
+from router.errors import fault_of
 from router.generation import GenerationCore, GenerationEvent
 from router.identity import RequestIdentity
 from router.openai_api.requests import in_batch
@@ -71,7 +71,7 @@ async def merged(core: GenerationCore, requests: list[pb.GenerateRequest], ident
         raise
     finally:
         if span is not None:
-            tracing.end(span, error if error is not None and servers_fault(error) else None)
+            tracing.end(span, fault_of(error))
 
 
 async def _merged(core: GenerationCore, requests: list[pb.GenerateRequest], identities: list[RequestIdentity],
