@@ -26,7 +26,9 @@ otherwise), so every block on both sides is freed and none is freed under a live
 A worker lost mid-attempt (``WorkerLost``: from a call, the decode stream, or the prefill
 worker's report that its decode peer died) is reported to the supervisor, and the request
 migrates (``router.migration``): a new attempt, on whatever pair admission finds (a
-replacement included), resumes from the tokens already streamed.
+replacement included), resumes from the tokens already streamed. The move counts against the
+migration limit unless the attempt found that worker already lost (``_found_lost``: it streamed
+nothing, and the actor answered nobody after the attempt began).
 """
 
 from __future__ import annotations
@@ -197,30 +199,27 @@ class Orchestrator:
         while True:
             attempt_spec = run.attempt_spec()
             # a retry after a refused reservation keeps the place in the room line its arrival gives it
-            pair = await self._admit(attempt_spec, run.num_migrations, trace.start_s if run.num_refusals else None)
+            pair = await self._admit(attempt_spec, run.num_moves, trace.start_s if run.num_refusals else None)
             trace.path.admitted(time.perf_counter())
-            if not run.num_migrations:
+            if not run.num_moves:
                 # Workers run requests in the order admission let them in (its predictions count
                 # the queue it saw): a request that arrived earlier but was let in later does not
                 # jump ahead there (found by a probe: best-effort long prompts admitted as room
                 # freed went before short ones admitted with a TTFT target, which missed it 3-5x).
                 # A migrating request keeps its arrival: it goes first, its client mid-stream.
                 attempt_spec = dataclasses.replace(attempt_spec, arrival_s=time.monotonic())
+            began_s, streamed = time.monotonic(), False
             try:
                 # A resumed or retried attempt's latency is the loss's or the wait's, not admission's
                 # prediction's to learn from.
-                learn = run.num_migrations == 0 and run.num_refusals == 0
+                learn = run.num_moves == 0 and run.num_refusals == 0
                 async for delta in self._attempt(attempt_spec, pair, trace, learn):
+                    streamed = True
                     yield run.sent(delta)
                 return
             except WorkerLost as lost:
                 self._report_lost(lost)
-                run.migrate(lost.cause)
-                trace.migrations = run.num_migrations
-                if self.metrics is not None:
-                    self.metrics.migration()
-                logger.warning("%s: %s; migrating (attempt %d) with %d tokens already sent", spec.req_id,
-                               lost.cause, run.num_migrations + 1, len(run.sent_token_ids))
+                self._migrate(run, lost, trace, _found_lost(lost, began_s, streamed))
                 resume_deadline = time.monotonic() + RESUME_WAIT_S
             except ReservationRefused as refused:
                 # The decode side was full after all: admission saw its last report, which the
@@ -246,6 +245,16 @@ class Orchestrator:
                                  "pdserve.decode_worker": pair.decode.worker_id,
                                  "pdserve.predicted_ttft_s": float(pair.ttft_s or 0.0)})
             return pair
+
+    def _migrate(self, run: RequestMigration, lost: WorkerLost, trace: RequestTrace, found_lost: bool) -> None:
+        """Move ``run`` off the worker ``lost`` names (WorkerFailedError past the limit)."""
+        counted = run.migrate(lost.cause, lost.worker.worker_id if found_lost else None)
+        trace.migrations = run.num_moves
+        if self.metrics is not None:
+            self.metrics.migration()
+        logger.warning("%s: %s; migrating (attempt %d%s) with %d tokens already sent", run.spec.req_id, lost.cause,
+                       run.num_moves + 1, "" if counted else ", not counted: that worker was lost before this attempt "
+                       "used it", len(run.sent_token_ids))
 
     def _report_lost(self, lost: WorkerLost) -> None:
         if self.on_lost is not None:
@@ -357,6 +366,7 @@ class Orchestrator:
                 async for item in items_first_ahead:
                     if isinstance(item, FirstToken):   # the client has it while the KV moves
                         trace.path.back_wall_s, trace.path.first = time.time(), item
+                        prefill.heard(at.prefill_gen)   # one from the inbox came outside any call
                         sent = (item.token_id,)
                         yield _first_delta(spec.req_id, sent, item.logprob, item.top_logprobs,
                                            prompt_logprobs=item.prompt_logprobs)
@@ -478,6 +488,15 @@ class Orchestrator:
     async def drain_cleanups(self) -> None:
         if self._cleanups:
             await asyncio.gather(*self._cleanups, return_exceptions=True)
+
+
+def _found_lost(lost: WorkerLost, began_s: float, streamed: bool) -> bool:
+    """The attempt found its worker already lost: it streamed nothing (any token shows both its
+    workers alive after it began: a decode worker had reserved, or ran it) and that actor answered
+    nobody after the attempt began (no reply, stream batch or heartbeat). Killed together with
+    the worker the request moved off, it was dead before this attempt was placed; one killed under
+    a live stream, or that went on answering others after the attempt reached it, was not."""
+    return not streamed and not lost.worker.heard_since(lost.generation, began_s)
 
 
 def _engine_s(trace: RequestTrace) -> float | None:

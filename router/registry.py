@@ -12,6 +12,9 @@ misses its TPOT target). When a call or stream of generation g finds the actor d
 a late failure of an old actor never takes down its replacement) and the supervisor starts a
 replacement; ``replace`` installs it as generation g+1 with fresh stats and no load (whatever
 the old actor held is gone with its process). DEAD: given up (restart limit) or shut down.
+Every answer from the current actor (a call's reply, a streamed item, a decode stream batch)
+stamps ``heard``: ``heard_since`` tells a request whether the actor it lost was still alive
+after its attempt began (router.migration: a loss of one already dead is not charged to it).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class WorkerHandle:
     prefix: PrefixIndex = field(default_factory=PrefixIndex)   # prompt prefixes its cache probably holds
     promised_blocks: int = 0      # blocks reserved for (or soon asked of) this decode worker, not yet decoding
     served: bool = False          # this generation ran engine steps: its model works (router.supervisor's backoff)
+    _heard: tuple[int, float] | None = None   # (generation, monotonic time) of its last answer
     _prefill_rate: float = 0.0    # decayed prompt tokens/s assigned here (see prefill_token_rate)
     _prefill_rate_at: float = 0.0
     _first_prefill_at: float | None = None
@@ -127,6 +131,16 @@ class WorkerHandle:
         self.decoding.clear()
         self.served = False
         self.state = WorkerState.READY
+
+    def heard(self, generation: int) -> None:
+        """The actor of ``generation`` answered (a reply, a streamed item): it was alive now."""
+        if generation == self.generation:
+            self._heard = (generation, time.monotonic())
+
+    def heard_since(self, generation: int, since_s: float) -> bool:
+        """The actor of ``generation`` answered after ``since_s`` (monotonic). False when unknown:
+        a replacement already answered, and the lost actor's stamp went with its slot."""
+        return self._heard is not None and self._heard[0] == generation and self._heard[1] > since_s
 
     def observe_stats(self, stats: WorkerStats | None) -> None:
         if stats is not None:

@@ -56,6 +56,7 @@ async def watch_stalls(worker: WorkerHandle, generation: int, timeout_s: float, 
         except RayActorError:
             return   # died: the lifeline reports it
         answered = time.monotonic()
+        worker.heard(generation)
         if turn_s >= timeout_s:
             if worker.generation == generation and worker.alive:
                 on_stalled(worker, generation, Stall.LONG_TURN, turn_s)

@@ -82,6 +82,7 @@ class DecodeStreams:
     def _dispatch(self, worker: WorkerHandle, generation: int, batch: StreamBatch) -> None:
         if generation != worker.generation:
             return
+        worker.heard(generation)
         worker.observe_kv_events(batch.kv_events, generation)
         if batch.stats is not None:
             worker.observe_stats(batch.stats)

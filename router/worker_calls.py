@@ -9,6 +9,7 @@ A call names its worker slot and is bound to the actor generation it started on:
     ``WorkerLost`` naming the slot and generation, which the orchestrator turns into a request
     migration and the supervisor into a replacement.
 Errors the worker raised on purpose (Ray re-raises them as their own type) pass through.
+Each answer (a reply, a streamed item) tells the slot its actor was alive then (``heard``).
 ``stream_call`` is ``call`` for a streaming method (an async generator on the actor): a call
 re-issued after ``ActorUnavailableError`` skips the items already yielded (the worker replays
 them: its streaming methods are idempotent per request id too).
@@ -64,6 +65,7 @@ async def stream_call(worker: WorkerHandle, method: str, *args: Any, generation:
             async for ref in getattr(actor, method).remote(*args):
                 item = await ref
                 num_items += 1
+                worker.heard(generation)
                 if num_items > num_yielded:   # a re-issued call replays what was yielded already
                     num_yielded = num_items
                     yield item
@@ -88,7 +90,9 @@ async def await_ref(worker: WorkerHandle, generation: int, make_ref, give_up_s: 
     backoff = _Backoff(worker, generation, give_up_s)
     while True:
         try:
-            return await make_ref()
+            answer = await make_ref()
+            worker.heard(generation)
+            return answer
         except ActorUnavailableError as exc:
             await backoff.wait(exc)
         except RayActorError as exc:

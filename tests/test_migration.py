@@ -6,6 +6,7 @@ keeps a late writer out of a freed reservation. Engine tests end with a leak che
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from types import SimpleNamespace
 
@@ -528,3 +529,292 @@ def test_workers_run_requests_in_the_order_admission_let_them_in():
     assert asyncio.run(run()) == [(7,), (8,)]
     assert seen[0].arrival_s > spec.arrival_s + 4.9, "the first attempt is stamped with its admission"
     assert seen[1].arrival_s == spec.arrival_s and seen[1].num_generated == 1, "a migrating one keeps its arrival"
+
+
+# ---------------------------------------------------------------- one failure event, one migration
+
+
+class InProcessActor:
+    """A worker object behind a Ray-like handle, in this process: ``actor.<method>.remote(*args)``
+    is awaitable, a streaming method's an async iterator of awaitables. ``kill`` makes every call
+    fail as a dead actor's does (``ActorDiedError``), and the streams open on it too, unless
+    ``noticed=False``: the router has not noticed the death yet (Ray's notice is still on its way),
+    only a call finds it. ``worker=None``: an actor that is dead from the start."""
+
+    def __init__(self, worker=None) -> None:
+        self.worker = worker
+        self.dead = worker is None
+        self.stream_broken = asyncio.Event()
+
+    def kill(self, noticed: bool = True) -> None:
+        self.dead = True
+        if noticed:
+            self.stream_broken.set()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return SimpleNamespace(remote=lambda *args: self._remote(name, args))
+
+    def _remote(self, name: str, args):
+        if self.worker is None:   # dead from the start: calls fail, its stream waits for the notice
+            return self._items(_idle(), opened_before=True) if name == "stream" else self._call(None, args)
+        fn = getattr(self.worker, name)
+        return self._items(fn(*args)) if inspect.isasyncgenfunction(fn) else self._call(fn, args)
+
+    async def _call(self, fn, args):
+        if self.dead:
+            raise ActorDiedError()
+        return await fn(*args)
+
+    async def _items(self, items, opened_before: bool = False):
+        if self.dead and not opened_before:
+            raise ActorDiedError()
+        broken = asyncio.ensure_future(self.stream_broken.wait())
+        try:
+            while True:
+                item = asyncio.ensure_future(anext(items))
+                done, _ = await asyncio.wait({item, broken}, return_when=asyncio.FIRST_COMPLETED)
+                if broken in done:
+                    item.cancel()
+                    raise ActorDiedError()
+                yield asyncio.sleep(0, item.result())   # awaitable, as Ray's refs are
+        finally:
+            broken.cancel()
+
+
+async def _idle():
+    await asyncio.Event().wait()
+    yield  # pragma: no cover - never reached: it makes this a stream
+
+
+class PrefillingForever:
+    """A prefill worker busy with the request's long prompt: its call yields nothing (until it dies)."""
+
+    def __init__(self) -> None:
+        self.reached = asyncio.Event()
+
+    async def prefill(self, spec, transport, decode, inbox=None):
+        self.reached.set()
+        await asyncio.Event().wait()
+        yield  # pragma: no cover - never reached: it makes this a streaming method
+
+    async def stats(self):
+        return None
+
+
+def _decode_workers(n: int):
+    from decode_worker.worker import DecodeWorker
+    from engine.worker_spec import WorkerSpec
+
+    workers = [DecodeWorker(WorkerSpec(f"decode-{i}", random_model={"seed": 0},
+                                       engine=EngineConfig(num_kv_blocks=64, block_size=16))) for i in range(n)]
+    for w in workers:
+        w.start()
+    return workers
+
+
+def _orchestrated(registry: WorkerRegistry, limit: int):
+    """The real orchestrator, decode streams and admission over ``registry``; pairs chosen in
+    slot order among the workers alive (no prefill worker alive: the decode worker prefills, as
+    admission does); a lost worker is marked down at once, as the supervisor does."""
+    from router.orchestrator import Orchestrator
+    from router.pair_search import Prediction
+    from router.streams import DecodeStreams
+
+    def lose(lost):
+        lost.worker.mark_down(lost.generation)
+
+    streams = DecodeStreams(registry, on_lost=lose)
+    orchestrator = Orchestrator(registry, streams, Admission(registry), on_lost=lose, migration_limit=limit)
+    placed: list[str] = []
+
+    async def admit(spec, num_moves, line_since=None):
+        prefill = next((w for w in registry.prefill if w.alive), None)
+        decode = next(w for w in registry.decode if w.alive)
+        placed.append(f"{prefill.worker_id}+{decode.worker_id}" if prefill else decode.worker_id)
+        return Prediction(prefill, decode, None, None, num_prompt_tokens=len(spec.prompt_token_ids))
+
+    orchestrator._admit = admit
+    streams.start()
+    return orchestrator, streams, placed
+
+
+async def _collect(orchestrator, spec, on_tokens=lambda tokens: None):
+    from router.orchestrator import RequestTrace
+
+    trace, tokens = RequestTrace(), []
+    async for delta in orchestrator.generate(spec, trace):
+        tokens.extend(delta.token_ids)
+        on_tokens(tokens)
+    return tokens, trace
+
+
+async def _settled(orchestrator, streams, workers) -> None:
+    await orchestrator.drain_cleanups()
+    await streams.stop()
+    for w in workers:
+        await w.leak_report()   # the engine loop has run past the request's last step
+        w.shutdown()
+
+
+GREEDY_30 = SamplingParams(max_tokens=30, ignore_eos=True)
+PROMPT = (17, 4, 99, 250, 3, 8)
+
+
+def test_a_decode_worker_dead_before_the_migrated_attempt_reaches_it_costs_no_second_migration(engine):
+    """Found by a kill probe: decode-0 dies mid-stream and decode-1 at the same moment; the
+    request moves off decode-0 (its one migration, limit 1) and is placed on decode-1 before the
+    router knows it is dead. That second loss is of the same failure event: not counted. The
+    request completes on decode-2 equal to an uninterrupted run; no request left, every block free."""
+    whole = engine.generate([RequestSpec("whole", PROMPT, GREEDY_30)])["whole"]
+
+    async def run():
+        workers = _decode_workers(3)
+        actors = [InProcessActor(w) for w in workers]
+        registry = WorkerRegistry()
+        for i, actor in enumerate(actors):
+            registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+        orchestrator, streams, placed = _orchestrated(registry, limit=1)
+
+        def kill_two_at_five(tokens):
+            if len(tokens) >= 5 and not actors[0].dead:
+                actors[0].kill()
+                actors[1].kill(noticed=False)
+
+        try:
+            tokens, trace = await _collect(orchestrator, RequestSpec("r", PROMPT, GREEDY_30), kill_two_at_five)
+        finally:
+            await _settled(orchestrator, streams, workers)
+        return tokens, trace, placed, workers[2].engine
+
+    tokens, trace, placed, survivor = asyncio.run(run())
+    assert placed == ["decode-0", "decode-1", "decode-2"]
+    assert tokens == whole
+    assert trace.migrations == 2, "two moves, one of them counted"
+    assert_no_leaks(survivor)
+
+
+def test_a_prefill_and_a_decode_worker_killed_together_cost_one_migration(engine):
+    """The request prefills on prefill-0 (which answers others meanwhile: alive after the attempt
+    reached it, so its loss counts) for decode-0; both die at once. With limit 1 the request
+    moves off prefill-0, is placed on decode-0 (no prefill worker left: it would prefill there)
+    before its death is known, and that loss is not counted: it completes on decode-1, equal to
+    an uninterrupted run. Before: UNAVAILABLE, "migration limit (1) is reached"."""
+    whole = engine.generate([RequestSpec("whole", PROMPT, GREEDY_30)])["whole"]
+
+    async def run():
+        workers = _decode_workers(2)
+        decode_actors = [InProcessActor(w) for w in workers]
+        prefilling = PrefillingForever()
+        prefill_actor = InProcessActor(prefilling)
+        registry = WorkerRegistry()
+        prefill = WorkerHandle("prefill-0", "prefill", prefill_actor, "n", "cpu")
+        registry.add(prefill)
+        for i, actor in enumerate(decode_actors):
+            registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+        orchestrator, streams, placed = _orchestrated(registry, limit=1)
+
+        async def kill_both_mid_prefill():
+            await prefilling.reached.wait()
+            await call(prefill, "stats")   # it serves others meanwhile
+            prefill_actor.kill()
+            decode_actors[0].kill(noticed=False)
+
+        killer = asyncio.ensure_future(kill_both_mid_prefill())
+        try:
+            tokens, trace = await _collect(orchestrator, RequestSpec("r", PROMPT, GREEDY_30))
+        finally:
+            killer.cancel()
+            await _settled(orchestrator, streams, workers)
+        return tokens, trace, placed, workers[1].engine
+
+    tokens, trace, placed, survivor = asyncio.run(run())
+    assert placed == ["prefill-0+decode-0", "decode-0", "decode-1"]
+    assert tokens == whole
+    assert trace.migrations == 2
+    assert_no_leaks(survivor)
+
+
+def test_the_migration_limit_still_ends_a_request_whose_workers_keep_dying_mid_stream(engine):
+    """Each worker dies under the live stream (alive when the attempt began: every loss counts):
+    with limit 1 the second loss ends the request, UNAVAILABLE naming the limit, after the
+    tokens both attempts streamed (none repeated or missing)."""
+    whole = engine.generate([RequestSpec("whole", PROMPT, GREEDY_30)])["whole"]
+    received: list[int] = []
+
+    async def run():
+        workers = _decode_workers(3)
+        actors = [InProcessActor(w) for w in workers]
+        registry = WorkerRegistry()
+        for i, actor in enumerate(actors):
+            registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+        orchestrator, streams, placed = _orchestrated(registry, limit=1)
+
+        def kill_every_four(tokens):
+            received[:] = tokens
+            for k in (0, 1):
+                if len(tokens) >= 4 * (k + 1) and not actors[k].dead:
+                    actors[k].kill()
+
+        try:
+            with pytest.raises(WorkerFailedError, match=r"migration limit \(1\) is reached"):
+                await _collect(orchestrator, RequestSpec("r", PROMPT, GREEDY_30), kill_every_four)
+        finally:
+            await _settled(orchestrator, streams, workers)
+        return placed, workers[2].engine
+
+    placed, untouched = asyncio.run(run())
+    assert placed == ["decode-0", "decode-1"]
+    assert received == whole[:len(received)] and len(received) >= 8
+    assert_no_leaks(untouched)
+
+
+def test_losses_found_at_the_first_call_are_excused_once_per_worker_slot():
+    """A request whose every attempt finds its worker dead (a worker that dies at its first call,
+    replaced each time) does not loop: each slot's loss is excused once, then they count, and
+    the limit ends it: limit + 1 + one attempt per slot."""
+    registry = WorkerRegistry()
+    slot = WorkerHandle("decode-0", "decode", InProcessActor(), "n", "cpu")
+    registry.add(slot)
+
+    async def run():
+        orchestrator, streams, placed = _orchestrated(registry, limit=2)
+
+        def lose_and_replace(lost):   # the supervisor: a fresh actor, dead at its first call again
+            if lost.worker.mark_down(lost.generation):
+                lost.worker.replace(InProcessActor(), {"node_id": "n", "device": "cpu"})
+
+        orchestrator.on_lost = lose_and_replace
+        try:
+            with pytest.raises(WorkerFailedError, match=r"migration limit \(2\) is reached"):
+                await _collect(orchestrator, RequestSpec("r", PROMPT, GREEDY_30))
+        finally:
+            await orchestrator.drain_cleanups()
+            await streams.stop()
+        return placed
+
+    assert asyncio.run(run()) == ["decode-0"] * 4
+    assert slot.generation == 4
+
+
+def test_an_excused_loss_moves_the_request_under_a_fresh_id_without_counting():
+    run = RequestMigration(RequestSpec("r", (1, 2)), limit=1)
+    assert run.migrate("d0 died mid-stream") is True
+    assert run.migrate("d1 found dead", found_lost="decode-1") is False
+    assert run.migrate("p0 found dead", found_lost="prefill-0") is False
+    assert (run.num_migrations, run.num_moves, run.attempt_spec().req_id) == (1, 3, "r.m3")
+    with pytest.raises(WorkerFailedError, match="migration limit"):
+        run.migrate("d1 found dead again", found_lost="decode-1")   # once per slot
+
+
+def test_an_answer_after_the_attempt_began_shows_the_worker_was_alive():
+    worker = _worker(FlakyActor([]))
+    began = time.monotonic()
+    assert not worker.heard_since(0, began)
+    assert asyncio.run(call(worker, "ping")) == "pong"
+    assert worker.heard_since(0, began) and not worker.heard_since(0, time.monotonic())
+    worker.mark_down(0)
+    worker.replace(FlakyActor([]), {"node_id": "n", "device": "cpu"})
+    worker.heard(0)   # a late answer of the old actor says nothing of the new one
+    assert not worker.heard_since(1, began) and worker.heard_since(0, began)
