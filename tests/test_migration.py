@@ -1,7 +1,9 @@
 """The parts of worker-failure recovery that need no cluster: a migrated request resumes exactly
 (greedy and seeded sampling), the attempt bookkeeping, Ray's failure modes told apart (an
-unavailable actor is retried, a dead one is lost), the supervisor's backoff, and the fence that
-keeps a late writer out of a freed reservation. Engine tests end with a leak check."""
+unavailable actor is retried, a dead one is lost), the supervisor's backoff, the fence that
+keeps a late writer out of a freed reservation, and one failure event costing one migration
+(the real orchestrator over in-process decode workers behind Ray-like handles that die on
+demand). Engine tests end with a leak check."""
 
 from __future__ import annotations
 
