@@ -6,7 +6,9 @@ and the router; print where it listens; on Ctrl-C (SIGINT) or SIGTERM drain (hea
 NOT_SERVING, new requests are refused with UNAVAILABLE, live ones may finish for up to
 ``--drain-timeout``; a second signal ends the drain), then stop the router, shut every worker down (each unlinks its /dev/shm pool; one that hangs is killed after
 ``--stop-timeout``) and leave Ray, then exit 0. A signal during start-up cancels the start,
-tears down what was started, and exits 128 + the signal number.
+tears down what was started, and exits 128 + the signal number. A value no cluster could serve
+with, a file that cannot be read or a port that cannot be had is a usage error (exit 2, before
+Ray starts), said with the flag the user typed (``said``: a config's field as its flag).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 
 from deploy import security_args
 from deploy.start_failure import RayUnreachableError, WorkerStartError, first_line
+from engine.errors import ConfigError
 from kvtransfer.select import TRANSPORTS
 from router import event_loop
 from router.event_loop import LoopKind
@@ -56,17 +59,35 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except (OSError, ValueError) as exc:   # a file that cannot be read, a value no run could use: the user's
         logger.debug("usage error", exc_info=True)
-        print(f"pdserve {args.command}: error: {said(exc)}", file=sys.stderr)
+        print(f"pdserve {args.command}: error: {said(exc, args)}", file=sys.stderr)
         return 2
 
 
-def said(exc: BaseException) -> str:
-    """A usage error in the user's words: the file and why it cannot be read, or the message."""
+def said(exc: BaseException, args: argparse.Namespace | None = None) -> str:
+    """A usage error in the user's words: the file and why it cannot be read, a config's error
+    with the flags of ``args``' command for its fields, or the message."""
+    if isinstance(exc, ConfigError):
+        return exc.said(lambda field: flag_of(field, args))
     if isinstance(exc, OSError) and exc.filename:
         return f"{exc.filename}: {exc.strerror or exc}"
     if isinstance(exc, OSError) and exc.strerror:   # ours name the flag there; no "[Errno 98]" before it
         return exc.strerror
     return str(exc)
+
+
+# Config fields set by a flag of another name (the field carries its unit, or a word of its own);
+# every other field's flag is its own name (--num-decode sets num_decode). Fields set from a flag in another unit (ttft_s
+# from --ttft-ms, kv_cache_bytes from --kv-cache-gib) are not here: cluster_config checks those
+# flags in their own unit, so that the value said is the one typed.
+FIELD_DESTS = {"worker_stall_timeout_s": "worker_stall_timeout", "drain_timeout_s": "drain_timeout",
+               "stop_timeout_s": "stop_timeout", "max_tokens": "default_max_tokens",
+               "otlp_endpoint": "otlp_traces_endpoint"}
+
+
+def flag_of(field: str, args: argparse.Namespace | None) -> str:
+    """The flag of ``args``' command that sets config field ``field``; the field's name where none does."""
+    dest = FIELD_DESTS.get(field, field)
+    return "--" + dest.replace("_", "-") if hasattr(args, dest) else field
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
 def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-prefill", type=int, default=None,
+                   help="prefill workers (default 1; colocated mode has none: its decode workers prefill)")
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -214,8 +236,10 @@ def cluster_config(args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:   # vLLM's rule: both or "auto" stays off
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's call syntax)")
 
-    if not math.isfinite(args.kv_cache_gib):   # int(inf) would be a traceback
-        raise ValueError(f"--kv-cache-gib must be a finite number, got {args.kv_cache_gib}")
+    for dest in ("kv_cache_gib", "ttft_ms", "tpot_ms"):   # converted below (int(inf) would be a traceback)
+        value = getattr(args, dest)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError.on(dest, f"must be a finite number > 0, got {value}")
 
     def engine() -> EngineConfig:
         return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -232,7 +256,7 @@ def cluster_config(args: argparse.Namespace):
     if args.tpot_ms is not None:
         defaults["tpot_s"] = args.tpot_ms / 1000
     return ClusterConfig(
-        mode=args.mode, num_prefill=args.num_prefill, num_decode=args.num_decode, model=args.model,
+        mode=args.mode, num_prefill=_num_prefill(args), num_decode=args.num_decode, model=args.model,
         prefill_engine=engine(), decode_engine=engine(), cpus_per_worker=args.cpus_per_worker,
         gpus_per_worker=args.gpus_per_worker,
         threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
@@ -253,11 +277,21 @@ def cluster_config(args: argparse.Namespace):
     )
 
 
+def _num_prefill(args: argparse.Namespace) -> int:
+    """An explicit count that cannot take effect is refused, not ignored (vLLM's rule)."""
+    if args.mode != "colocated":
+        return 1 if args.num_prefill is None else args.num_prefill
+    if args.num_prefill:
+        raise ConfigError.on("num_prefill", f"{args.num_prefill}: colocated mode has no prefill workers "
+                                            "(its decode workers prefill); leave it out")
+    return 0
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     try:
         config = cluster_config(args)
     except ValueError as exc:   # a value no cluster could serve with: a usage error, as argparse's own
-        print(f"pdserve serve: error: {exc}", file=sys.stderr)
+        print(f"pdserve serve: error: {said(exc, args)}", file=sys.stderr)
         return 2
     try:
         code = event_loop.run(_serve(config), config.event_loop)

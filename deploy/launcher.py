@@ -40,6 +40,7 @@ from deploy.start_failure import WorkerStartError, cause_line, first_line
 from deploy.ray_init import abandon_ray, abandoned, gcs_answers, init_ray, shutdown_ray, valid_address, wait_reachable
 from engine import tracing
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.unix_push import UnixPusher
 from engine.worker_spec import WorkerSpec
 from kvtransfer.select import TRANSPORTS
@@ -114,8 +115,9 @@ class ClusterConfig:
     event_loop: str | None = None        # the router's loop (router/event_loop.py): auto, uvloop, asyncio; None: $PDSERVE_EVENT_LOOP or auto
 
     def __post_init__(self) -> None:
-        """A configuration no cluster could serve with is refused here, naming the field, before
-        Ray or any worker starts (`pdserve serve` reports it as a usage error)."""
+        """A configuration no cluster could serve with is refused here (ConfigError), naming the
+        field, before Ray or any worker starts (`pdserve serve` reports it as a usage error, naming
+        the flag)."""
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(self.num_decode >= 1, "num_decode", f"must be >= 1, got {self.num_decode}")
         minimum = 1 if self.mode == "disaggregated" else 0
@@ -152,14 +154,38 @@ class ClusterConfig:
             _require(target is None or target > 0, name, f"(a default SLO target) must be > 0, got {target}")
         _require(self.defaults.get("max_tokens", 1) >= 1, "max_tokens",
                  f"(the default) must be >= 1, got {self.defaults.get('max_tokens')}")
+        _require(self.served_model_name is None or self.served_model_name.strip(), "served_model_name",
+                 f"must not be empty, got {self.served_model_name!r}")
+        _check_distinct_ports(self.doors())
+
+    def doors(self) -> list[tuple[str, str, int]]:
+        """Where the router listens: (the port's field, host, port) of gRPC, the HTTP API and metrics."""
+        doors = [("port", self.host, self.port), ("http_port", self.http_host or self.host, self.http_port),
+                 ("metrics_port", self.metrics_host, self.metrics_port)]
+        return [(field, host, port) for field, host, port in doors if port is not None]
 
 
 MODES = ("disaggregated", "colocated")
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")   # a bind to these takes the port on every address
+
+
+def _check_distinct_ports(doors: list[tuple[str, str, int]]) -> None:
+    """Two doors on one port and one address: the second bind would fail after the cluster started,
+    blamed on that door alone. Port 0 (any free port) never collides."""
+    for i, (field, host, port) in enumerate(doors):
+        for earlier, other_host, other_port in doors[:i]:
+            if port and port == other_port and _same_address(host, other_host):
+                raise ConfigError(f"{{{field}}} {port} is the same port as {{{earlier}}}")
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether binds to ``a`` and ``b`` take one address (a wildcard takes them all)."""
+    return a == b or a in WILDCARDS or b in WILDCARDS
 
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {message}")
+        raise ConfigError.on(name, message)   # `pdserve serve` says the field as its flag
 
 
 class Cluster:

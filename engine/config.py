@@ -13,6 +13,8 @@ import enum
 import re
 from dataclasses import dataclass
 
+from engine.errors import ConfigError
+
 DTYPES = ("float32", "float16", "bfloat16")   # what the engine serves (engine/dtypes.py maps them to torch)
 _DEVICE = re.compile(r"(cpu|cuda(:\d+)?|auto)")
 
@@ -82,12 +84,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         budget = self.max_num_batched_tokens
         if self.block_size < 1 or (budget is not None and budget < 1) or self.max_num_seqs < 1:
-            raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
+            raise ConfigError("{block_size}, {max_num_batched_tokens} and {max_num_seqs} must be >= 1")
         self._check_sizes()
         if not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+            raise ConfigError.on("device", f"must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError.on("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         self.role = EngineRole(self.role)
         self.decode_graphs = GraphMode(self.decode_graphs)
         if self.dtype == "auto" and self.device != "auto":
@@ -100,9 +102,9 @@ class EngineConfig:
         for name in ("num_kv_blocks", "kv_cache_bytes", "num_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (or None), got {value}")
+                raise ConfigError.on(name, f"must be >= 1 (or None), got {value}")
         for name in ("decode_attention_group", "num_recent_steps", "cuda_graph_max_context"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError.on(name, f"must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+            raise ConfigError.on("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import string
+from collections.abc import Callable
+
 
 class PdserveError(Exception):
     """Base class of every error pdserve raises on purpose."""
@@ -23,6 +26,30 @@ def require(ok: object, field: str, message: str) -> None:
     """Raise InvalidRequestError(field, message) unless ``ok``: every request check's one form."""
     if not ok:
         raise InvalidRequestError(field, message)
+
+
+class ConfigError(PdserveError, ValueError):
+    """A configuration value no cluster could serve with. ``template`` marks each field it names
+    as ``{field}``: in-process it reads with the field's name (``num_decode must be >= 1``),
+    and ``pdserve`` says it with the flag that sets the field (``said``: ``--num-decode must be
+    >= 1``), one rule for every config (cluster, engine, limits, tracing, client TLS)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.said())
+
+    @classmethod
+    def on(cls, field: str, text: str) -> ConfigError:
+        """``field`` then ``text`` (taken as written: a value in it may hold braces)."""
+        return cls("{" + field + "} " + text.replace("{", "{{").replace("}", "}}"))
+
+    def said(self, name: Callable[[str], str] = str) -> str:
+        """The message, each field said as ``name(field)``."""
+        fields = {f for _, f, _, _ in string.Formatter().parse(self.template) if f}
+        return self.template.format(**{f: name(f) for f in fields})
+
+    def __reduce__(self):   # Ray re-raises it in the caller
+        return (type(self), (self.template,))
 
 
 DEFAULT_RETRY_AFTER_S = 1.0   # a refusal with no estimate of when room comes back

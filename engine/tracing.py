@@ -43,6 +43,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 FLUSH_AT_STOP_S = 3.0   # for spans still batched to reach the collector when tracing is reset
@@ -55,6 +57,13 @@ _NOOP = trace.NoOpTracer()
 class TracingConfig:
     otlp_endpoint: str | None = None   # e.g. http://collector:4318 (OTLP/HTTP; /v1/traces is added)
     jsonl_path: str | None = None      # append finished spans as JSON lines here
+
+    def __post_init__(self) -> None:
+        """OTLPSpanExporter posts to the endpoint with ``requests``: anything but an http(s) URL with
+        a host would fail each export in a background thread, in silence, after the cluster started."""
+        if self.otlp_endpoint is not None and not _http_url(self.otlp_endpoint):
+            raise ConfigError.on("otlp_endpoint", "must be an http(s) URL with a host, such as "
+                                                  f"http://127.0.0.1:4318, got {self.otlp_endpoint!r}")
 
     @property
     def enabled(self) -> bool:
@@ -163,6 +172,15 @@ def reset(flush_s: float = FLUSH_AT_STOP_S) -> None:
     if flush.is_alive():
         logger.warning("tracing: spans not exported within %.0f s (the OTLP collector does not answer); "
                        "dropping them", flush_s)
+
+
+def _http_url(text: str) -> bool:
+    try:
+        url = urlparse(text)
+        url.port   # noqa: B018 - raises for a port that is not a number in 0-65535
+    except ValueError:
+        return False
+    return url.scheme in ("http", "https") and bool(url.hostname) and text == text.strip()
 
 
 def otlp_url(endpoint: str) -> str:

@@ -17,7 +17,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import require
+from engine.errors import ConfigError, require
 from protos import pdserve_pb2 as pb
 
 MIB = 1 << 20
@@ -72,20 +72,20 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for name in _COUNTS:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError.on(name, f"must be >= 1, got {getattr(self, name)}")
             if getattr(self, name) > MAX_COUNT:
-                raise ValueError(f"{name} must be at most 2^30 (gRPC's arguments are 32-bit), got {getattr(self, name)}")
+                raise ConfigError.on(name, f"must be at most 2^30 (gRPC's arguments are 32-bit), got {getattr(self, name)}")
         for name in ("min_ttft_ms", "min_tpot_ms", "http_receive_timeout_s", "max_ttft_ms", "max_tpot_ms"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError.on(name, f"must be > 0, got {getattr(self, name)}")
             if not math.isfinite(getattr(self, name)):   # a NaN bound passed every comparison (a probe)
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+                raise ConfigError.on(name, f"must be a finite number, got {getattr(self, name)}")
         if self.min_ttft_ms > self.max_ttft_ms or self.min_tpot_ms > self.max_tpot_ms:
             raise ValueError("SLO hint ranges must have min <= max")
         if self.min_priority > self.max_priority:
             raise ValueError("priority range must have min <= max")
         if not 1 <= self.stream_interval <= self.max_pending_tokens:
-            raise ValueError("stream_interval must be in [1, max_pending_tokens]")
+            raise ConfigError("{stream_interval} must be in [1, {max_pending_tokens}]")
 
 
 

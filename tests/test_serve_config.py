@@ -1,6 +1,7 @@
 """`pdserve serve` with a value no cluster could serve with: refused at once as a usage error
-(exit status 2, the field named, nothing started), before Ray or any worker. The same rules hold
-for programmatic configs (ClusterConfig, EngineConfig, ServerLimits raise ValueError). And the
+(exit status 2, the flag named, nothing started), before Ray or any worker. The same rules hold
+for programmatic configs (ClusterConfig, EngineConfig, ServerLimits, TracingConfig raise a
+ValueError, ConfigError, naming the field). And the
 sampling flags of `pdserve generate` and `chat` reach the request."""
 
 from __future__ import annotations
@@ -12,41 +13,53 @@ from deploy.launcher import ClusterConfig
 from engine.config import EngineConfig
 
 REFUSED = [
-    ("--num-decode 0", "num_decode must be >= 1"),
-    ("--num-prefill 0", "num_prefill must be >= 1 in disaggregated mode"),
-    ("--mode colocated --num-prefill -1", "num_prefill must be >= 0 in colocated mode"),
-    ("--dtype float64", "dtype must be auto or one of float32, float16, bfloat16"),
-    ("--device tpu", "device must be cpu, cuda, cuda:N or auto"),
-    ("--port 70000", "port must be in [0, 65535]"),
-    ("--mode colocated --kv-transport shm", "kv_transport applies to disaggregated mode only"),
-    ("--random-model --model /tmp/m.gguf", "model and random_model are two models: give one"),
-    ("--max-num-batched-tokens 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
-    ("--metrics-port -1", "metrics_port must be in [0, 65535]"),
-    ("--kv-cache-gib 0", "kv_cache_bytes must be >= 1"),
-    ("--kv-cache-gib inf", "--kv-cache-gib must be a finite number, got inf"),     # a probe: a traceback
-    ("--kv-cache-gib nan", "--kv-cache-gib must be a finite number, got nan"),
-    ("--max-receive-message-bytes 99999999999", "max_receive_message_bytes must be at most 2^30"),   # after the start, before
-    ("--max-concurrent-streams 99999999999", "max_concurrent_streams must be at most 2^30"),
-    ("--max-ttft-ms nan", "max_ttft_ms must be > 0, got nan"),   # a probe: accepted
-    ("--max-tpot-ms inf", "max_tpot_ms must be a finite number, got inf"),
-    ("--threads-per-worker 0", "threads_per_worker must be >= 1"),
-    ("--cpus-per-worker 0", "cpus_per_worker must be > 0"),
-    ("--gpus-per-worker -1", "gpus_per_worker must be > 0"),
-    ("--ttft-ms -5", "ttft_s (a default SLO target) must be > 0"),
-    ("--tpot-ms 0", "tpot_s (a default SLO target) must be > 0"),
-    ("--default-max-tokens 0", "max_tokens (the default) must be >= 1"),
-    ("--migration-limit -1", "migration_limit must be >= 0"),
-    ("--max-worker-restarts -1", "max_worker_restarts must be >= 0"),
-    ("--stop-timeout -1", "stop_timeout_s must be >= 0"),
-    ("--max-concurrent-streams 0", "max_concurrent_streams must be >= 1"),
-    ("--max-queued-requests -1", "max_queued_requests must be >= 1"),
-    ("--min-ttft-ms 0", "min_ttft_ms must be > 0"),
-    ("--http-receive-timeout-s 0", "http_receive_timeout_s must be > 0"),
-    ("--block-size 0", "block_size, max_num_batched_tokens and max_num_seqs must be >= 1"),
-    ("--worker-stall-timeout -1", "worker_stall_timeout_s must be >= 0"),
-    ("--drain-timeout -1", "drain_timeout_s must be >= 0"),
-    ("--address head:99999", "address must be auto, local or [ray://]host:port with a port in 1-65535"),
-    ("--address ray://head", "address must be auto, local or [ray://]host:port"),
+    # each named by the flag the user typed (the config's field name in-process: ConfigError)
+    ("--num-decode 0", "--num-decode must be >= 1"),
+    ("--num-prefill 0", "--num-prefill must be >= 1 in disaggregated mode"),
+    ("--mode colocated --num-prefill 3", "--num-prefill 3: colocated mode has no prefill workers"),   # a probe: ignored
+    ("--mode colocated --num-prefill -1", "--num-prefill -1: colocated mode has no prefill workers"),
+    ("--dtype float64", "--dtype must be auto or one of float32, float16, bfloat16"),
+    ("--device tpu", "--device must be cpu, cuda, cuda:N or auto"),
+    ("--port 70000", "--port must be in [0, 65535]"),
+    ("--mode colocated --kv-transport shm", "--kv-transport applies to disaggregated mode only"),
+    ("--random-model --model /tmp/m.gguf", "--model and random_model are two models: give one"),
+    ("--max-num-batched-tokens 0", "--block-size, --max-num-batched-tokens and --max-num-seqs must be >= 1"),
+    ("--metrics-port -1", "--metrics-port must be in [0, 65535]"),
+    ("--kv-cache-gib 0", "--kv-cache-gib must be a finite number > 0, got 0.0"),
+    ("--kv-cache-gib inf", "--kv-cache-gib must be a finite number > 0, got inf"),     # a probe: a traceback
+    ("--kv-cache-gib nan", "--kv-cache-gib must be a finite number > 0, got nan"),
+    ("--max-receive-message-bytes 99999999999", "--max-receive-message-bytes must be at most 2^30"),   # after the start, before
+    ("--max-concurrent-streams 99999999999", "--max-concurrent-streams must be at most 2^30"),
+    ("--max-ttft-ms nan", "--max-ttft-ms must be > 0, got nan"),   # a probe: accepted
+    ("--max-tpot-ms inf", "--max-tpot-ms must be a finite number, got inf"),
+    ("--threads-per-worker 0", "--threads-per-worker must be >= 1"),
+    ("--cpus-per-worker 0", "--cpus-per-worker must be > 0"),
+    ("--gpus-per-worker -1", "--gpus-per-worker must be > 0"),
+    ("--ttft-ms -5", "--ttft-ms must be a finite number > 0, got -5.0"),   # its unit, not the config's seconds
+    ("--tpot-ms 0", "--tpot-ms must be a finite number > 0, got 0.0"),
+    ("--default-max-tokens 0", "--default-max-tokens (the default) must be >= 1"),
+    ("--migration-limit -1", "--migration-limit must be >= 0"),
+    ("--max-worker-restarts -1", "--max-worker-restarts must be >= 0"),
+    ("--stop-timeout -1", "--stop-timeout must be >= 0"),
+    ("--max-concurrent-streams 0", "--max-concurrent-streams must be >= 1"),
+    ("--max-queued-requests -1", "--max-queued-requests must be >= 1"),
+    ("--min-ttft-ms 0", "--min-ttft-ms must be > 0"),
+    ("--http-receive-timeout-s 0", "--http-receive-timeout-s must be > 0"),
+    ("--block-size 0", "--block-size, --max-num-batched-tokens and --max-num-seqs must be >= 1"),
+    ("--worker-stall-timeout -1", "--worker-stall-timeout must be >= 0"),
+    ("--drain-timeout -1", "--drain-timeout must be >= 0"),
+    ("--address head:99999", "--address must be auto, local or [ray://]host:port with a port in 1-65535"),
+    ("--address ray://head", "--address must be auto, local or [ray://]host:port"),
+    # found by a probe: accepted, then a second bind failed after the start, blamed on that door alone
+    ("--port 9400 --metrics-port 9400", "--metrics-port 9400 is the same port as --port"),
+    ("--port 8000", "--http-port 8000 is the same port as --port"),
+    ("--http-port 9400", "--metrics-port 9400 is the same port as --http-port"),
+    ("--port 7000 --metrics-port 7000 --metrics-host 0.0.0.0", "--metrics-port 7000 is the same port as --port"),
+    ("--served-model-name ", "--served-model-name must not be empty, got ''"),   # a probe: accepted
+    ("--served-model-name \t", "--served-model-name must not be empty, got '\\t'"),
+    ("--otlp-traces-endpoint not-a-url", "--otlp-traces-endpoint must be an http(s) URL with a host, such as "
+                                          "http://127.0.0.1:4318, got 'not-a-url'"),   # a probe: accepted
+    ("--otlp-traces-endpoint http://:4318", "--otlp-traces-endpoint must be an http(s) URL with a host"),
     # files, read (and a certificate checked) before Ray starts: found by a probe (tracebacks, or a hang)
     ("--auth-token-file /nonexistent", "/nonexistent: No such file or directory"),
     ("--tls-cert /etc/hostname --tls-key /etc/hostname", "--tls-cert / --tls-key / --tls-client-ca: not a PEM"),
@@ -58,8 +71,25 @@ def test_serve_refuses_a_config_no_cluster_could_serve_with(args, message, capsy
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a refused config"))
-    assert main(["serve", *args.split()]) == 2
+    assert main(["serve", *args.split(" ")]) == 2
     assert f"pdserve serve: error: {message}" in capsys.readouterr().err
+
+
+def test_colocated_mode_runs_without_a_prefill_count_and_port_0_never_collides():
+    """The default --num-prefill (none given) is 1 disaggregated, none colocated; 0 colocated says
+    what happens anyway. Doors on port 0 (any free port), or on one port at two addresses, are no
+    collision."""
+    from deploy.cli import _parser, cluster_config
+
+    def config(*flags: str):
+        return cluster_config(_parser().parse_args(["serve", "--random-model", *flags]))
+
+    assert config("--mode", "colocated").num_prefill == 0
+    assert config("--mode", "colocated", "--num-prefill", "0").num_prefill == 0
+    assert config().num_prefill == 1
+    assert config("--port", "0", "--http-port", "0", "--metrics-port", "0").doors() == \
+        [("port", "127.0.0.1", 0), ("http_port", "127.0.0.1", 0), ("metrics_port", "127.0.0.1", 0)]
+    assert config("--port", "9400", "--metrics-host", "127.0.0.2", "--no-http").metrics_port == 9400
 
 
 def test_workers_needing_more_cpus_than_ray_has_are_refused_on_an_embedded_ray(caplog):
@@ -87,6 +117,10 @@ def test_programmatic_configs_follow_the_same_rules():
     with pytest.raises(ValueError, match="kv_cache_memory_fraction must be in"):
         EngineConfig(kv_cache_memory_fraction=0)
     assert ClusterConfig(mode="colocated", num_prefill=0).num_prefill == 0   # colocated: decode workers prefill
+    with pytest.raises(ValueError, match="metrics_port 9400 is the same port as port"):
+        ClusterConfig(port=9400, metrics_port=9400)
+    with pytest.raises(ValueError, match="served_model_name must not be empty"):
+        ClusterConfig(served_model_name="  ")
     assert EngineConfig(device="cuda:1").dtype == "bfloat16"
 
 
