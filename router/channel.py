@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from router.pem import PemSource, read_pem
+from router.pem import PemSource, read_ca, read_pem
 
 @dataclass(frozen=True, slots=True)
 class ClientSecurity:
@@ -33,7 +33,7 @@ class ClientSecurity:
     def of(cls, *, tls: bool = False, tls_ca: PemSource | None = None, tls_cert: PemSource | None = None,
            tls_key: PemSource | None = None, auth_token: str | None = None) -> ClientSecurity:
         """Any certificate or key implies TLS."""
-        ca, cert, key = read_pem(tls_ca), read_pem(tls_cert), read_pem(tls_key)
+        ca, cert, key = read_ca(tls_ca, "tls_ca"), read_pem(tls_cert), read_pem(tls_key)
         secure = tls or any(x is not None for x in (ca, cert, key))
         return cls(secure, ca, cert, key, auth_token or None)
 

@@ -92,6 +92,24 @@ def test_colocated_mode_runs_without_a_prefill_count_and_port_0_never_collides()
     assert config("--port", "9400", "--metrics-host", "127.0.0.2", "--no-http").metrics_port == 9400
 
 
+def test_client_commands_refuse_a_ca_file_that_is_not_a_pem_certificate(tmp_path, capsys):
+    """Found by a probe: `pdserve bench --tls-ca` of a file that is no certificate reported
+    UNAVAILABLE (a handshake that never succeeds); now a usage error at once, naming the flag, for
+    bench (before it launches or connects to anything) and generate alike; in-process the field."""
+    from router.channel import ClientSecurity
+
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("hello\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--tls-ca", str(not_pem), "--launch", "colocated", "--random-model"])
+    assert exit_.value.code == 2
+    assert f"pdserve bench: error: --tls-ca {not_pem}: not a PEM certificate" in capsys.readouterr().err
+    assert main(["generate", "hi", "--tls-ca", str(not_pem)]) == 2
+    assert f"pdserve generate: error: --tls-ca {not_pem}: not a PEM certificate" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="tls_ca bytes: not a PEM certificate"):
+        ClientSecurity.of(tls_ca=b"\xff")
+
+
 def test_workers_needing_more_cpus_than_ray_has_are_refused_on_an_embedded_ray(caplog):
     """Found by a probe: --num-decode 2 on 2 cores (3 workers x 1 CPU) waited for a placement that
     never came, in silence. Embedded Ray: an error naming the fix; a cluster that may grow: a warning."""

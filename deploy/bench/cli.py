@@ -32,6 +32,7 @@ from deploy.bench.backends import FAILED, FLAVORS, GrpcBackend, OpenAIBackend, S
 from deploy.bench.dataset import DATASETS, DEFAULT_VOCAB, make_requests, with_text
 from deploy.bench.runner import WarmUpFailed, run_rate, warm_up
 from deploy.start_failure import WorkerStartError, first_line
+from router.channel import ClientSecurity
 
 logger = logging.getLogger("pdserve.bench")
 
@@ -122,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slos = report.parse_goodput(args.goodput)
         _check_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except (OSError, ValueError) as exc:   # a value no run could use, a file that cannot be read
+        from deploy.cli import said
+
+        parser.error(said(exc, args))
     try:
         return _run_main(args, slos)
     except (WorkerStartError, ServerUnreachable, WarmUpFailed) as exc:   # no worker, no server, not a server we can drive
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:   # an unreadable file (a token, a certificate): the user's to fix
         from deploy.cli import said
 
-        parser.error(said(exc))
+        parser.error(said(exc, args))
     except grpc.RpcError as exc:   # the server is not there, or refused us (a wrong token)
         target = args.address if args.backend == "grpc" else args.base_url
         print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -166,6 +169,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-duration-s must be > 0, got {args.max_duration_s}")
     if args.request_timeout_s is not None and not args.request_timeout_s > 0:
         raise ValueError(f"--request-timeout-s must be > 0, got {args.request_timeout_s}")
+    if args.backend == "grpc" or args.launch:   # the TLS files and the token, read and checked now, not at the first call
+        ClientSecurity.of(**security_args.client_kwargs(args))
     if args.launch:
         return
     if args.backend == "openai":
