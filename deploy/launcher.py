@@ -13,8 +13,9 @@ actor dies: ``_spawn`` activates a warm spare (``deploy/standby.py``) or starts 
 from the worker's own recipe (same spec, same placement group), and the health service follows
 whether a serving path exists. ``stop()`` stops the supervisor, the spares and the server,
 shuts every worker down (each unlinks its /dev/shm pool; one that hangs past
-``stop_timeout_s`` is killed) and leaves Ray. Pools that a crashed run left on this node are
-reclaimed first thing in ``start()``.
+``stop_timeout_s`` is killed) and leaves Ray. First thing in ``start()``, before Ray: each door
+(gRPC, HTTP, metrics) is bound once and released (``router/listen.py``: a port in use fails in
+a second, not after the workers' start), and pools that a crashed run left on this node are reclaimed.
 ``ClusterThread`` runs a cluster on its own event loop in a background thread (tests, CLI).
 """
 
@@ -45,7 +46,7 @@ from engine.unix_push import UnixPusher
 from engine.worker_spec import WorkerSpec
 from kvtransfer.select import TRANSPORTS
 from kvtransfer.shm_reclaim import reclaim_stale_segments
-from router import event_loop
+from router import event_loop, listen
 from router.convert import ServerDefaults
 from router.limits import ServerLimits
 from router.openai_api.tool_parsers import PARSERS
@@ -212,6 +213,8 @@ class Cluster:
     async def start(self) -> int:
         cfg = self.config
         self._callers_tasks.update(asyncio.all_tasks())   # what runs now is the caller's, not this cluster's
+        for door, host, port in cfg.doors():   # a port in use fails now, not after Ray and the workers started
+            listen.probe(door, host, port)
         reclaim_stale_segments()  # pools a crashed run left on this node (workers reclaim on theirs)
         tracing.configure(cfg.tracing, "pdserve-router")
         if not ray.is_initialized():

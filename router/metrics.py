@@ -83,6 +83,7 @@ from prometheus_client.registry import Collector
 from prometheus_client import start_http_server as _start_http_server
 
 from engine.types import FinishReason, HandoffOutcome, WorkerStats
+from router.listen import cannot_listen
 
 if TYPE_CHECKING:  # convert.py imports the generated protos; metrics only needs the type
     from router.convert import RequestTimings
@@ -284,7 +285,7 @@ class RouterMetrics:
         try:
             self._server, _ = _start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:   # said with the flag: a bare "[Errno 98] Address already in use" names no door
-            raise OSError(exc.errno, f"metrics cannot listen on {addr}:{port} (--metrics-port): {exc.strerror}") from None
+            raise cannot_listen("metrics_port", addr, port, exc.strerror, exc.errno) from None
         return self._server.server_port
 
     def close(self) -> None:

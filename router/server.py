@@ -38,6 +38,7 @@ from router.convert import ServerDefaults
 from router.generation import GenerationCore, GenerationEvent, MalformedRequest
 from router.health import PDSERVE_SERVICE, ServingHealth
 from router.identity import RequestIdentity
+from router.listen import cannot_listen
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.security import ServerSecurity
@@ -273,5 +274,4 @@ def _listen(add_port, host: str, port: int) -> int:
     try:
         return add_port(f"{host}:{port}")
     except RuntimeError:
-        raise OSError(f"gRPC cannot listen on {host}:{port} (--port): the port is in use, or the address "
-                      "is not this machine's") from None
+        raise cannot_listen("port", host, port, "the port is in use, or the address is not this machine's") from None

@@ -1,7 +1,9 @@
 """A port that cannot be had is said naming its option, on each of the three doors (gRPC,
 the OpenAI HTTP API, metrics), as the OSError the CLI prints in one line (``pdserve serve:
 error: ...``, exit 2): before, gRPC's was a RuntimeError traceback naming neither the cause nor
-the flag, and the others a bare "[Errno 98] Address already in use"."""
+the flag, and the others a bare "[Errno 98] Address already in use". `pdserve serve` finds a port
+in use, or a host not this machine's, before Ray starts (it said so only after the cluster's
+9-20 s start), with the same words."""
 
 from __future__ import annotations
 
@@ -36,3 +38,27 @@ def test_each_door_names_its_option_when_its_port_is_taken(taken):
     with pytest.raises(OSError, match=rf"metrics cannot listen on 127.0.0.1:{taken} \(--metrics-port\)"):
         metrics.start_http_server(taken)
     metrics.close()
+
+
+@pytest.mark.parametrize("flag,door", [("--port", "gRPC"), ("--http-port", "the HTTP API"),
+                                       ("--metrics-port", "metrics")])
+def test_serve_says_a_port_in_use_before_ray_starts(taken, flag, door, capsys, monkeypatch):
+    import ray
+
+    from deploy.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a port in use"))
+    doors = {"--port": "0", "--http-port": "0", "--metrics-port": "0", flag: str(taken)}
+    assert main(["serve", "--random-model", *(x for pair in doors.items() for x in pair)]) == 2
+    assert (f"pdserve serve: error: {door} cannot listen on 127.0.0.1:{taken} ({flag}): Address already in use"
+            in capsys.readouterr().err)
+
+
+def test_serve_says_a_host_that_is_not_this_machines_before_ray_starts(capsys, monkeypatch):
+    import ray
+
+    from deploy.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a host it cannot bind"))
+    assert main(["serve", "--random-model", "--host", "192.0.2.1", "--port", "0"]) == 2   # TEST-NET-1: no one's
+    assert "gRPC cannot listen on 192.0.2.1:0 (--port): Cannot assign requested address" in capsys.readouterr().err

@@ -24,6 +24,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from router.listen import cannot_listen
 from router.security import ServerSecurity
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:   # said with the flag: a bare "[Errno 98] Address already in use" names no door
         sock.close()
-        raise OSError(exc.errno, f"the HTTP API cannot listen on {host}:{port} (--http-port): {exc.strerror}") from None
+        raise cannot_listen("http_port", host, port, exc.strerror, exc.errno) from None
     sock.set_inheritable(True)
     return sock
 
