@@ -134,8 +134,8 @@ class ClusterConfig:
             _require(port is None or 0 <= port <= 65535, name, f"must be in [0, 65535] (0: any free port), got {port}")
         _require(valid_address(self.address), "address",
                  f"must be auto, local or [ray://]host:port with a port in 1-65535, got {self.address!r}")
-        _require(self.model is None or self.random_model is None, "model",
-                 f"and random_model are two models: give one, got {self.model!r} and a random model")
+        if self.model is not None and self.random_model is not None:
+            raise ConfigError("{model} and {random_model} are two models: give one")
         _require(self.kv_transport is None or self.kv_transport in TRANSPORTS, "kv_transport",
                  f"must be one of {', '.join(TRANSPORTS)}, got {self.kv_transport!r}")
         _require(self.kv_transport is None or self.mode != "colocated", "kv_transport",

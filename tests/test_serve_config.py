@@ -22,7 +22,7 @@ REFUSED = [
     ("--device tpu", "--device must be cpu, cuda, cuda:N or auto"),
     ("--port 70000", "--port must be in [0, 65535]"),
     ("--mode colocated --kv-transport shm", "--kv-transport applies to disaggregated mode only"),
-    ("--random-model --model /tmp/m.gguf", "--model and random_model are two models: give one"),
+    ("--random-model --model /tmp/m.gguf", "--model and --random-model are two models: give one"),
     ("--max-num-batched-tokens 0", "--block-size, --max-num-batched-tokens and --max-num-seqs must be >= 1"),
     ("--metrics-port -1", "--metrics-port must be in [0, 65535]"),
     ("--kv-cache-gib 0", "--kv-cache-gib must be a finite number > 0, got 0.0"),
@@ -32,6 +32,7 @@ REFUSED = [
     ("--max-concurrent-streams 99999999999", "--max-concurrent-streams must be at most 2^30"),
     ("--max-ttft-ms nan", "--max-ttft-ms must be > 0, got nan"),   # a probe: accepted
     ("--max-tpot-ms inf", "--max-tpot-ms must be a finite number, got inf"),
+    ("--min-ttft-ms 5000 --max-ttft-ms 100", "--min-ttft-ms 5000.0 is above --max-ttft-ms 100.0"),   # was "SLO hint ranges"
     ("--threads-per-worker 0", "--threads-per-worker must be >= 1"),
     ("--cpus-per-worker 0", "--cpus-per-worker must be > 0"),
     ("--gpus-per-worker -1", "--gpus-per-worker must be > 0"),
