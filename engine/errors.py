@@ -1,4 +1,5 @@
-"""Typed errors raised by the engine and the workers; the router maps each to one gRPC code."""
+"""Typed errors raised by the engine and the workers; the router maps each to one gRPC code.
+``ConfigError`` is a configuration's, refused before anything starts (``pdserve``: a usage error)."""
 
 from __future__ import annotations
 
