@@ -15,13 +15,15 @@ Decision (targets scaled down for lower priority classes, so they are shed first
   admit  - every prediction within target: the chosen pair runs it;
   queue  - TTFT fits but the decode side is full (its or a running request's TPOT over target,
            or no KV room): wait for capacity, re-evaluated when a worker reports or a request
-           ends (the oldest ``MAX_WAKE_PER_NOTIFY`` per wake, ``router.wakeup``; woken by a
+           ends (per wake the ``MAX_WAKE_PER_NOTIFY`` of the highest priority waiting longest,
+           ``router.wakeup``; woken by a
            report, a request decides again only when that worker could now take it,
            ``_could_take``, checked in the report's ``notify``: no task switch when not),
            until the time queued leaves no room for its TTFT (30 s without one); a queue
-           already ``max_queued`` long refuses at once. KV room is first come, first served:
-           the first request queued for it holds the room it waits for against every later
-           one on the decode worker with the most room, once it has waited ``HOLD_AFTER_S``
+           already ``max_queued`` long refuses at once. KV room goes by priority, then first
+           come, first served (``router.room_line``): the first request queued for it holds the
+           room it waits for against every later one of its class or a lower one on the decode
+           worker with the most room, once it has waited ``HOLD_AFTER_S``
            (``_hold``; a migrating request is not held back), as an engine's waiting queue does;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
@@ -44,6 +46,7 @@ from engine.types import RequestSpec
 from router.pair_search import (PairSearch, Prediction, RoomHold, fits_tpot, has_kv_room, has_room, kv_tokens_of,
                                 queued_prefill_tokens)
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
+from router.room_line import RoomLine
 from router.step_model import StepTimeModel
 from router.ttft_margin import TtftMargin
 from router.wakeup import FairWakeup
@@ -122,10 +125,10 @@ class Admission:
         self.ttft_margin = TtftMargin()   # the share of a TTFT target a prediction may use
         self.tpot_correction = 1.0     # the same for TPOT (see the module docstring)
         self._waiters = FairWakeup()
-        # Requests queued for KV room (req_id -> the room each waits for, on the decode worker
-        # with the most room when it last decided), in the order they began to wait: the first
-        # holds its room there against every later request (``_hold``).
-        self._room_line: dict[str, RoomHold] = {}
+        # Requests queued for KV room (each with the room it waits for, on the decode worker
+        # with the most room when it last decided), by priority then since when: the first holds
+        # its room there against every later request of its class or a lower one (``_hold``).
+        self._room_line = RoomLine()
         self.num_queued = 0
         self.max_queued = max_queued   # a full queue answers RESOURCE_EXHAUSTED at once (None: unbounded)
 
@@ -181,10 +184,11 @@ class Admission:
         """Requests waiting here now: queued for room, or for a capacity change after a refusal."""
         return len(self._waiters)
 
-    async def capacity_changed(self, timeout_s: float) -> None:
+    async def capacity_changed(self, timeout_s: float, priority: int = 0) -> None:
         """Return at the next capacity change (a worker report, a finished request) or after
-        ``timeout_s``: a request whose reservation was refused retries then, not in a spin."""
-        ticket = self._waiters.enter()
+        ``timeout_s``: a request whose reservation was refused retries then, not in a spin
+        (woken in its ``priority``'s turn)."""
+        ticket = self._waiters.enter(rank=priority)
         try:
             await self._waiters.wait(ticket, timeout_s)
         finally:
@@ -282,17 +286,18 @@ class Admission:
         # Backstop: the TTFT prediction counts the wait too.
         deadline = start + (RESUME_WAIT_S if resuming else (ttft_t or QUEUE_BACKSTOP_S))
         decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
-                               hold=self._hold(spec.req_id, resuming))
+                               hold=self._hold(spec, resuming))
         ticket, admitted = None, False
         try:
             while decision.action is Action.QUEUE:
                 queue_reason = decision.reason
-                self._line_up(spec.req_id, decision, resuming, line_since)
+                self._line_up(spec, decision, resuming, line_since)
                 if ticket is None:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
                                             f"({decision.reason}); retry later", "queue_full")
-                    ticket = self._waiters.enter(None if resuming else lambda worker: self._could_take(worker, spec))
+                    ticket = self._waiters.enter(None if resuming else lambda worker: self._could_take(worker, spec),
+                                                 spec.priority)
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0 and resuming and decision.prediction is None:
@@ -305,7 +310,7 @@ class Admission:
                 if source is not None and not resuming and not self._could_take(source, spec):
                     continue   # only ``source`` changed and it still has no room: the last decision holds
                 decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
-                                       hold=self._hold(spec.req_id, resuming))
+                                       hold=self._hold(spec, resuming))
             admitted = decision.action is Action.ADMIT
         finally:
             self._leave_line(spec.req_id, wake=not admitted)
@@ -320,45 +325,46 @@ class Admission:
             metrics.admission(Action.ADMIT.value, decision.cause.value)
         return decision.prediction
 
-    def _hold(self, req_id: str, resuming: bool = False) -> RoomHold | None:
+    def _hold(self, spec: RequestSpec, resuming: bool = False) -> RoomHold | None:
         """The room a request must leave free: what the first request queued for room waits
-        for, unless it is that request, or a migrating one (admitted once already: it resumes
-        best effort). First come, first served for KV room, as an engine's waiting queue is:
-        without it, a stream of small requests fitting the room as it freed kept a large one
-        queued until its deadline (found by a probe). Held on one decode worker only (the
-        others take requests as before), where the first one goes once the room is there, and
-        only once it has waited ``HOLD_AFTER_S``."""
-        first = next(iter(self._room_line.items()), None)
-        if first is None or resuming or first[0] == req_id or time.perf_counter() - first[1].since < HOLD_AFTER_S:
+        for, unless it is that request, one of a higher priority class (lower ``priority``:
+        room goes to it first), or a migrating one (admitted once already: it resumes best
+        effort). First come, first served for KV room within a class, as an engine's waiting
+        queue is: without it, a stream of small requests fitting the room as it freed kept a
+        large one queued until its deadline (found by a probe). Held on one decode worker only
+        (the others take requests as before), where the first one goes once the room is there,
+        and only once it has waited ``HOLD_AFTER_S``."""
+        first = self._room_line.first()
+        if first is None or resuming:
             return None
-        return first[1]
+        req_id, hold, priority = first
+        if req_id == spec.req_id or spec.priority < priority or time.perf_counter() - hold.since < HOLD_AFTER_S:
+            return None
+        return hold
 
-    def _line_up(self, req_id: str, decision: Decision, resuming: bool, line_since: float | None = None) -> None:
+    def _line_up(self, spec: RequestSpec, decision: Decision, resuming: bool, line_since: float | None = None) -> None:
         """A request queued for KV room keeps its place in the room line (joining it the first
-        time: at the back, or where ``line_since`` puts it); queued for anything else, it leaves it."""
+        time: at the back of its class, or where ``line_since`` puts it); queued for anything
+        else, it leaves it."""
         if decision.cause is Cause.KV_FULL and not resuming:
             # where most room is now: the worker it can get into soonest (re-chosen at each decision)
             roomiest = max(self.registry.alive("decode"), key=lambda w: w.free_blocks or 0, default=None)
             if roomiest is None:
                 return
-            held = self._room_line.get(req_id)
+            held = self._room_line.get(spec.req_id)
             since = held.since if held is not None else line_since
             if since is None:
                 since = time.perf_counter()
-            self._room_line[req_id] = RoomHold(roomiest.worker_id, decision.room_tokens, since)
-            if held is None and line_since is not None:
-                self._room_line = dict(sorted(self._room_line.items(), key=lambda item: item[1].since))
+            self._room_line.place(spec.req_id, RoomHold(roomiest.worker_id, decision.room_tokens, since), spec.priority)
         else:
-            self._leave_line(req_id)
+            self._leave_line(spec.req_id)
 
     def _leave_line(self, req_id: str, wake: bool = True) -> None:
         """Out of the room line. ``wake``: when the first one leaves without taking its room
         (refused, gone, queued for something else now), what it held may be what the next one
         needs: the queue decides again (one taking its room changes nothing for the others
         until a worker reports, which wakes them: a bounded wake per report either way)."""
-        first = next(iter(self._room_line), None)
-        self._room_line.pop(req_id, None)
-        if wake and first == req_id:
+        if self._room_line.leave(req_id) and wake:
             self.notify()
 
     def _could_take(self, worker: WorkerHandle, spec: RequestSpec) -> bool:
@@ -374,7 +380,7 @@ class Admission:
         if _decode_idle(worker):
             return True   # a decision admits there whatever it predicts (``_idle``)
         ttft_t, tpot_t = self._targets(spec)
-        hold = self._hold(spec.req_id)
+        hold = self._hold(spec)
         if not self.enabled or (ttft_t is None and tpot_t is None):
             # queued best effort: for the prompt's room alone (a reservation's; none without prefill workers)
             return not self.registry.alive("prefill") or _has_prompt_room(worker, spec, hold)

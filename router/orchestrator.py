@@ -231,7 +231,7 @@ class Orchestrator:
                 if time.monotonic() > deadline:
                     raise _waited_for_room(spec, resume_deadline is not None, refused) from refused
                 run.refused()
-                await self.admission.capacity_changed(RESERVE_RETRY_S)
+                await self.admission.capacity_changed(RESERVE_RETRY_S, spec.priority)
 
     async def _admit(self, spec: RequestSpec, num_migrations: int, line_since: float | None = None) -> Prediction:
         """Admission (queueing included), as the request trace's ``admission`` span."""

@@ -6,6 +6,12 @@ per step; here a report wakes at most ``n`` waiters, in rotation (oldest first, 
 waiter goes to the back, so every queued request is re-evaluated within len/n reports). A wake
 that finds a waiter between two decisions is kept (its event stays set), so none is lost.
 
+Waiters enter with a rank (the request's priority: lower goes first, vLLM's order; every
+request is rank 0 under FCFS) and a wake walks the ranks in order, rotating within each: the
+capacity a report announces is offered to the most important requests first (a probe found 6
+queued priority-0 requests served after 6 priority-10 ones that had come first). The ranks
+present are few (a priority range), so the walk stays bounded by ``n``.
+
 Each wake names its source: the worker whose report it is, or None when anything may have
 changed (a request finished, a worker came back). The woken waiter learns it from ``wait``, so
 a report from a worker that still cannot take the request costs a check of that one worker, not
@@ -15,7 +21,7 @@ source then runs it at once, and a waiter the source cannot take is not woken at
 switch: the waiter would have run the same check on the same state and gone on waiting); it
 goes to the back of the rotation all the same, so the next wake checks the next waiters.
 
-Life cycle per queued request: ``enter`` -> ``wait`` (until woken or timed out) and decide,
+Life cycle per queued request: ``enter`` (with its rank) -> ``wait`` (until woken or timed out) and decide,
 as often as it stays queued -> ``leave`` (admitted, rejected or cancelled).
 """
 
@@ -28,7 +34,9 @@ from typing import Callable
 
 class FairWakeup:
     def __init__(self) -> None:
-        self._waiters: dict[int, asyncio.Event] = {}   # insertion order = arrival order
+        self._waiters: dict[int, asyncio.Event] = {}
+        self._rank_of: dict[int, int] = {}
+        self._rotations: dict[int, dict[int, None]] = {}   # rank -> its tickets, next to wake first
         self._sources: dict[int, object | None] = {}   # what the pending wake of a waiter names
         self._checks: dict[int, Callable[[object], bool]] = {}   # whether a source could take the waiter
         self._tickets = itertools.count()
@@ -36,11 +44,13 @@ class FairWakeup:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    def enter(self, check: Callable[[object], bool] | None = None) -> int:
+    def enter(self, check: Callable[[object], bool] | None = None, rank: int = 0) -> int:
         """``check(source)``: whether a wake naming ``source`` could let this waiter go on (None:
-        every wake could)."""
+        every wake could). ``rank``: lower ranks are woken first."""
         ticket = next(self._tickets)
         self._waiters[ticket] = asyncio.Event()
+        self._rank_of[ticket] = rank
+        self._rotations.setdefault(rank, {})[ticket] = None
         if check is not None:
             self._checks[ticket] = check
         return ticket
@@ -49,6 +59,12 @@ class FairWakeup:
         self._waiters.pop(ticket, None)
         self._sources.pop(ticket, None)
         self._checks.pop(ticket, None)
+        rank = self._rank_of.pop(ticket, None)
+        if rank is not None:
+            rotation = self._rotations[rank]
+            del rotation[ticket]
+            if not rotation:
+                del self._rotations[rank]
 
     async def wait(self, ticket: int, timeout_s: float) -> object | None:
         """Return when woken or after ``timeout_s``, whichever comes first: the wake's source
@@ -65,19 +81,35 @@ class FairWakeup:
         return None if timed_out else source
 
     def wake(self, n: int, source: object | None = None) -> None:
-        """The ``n`` waiters woken longest ago (oldest first at the start): a waiter woken goes
-        to the back, so waiters that stay queued cannot hold every wake-up for themselves. One
-        whose check says ``source`` cannot take it goes to the back unwoken."""
-        for ticket in list(itertools.islice(self._waiters, n)):
-            event = self._waiters.pop(ticket)
-            self._waiters[ticket] = event   # to the back of the rotation
-            pending = event.is_set()
-            if not pending and source is not None and not self._may_take(ticket, source):
-                continue
-            if not pending or self._sources.get(ticket) is not source:
-                # A second wake from another source before the waiter ran: both may have changed.
-                self._sources[ticket] = None if pending else source
-            event.set()
+        """The ``n`` waiters of the lowest ranks woken longest ago (oldest first at the start):
+        a waiter woken goes to the back of its rank's rotation, so waiters that stay queued
+        cannot hold every wake-up for themselves. One whose check says ``source`` cannot take
+        it goes to the back unwoken."""
+        for ticket in self._next(n):
+            self._wake_one(ticket, source)
+
+    def _next(self, n: int) -> list[int]:
+        """The next ``n`` tickets, lowest rank first, each moved to the back of its rotation."""
+        chosen: list[int] = []
+        for rank in sorted(self._rotations):
+            rotation = self._rotations[rank]
+            for ticket in list(itertools.islice(rotation, n - len(chosen))):
+                del rotation[ticket]
+                rotation[ticket] = None
+                chosen.append(ticket)
+            if len(chosen) >= n:
+                break
+        return chosen
+
+    def _wake_one(self, ticket: int, source: object | None) -> None:
+        event = self._waiters[ticket]
+        pending = event.is_set()
+        if not pending and source is not None and not self._may_take(ticket, source):
+            return
+        if not pending or self._sources.get(ticket) is not source:
+            # A second wake from another source before the waiter ran: both may have changed.
+            self._sources[ticket] = None if pending else source
+        event.set()
 
     def _may_take(self, ticket: int, source: object) -> bool:
         check = self._checks.get(ticket)

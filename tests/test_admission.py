@@ -222,6 +222,67 @@ def test_room_is_held_on_one_decode_worker_only(targets, hold_at_once):
     asyncio.run(scenario())
 
 
+async def _admitted_and_reserved(admission: Admission, s: RequestSpec) -> str:
+    """``acquire`` as the orchestrator uses it: the admitted request's blocks are promised on
+    its decode worker before any other task runs (its reservation is on its way)."""
+    pair = await admission.acquire(s)
+    pair.decode.promise(len(s.prompt_token_ids))
+    return s.req_id
+
+
+def test_freed_room_goes_to_the_higher_priority_class_first(hold_at_once):
+    """Found by a probe under ``--scheduling-policy priority``: 6 queued priority-0 requests
+    were served after 6 priority-10 ones that came first (the router's queue woke and held room
+    in arrival order). Room goes by priority, then by arrival, as a priority engine's waiting
+    queue runs them; the lower class gets what is left, in its own arrival order."""
+    async def scenario():
+        admission = cluster(free_blocks=20)
+        decode = admission.registry.decode[0]
+        order = [("low-0", 10), ("low-1", 10), ("low-2", 10), ("high-0", 0), ("high-1", 0), ("high-2", 0)]
+        tasks = {}
+        for req_id, priority in order:   # 30 blocks each, 20 free: every one queues for room
+            tasks[req_id] = asyncio.create_task(
+                _admitted_and_reserved(admission, named(spec(prompt=480, priority=priority), req_id)))
+            await asyncio.sleep(0.02)
+        assert list(admission._room_line) == ["high-0", "high-1", "high-2", "low-0", "low-1", "low-2"]
+        decode.observe_stats(stats("d0", "decode", decode_steps(), free=95, running=1))   # room for three
+        admission.notify(decode)
+        done, _ = await asyncio.wait(tasks.values(), timeout=1.0, return_when=asyncio.ALL_COMPLETED)
+        assert sorted(t.result() for t in done) == ["high-0", "high-1", "high-2"]
+        assert list(admission._room_line) == ["low-0", "low-1", "low-2"]
+        decode.observe_stats(stats("d0", "decode", decode_steps(), free=125, running=1))   # 35 beside the 90 promised: one more
+        admission.notify(decode)
+        first_low = await asyncio.wait_for(asyncio.shield(tasks["low-0"]), 1.0)
+        assert first_low == "low-0" and not tasks["low-1"].done() and not tasks["low-2"].done()
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert not admission._room_line and admission.num_queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_room_held_for_a_lower_class_does_not_hold_back_a_higher_one(hold_at_once):
+    """The first of the line holds its room against its own class and lower ones only: a
+    request of a higher class (lower ``priority``) arriving later takes what is free."""
+    async def scenario():
+        admission = cluster(free_blocks=20)
+        waiting = asyncio.create_task(admission.acquire(named(spec(prompt=480, priority=10), "low-big")))
+        await asyncio.sleep(0.05)
+        assert list(admission._room_line) == ["low-big"]
+        urgent = await asyncio.wait_for(admission.acquire(named(spec(prompt=64, priority=0), "high-small")), 1.0)
+        assert urgent.decode is admission.registry.decode[0]
+        same_class = asyncio.create_task(admission.acquire(named(spec(prompt=64, priority=10), "low-small")))
+        await asyncio.sleep(0.05)
+        assert not same_class.done() and not waiting.done(), "its own class waits behind the hold"
+        for task in (waiting, same_class):
+            task.cancel()
+        await asyncio.gather(waiting, same_class, return_exceptions=True)
+        assert not admission._room_line and admission.num_queued == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_retry_after_a_refused_reservation_keeps_its_place_in_the_room_line(hold_at_once):
     """Found by a probe: a request admitted once whose reservation the decode worker refused for
     room retried under a new attempt id and joined the room line at the back, behind requests

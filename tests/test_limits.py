@@ -325,3 +325,30 @@ def test_wakeup_rotates_so_waiters_that_stay_queued_cannot_starve_later_ones():
 
     tickets, woken = asyncio.run(scenario())
     assert woken == [tickets[:2], tickets[2:]]
+
+
+def test_wakeup_wakes_lower_ranks_first_and_rotates_within_each():
+    """Ranks are priorities: a wake offers capacity to the lowest rank first (oldest first
+    within it), spilling into the next rank only when that one has fewer than ``n`` waiters;
+    each rank rotates on its own, so its waiters that stay queued do not starve its later ones."""
+    async def scenario():
+        wake = FairWakeup()
+        low = [wake.enter(rank=10) for _ in range(2)]      # came first
+        high = [wake.enter(rank=0) for _ in range(3)]
+        woken: list[list[int]] = []
+        for n in (2, 2, 4):
+            wake.wake(n)
+            woken.append([t for t in high + low if wake._waiters[t].is_set()])
+            for t in high + low:
+                wake._waiters[t].clear()   # they decided again and stayed queued
+        wake.leave(high[0])
+        assert len(wake) == 4
+        for t in high[1:] + low:
+            wake.leave(t)
+        assert len(wake) == 0 and not wake._rotations
+        return high, low, woken
+
+    high, low, woken = asyncio.run(scenario())
+    assert woken[0] == high[:2]                     # the higher class, oldest first
+    assert woken[1] == [high[0], high[2]]           # rotated: its third, then its first again
+    assert woken[2] == high + low[:1]               # more than the class holds: the lower one's oldest too
