@@ -660,6 +660,18 @@ async def _settled(orchestrator, streams, workers) -> None:
         w.shutdown()
 
 
+def _decode_registry(n: int, *first: WorkerHandle):
+    """``n`` in-process decode workers behind killable handles, registered after ``first``."""
+    workers = _decode_workers(n)
+    actors = [InProcessActor(w) for w in workers]
+    registry = WorkerRegistry()
+    for handle in first:
+        registry.add(handle)
+    for i, actor in enumerate(actors):
+        registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+    return workers, actors, registry
+
+
 GREEDY_30 = SamplingParams(max_tokens=30, ignore_eos=True)
 PROMPT = (17, 4, 99, 250, 3, 8)
 
@@ -672,11 +684,7 @@ def test_a_decode_worker_dead_before_the_migrated_attempt_reaches_it_costs_no_se
     whole = engine.generate([RequestSpec("whole", PROMPT, GREEDY_30)])["whole"]
 
     async def run():
-        workers = _decode_workers(3)
-        actors = [InProcessActor(w) for w in workers]
-        registry = WorkerRegistry()
-        for i, actor in enumerate(actors):
-            registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+        workers, actors, registry = _decode_registry(3)
         orchestrator, streams, placed = _orchestrated(registry, limit=1)
 
         def kill_two_at_five(tokens):
@@ -706,15 +714,10 @@ def test_a_prefill_and_a_decode_worker_killed_together_cost_one_migration(engine
     whole = engine.generate([RequestSpec("whole", PROMPT, GREEDY_30)])["whole"]
 
     async def run():
-        workers = _decode_workers(2)
-        decode_actors = [InProcessActor(w) for w in workers]
         prefilling = PrefillingForever()
         prefill_actor = InProcessActor(prefilling)
-        registry = WorkerRegistry()
         prefill = WorkerHandle("prefill-0", "prefill", prefill_actor, "n", "cpu")
-        registry.add(prefill)
-        for i, actor in enumerate(decode_actors):
-            registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+        workers, decode_actors, registry = _decode_registry(2, prefill)
         orchestrator, streams, placed = _orchestrated(registry, limit=1)
 
         async def kill_both_mid_prefill():
@@ -746,11 +749,7 @@ def test_the_migration_limit_still_ends_a_request_whose_workers_keep_dying_mid_s
     received: list[int] = []
 
     async def run():
-        workers = _decode_workers(3)
-        actors = [InProcessActor(w) for w in workers]
-        registry = WorkerRegistry()
-        for i, actor in enumerate(actors):
-            registry.add(WorkerHandle(f"decode-{i}", "decode", actor, "n", "cpu"))
+        workers, actors, registry = _decode_registry(3)
         orchestrator, streams, placed = _orchestrated(registry, limit=1)
 
         def kill_every_four(tokens):
