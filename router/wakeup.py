@@ -10,7 +10,7 @@ Waiters enter with a rank (the request's priority: lower goes first, vLLM's orde
 request is rank 0 under FCFS) and a wake walks the ranks in order, rotating within each: the
 capacity a report announces is offered to the most important requests first (a probe found 6
 queued priority-0 requests served after 6 priority-10 ones that had come first). The ranks
-present are few (a priority range), so the walk stays bounded by ``n``.
+present are few (a priority range), so the walk stays bounded (``n`` checks per rank).
 
 Each wake names its source: the worker whose report it is, or None when anything may have
 changed (a request finished, a worker came back). The woken waiter learns it from ``wait``, so
@@ -81,35 +81,34 @@ class FairWakeup:
         return None if timed_out else source
 
     def wake(self, n: int, source: object | None = None) -> None:
-        """The ``n`` waiters of the lowest ranks woken longest ago (oldest first at the start):
-        a waiter woken goes to the back of its rank's rotation, so waiters that stay queued
-        cannot hold every wake-up for themselves. One whose check says ``source`` cannot take
-        it goes to the back unwoken."""
-        for ticket in self._next(n):
-            self._wake_one(ticket, source)
-
-    def _next(self, n: int) -> list[int]:
-        """The next ``n`` tickets, lowest rank first, each moved to the back of its rotation."""
-        chosen: list[int] = []
+        """Up to ``n`` waiters, lowest rank first; within a rank those woken longest ago (oldest
+        first at the start): a waiter woken goes to the back of its rank's rotation, so waiters
+        that stay queued cannot hold every wake-up for themselves. One whose check says
+        ``source`` cannot take it goes to the back unwoken, and the walk goes on: each rank has
+        its next ``n`` checked until ``n`` are woken, so a lower rank is still offered what
+        the higher ones could not take (at most ``n`` checks per rank present, whatever the
+        queue's length)."""
+        woken = 0
         for rank in sorted(self._rotations):
             rotation = self._rotations[rank]
-            for ticket in list(itertools.islice(rotation, n - len(chosen))):
+            for ticket in list(itertools.islice(rotation, n)):
                 del rotation[ticket]
-                rotation[ticket] = None
-                chosen.append(ticket)
-            if len(chosen) >= n:
-                break
-        return chosen
+                rotation[ticket] = None   # to the back of its rank's rotation
+                woken += self._wake_one(ticket, source)
+                if woken >= n:
+                    return
 
-    def _wake_one(self, ticket: int, source: object | None) -> None:
+    def _wake_one(self, ticket: int, source: object | None) -> bool:
+        """Whether it is woken (or was already)."""
         event = self._waiters[ticket]
         pending = event.is_set()
         if not pending and source is not None and not self._may_take(ticket, source):
-            return
+            return False
         if not pending or self._sources.get(ticket) is not source:
             # A second wake from another source before the waiter ran: both may have changed.
             self._sources[ticket] = None if pending else source
         event.set()
+        return True
 
     def _may_take(self, ticket: int, source: object) -> bool:
         check = self._checks.get(ticket)

@@ -352,3 +352,20 @@ def test_wakeup_wakes_lower_ranks_first_and_rotates_within_each():
     assert woken[0] == high[:2]                     # the higher class, oldest first
     assert woken[1] == [high[0], high[2]]           # rotated: its third, then its first again
     assert woken[2] == high + low[:1]               # more than the class holds: the lower one's oldest too
+
+
+def test_wakeup_offers_a_lower_rank_what_the_higher_ones_cannot_take():
+    """A report of a worker none of the higher rank's waiters can use (their checks say no) is
+    still offered to the lower rank's: each rank present has its next ``n`` checked until ``n``
+    are woken. Under strict rank order alone, a lower-class request that worker could take
+    waited out its deadline behind higher-class ones that could not."""
+    async def scenario():
+        wake = FairWakeup()
+        roomy = object()
+        high = [wake.enter(lambda source: False, rank=0) for _ in range(4)]   # more than n: none can take it
+        low = [wake.enter(lambda source: source is roomy, rank=10) for _ in range(3)]
+        wake.wake(2, roomy)
+        return [t for t in high + low if wake._waiters[t].is_set()], low
+
+    woken, low = asyncio.run(scenario())
+    assert woken == low[:2]
