@@ -2,8 +2,8 @@
 
 Life cycle (Dynamo's request migration): the first attempt runs the client's spec. Every token
 the client has been sent is recorded here. When an attempt loses its worker, ``migrate`` counts
-it (past ``limit`` the request fails with UNAVAILABLE naming the cause), unless the attempt found
-that worker already lost: the orchestrator says so (``found_lost``) when the attempt streamed
+it (past ``limit`` the request fails with UNAVAILABLE naming the cause), unless the attempt, one
+begun after a move, found that worker already lost: the orchestrator says so (``found_lost``) when the attempt streamed
 nothing and the worker answered nobody after the attempt began, as when a prefill and a decode
 worker die together and the request, moved off the first, is placed on the second before its
 death is known. One failure event then costs the request one migration, not two. Such a loss is
@@ -64,9 +64,12 @@ class RequestMigration:
 
     def migrate(self, cause: str, found_lost: str | None = None) -> bool:
         """The current attempt lost its worker: move on, or give up past the limit. ``found_lost``:
-        the slot of a worker the attempt found already lost (see above). True when counted."""
+        the slot of a worker the attempt found already lost (see above; excused only once the
+        request has moved). True when counted."""
         self.num_refusals = 0
-        if found_lost is not None and found_lost not in self.excused:
+        # Only a loss after a move is of the failure event that caused the move: the first
+        # attempt's loss always counts (--migration-limit 0 still fails the request at once).
+        if found_lost is not None and self.num_moves and found_lost not in self.excused:
             self.excused.add(found_lost)
             return False
         if self.num_migrations >= self.limit:

@@ -773,8 +773,8 @@ def test_the_migration_limit_still_ends_a_request_whose_workers_keep_dying_mid_s
 
 def test_losses_found_at_the_first_call_are_excused_once_per_worker_slot():
     """A request whose every attempt finds its worker dead (a worker that dies at its first call,
-    replaced each time) does not loop: each slot's loss is excused once, then they count, and
-    the limit ends it: limit + 1 + one attempt per slot."""
+    replaced each time) does not loop: the first loss counts, each slot's next one is excused
+    once, then they count, and the limit ends it: limit + 1 + one attempt per slot."""
     registry = WorkerRegistry()
     slot = WorkerHandle("decode-0", "decode", InProcessActor(), "n", "cpu")
     registry.add(slot)
@@ -807,6 +807,17 @@ def test_an_excused_loss_moves_the_request_under_a_fresh_id_without_counting():
     assert (run.num_migrations, run.num_moves, run.attempt_spec().req_id) == (1, 3, "r.m3")
     with pytest.raises(WorkerFailedError, match="migration limit"):
         run.migrate("d1 found dead again", found_lost="decode-1")   # once per slot
+
+
+def test_the_first_attempts_loss_always_counts_so_limit_0_fails_at_once():
+    """Excusal is for a loss that follows a move (the same failure event found again): a
+    request's first attempt finding its worker dead counts, and ``--migration-limit 0`` still
+    means no migration at all (found by review)."""
+    with pytest.raises(WorkerFailedError, match=r"migration limit \(0\) is reached"):
+        RequestMigration(RequestSpec("r", (1, 2)), limit=0).migrate("p0 found dead", found_lost="prefill-0")
+    run = RequestMigration(RequestSpec("r", (1, 2)), limit=1)
+    assert run.migrate("p0 found dead", found_lost="prefill-0") is True
+    assert run.migrate("d0 found dead", found_lost="decode-0") is False
 
 
 def test_an_answer_after_the_attempt_began_shows_the_worker_was_alive():
