@@ -10,7 +10,9 @@ Waiters enter with a rank (the request's priority: lower goes first, vLLM's orde
 request is rank 0 under FCFS) and a wake walks the ranks in order, rotating within each: the
 capacity a report announces is offered to the most important requests first (a probe found 6
 queued priority-0 requests served after 6 priority-10 ones that had come first). The ranks
-present are few (a priority range), so the walk stays bounded (``n`` checks per rank).
+present are few (a priority range), so the walk stays bounded (``n`` checks per rank); one more
+waiter each wake, in a rotation over every rank, keeps a lower rank from waiting out its
+deadline behind higher ones that take every wake.
 
 Each wake names its source: the worker whose report it is, or None when anything may have
 changed (a request finished, a worker came back). The woken waiter learns it from ``wait``, so
@@ -37,6 +39,7 @@ class FairWakeup:
         self._waiters: dict[int, asyncio.Event] = {}
         self._rank_of: dict[int, int] = {}
         self._rotations: dict[int, dict[int, None]] = {}   # rank -> its tickets, next to wake first
+        self._across: dict[int, None] = {}   # every ticket, rotated whatever its rank (``_turn_across``)
         self._sources: dict[int, object | None] = {}   # what the pending wake of a waiter names
         self._checks: dict[int, Callable[[object], bool]] = {}   # whether a source could take the waiter
         self._tickets = itertools.count()
@@ -51,6 +54,7 @@ class FairWakeup:
         self._waiters[ticket] = asyncio.Event()
         self._rank_of[ticket] = rank
         self._rotations.setdefault(rank, {})[ticket] = None
+        self._across[ticket] = None
         if check is not None:
             self._checks[ticket] = check
         return ticket
@@ -59,6 +63,7 @@ class FairWakeup:
         self._waiters.pop(ticket, None)
         self._sources.pop(ticket, None)
         self._checks.pop(ticket, None)
+        self._across.pop(ticket, None)
         rank = self._rank_of.pop(ticket, None)
         if rank is not None:
             rotation = self._rotations[rank]
@@ -87,7 +92,14 @@ class FairWakeup:
         ``source`` cannot take it goes to the back unwoken, and the walk goes on: each rank has
         its next ``n`` checked until ``n`` are woken, so a lower rank is still offered what
         the higher ones could not take (at most ``n`` checks per rank present, whatever the
-        queue's length)."""
+        queue's length). With more than one rank, one more waiter is offered each wake in a
+        rotation over every rank, after them (``_turn_across``: woken last, it decides last)."""
+        several_ranks = len(self._rotations) > 1
+        self._walk_ranks(n, source)
+        if several_ranks:
+            self._turn_across(source)
+
+    def _walk_ranks(self, n: int, source: object | None) -> None:
         woken = 0
         for rank in sorted(self._rotations):
             rotation = self._rotations[rank]
@@ -97,6 +109,16 @@ class FairWakeup:
                 woken += self._wake_one(ticket, source)
                 if woken >= n:
                     return
+
+    def _turn_across(self, source: object | None) -> None:
+        """The next waiter of the rotation over every rank: every waiter is offered a wake within
+        as many wakes as there are waiters, whatever the higher ranks take (without it, 8
+        waiters of a higher rank that take every wake, e.g. migrating requests with no check,
+        kept a lower rank's request a worker could take queued to its deadline)."""
+        ticket = next(iter(self._across))
+        del self._across[ticket]
+        self._across[ticket] = None
+        self._wake_one(ticket, source)
 
     def _wake_one(self, ticket: int, source: object | None) -> bool:
         """Whether it is woken (or was already)."""

@@ -330,7 +330,8 @@ def test_wakeup_rotates_so_waiters_that_stay_queued_cannot_starve_later_ones():
 def test_wakeup_wakes_lower_ranks_first_and_rotates_within_each():
     """Ranks are priorities: a wake offers capacity to the lowest rank first (oldest first
     within it), spilling into the next rank only when that one has fewer than ``n`` waiters;
-    each rank rotates on its own, so its waiters that stay queued do not starve its later ones."""
+    each rank rotates on its own, so its waiters that stay queued do not starve its later ones;
+    one waiter more per wake comes from a rotation over every rank, woken last."""
     async def scenario():
         wake = FairWakeup()
         low = [wake.enter(rank=10) for _ in range(2)]      # came first
@@ -349,8 +350,10 @@ def test_wakeup_wakes_lower_ranks_first_and_rotates_within_each():
         return high, low, woken
 
     high, low, woken = asyncio.run(scenario())
-    assert woken[0] == high[:2]                     # the higher class, oldest first
-    assert woken[1] == [high[0], high[2]]           # rotated: its third, then its first again
+    # Each wake: the higher class first, oldest first; then one more in the rotation over every
+    # rank (oldest arrival first: the lower class's, which came first).
+    assert woken[0] == high[:2] + low[:1]
+    assert woken[1] == [high[0], high[2], low[1]]   # rotated: its third, then its first again
     assert woken[2] == high + low[:1]               # more than the class holds: the lower one's oldest too
 
 
@@ -369,3 +372,22 @@ def test_wakeup_offers_a_lower_rank_what_the_higher_ones_cannot_take():
 
     woken, low = asyncio.run(scenario())
     assert woken == low[:2]
+
+
+def test_wakeup_reaches_every_rank_within_as_many_wakes_as_waiters():
+    """Found by review: 8 higher-rank waiters that every wake takes (no check: migrating
+    requests, reservation retries) kept a lower rank's waiter from ever being offered one. One
+    waiter per wake in a rotation over every rank bounds that wait."""
+    async def scenario():
+        wake = FairWakeup()
+        high = [wake.enter(rank=0) for _ in range(8)]
+        low = wake.enter(lambda source: True, rank=10)
+        for reports in range(1, 10):
+            wake.wake(8, object())
+            if wake._waiters[low].is_set():
+                return reports
+            for t in high:
+                wake._waiters[t].clear()   # they decided again and stayed queued
+        return None
+
+    assert asyncio.run(scenario()) is not None
