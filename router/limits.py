@@ -80,11 +80,9 @@ class ServerLimits:
                 raise ConfigError.on(name, f"must be > 0, got {getattr(self, name)}")
             if not math.isfinite(getattr(self, name)):   # a NaN bound passed every comparison (a probe)
                 raise ConfigError.on(name, f"must be a finite number, got {getattr(self, name)}")
-        for low, high in (("min_ttft_ms", "max_ttft_ms"), ("min_tpot_ms", "max_tpot_ms")):
+        for low, high in (("min_ttft_ms", "max_ttft_ms"), ("min_tpot_ms", "max_tpot_ms"), ("min_priority", "max_priority")):
             if getattr(self, low) > getattr(self, high):
                 raise ConfigError(f"{{{low}}} {getattr(self, low)} is above {{{high}}} {getattr(self, high)}")
-        if self.min_priority > self.max_priority:
-            raise ValueError("priority range must have min <= max")
         if not 1 <= self.stream_interval <= self.max_pending_tokens:
             raise ConfigError("{stream_interval} must be in [1, {max_pending_tokens}]")
 

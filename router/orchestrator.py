@@ -233,14 +233,14 @@ class Orchestrator:
                 run.refused()
                 await self.admission.capacity_changed(RESERVE_RETRY_S, spec.priority)
 
-    async def _admit(self, spec: RequestSpec, num_migrations: int, line_since: float | None = None) -> Prediction:
+    async def _admit(self, spec: RequestSpec, num_moves: int, line_since: float | None = None) -> Prediction:
         """Admission (queueing included), as the request trace's ``admission`` span."""
         parent = tracing.context_of(spec.traceparent)
         if parent is None:   # untraced: no span at all
-            return await self.admission.acquire(spec, self.metrics, num_migrations > 0, line_since)
+            return await self.admission.acquire(spec, self.metrics, num_moves > 0, line_since)
         with tracing.tracer().start_as_current_span("admission", context=parent,
-                                                    attributes={"pdserve.migrations": num_migrations}) as span:
-            pair = await self.admission.acquire(spec, self.metrics, num_migrations > 0, line_since)
+                                                    attributes={"pdserve.migrations": num_moves}) as span:
+            pair = await self.admission.acquire(spec, self.metrics, num_moves > 0, line_since)
             span.set_attributes({"pdserve.prefill_worker": pair.prefill.worker_id if pair.prefill else "",
                                  "pdserve.decode_worker": pair.decode.worker_id,
                                  "pdserve.predicted_ttft_s": float(pair.ttft_s or 0.0)})

@@ -33,6 +33,7 @@ REFUSED = [
     ("--max-ttft-ms nan", "--max-ttft-ms must be > 0, got nan"),   # a probe: accepted
     ("--max-tpot-ms inf", "--max-tpot-ms must be a finite number, got inf"),
     ("--min-ttft-ms 5000 --max-ttft-ms 100", "--min-ttft-ms 5000.0 is above --max-ttft-ms 100.0"),   # was "SLO hint ranges"
+    ("--scheduling-policy priority --min-priority 5 --max-priority 3", "--min-priority 5 is above --max-priority 3"),   # was "priority range"
     ("--threads-per-worker 0", "--threads-per-worker must be >= 1"),
     ("--cpus-per-worker 0", "--cpus-per-worker must be > 0"),
     ("--gpus-per-worker -1", "--gpus-per-worker must be > 0"),
