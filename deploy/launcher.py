@@ -180,8 +180,19 @@ def _check_distinct_ports(doors: list[tuple[str, str, int]]) -> None:
 
 
 def _same_address(a: str, b: str) -> bool:
-    """Whether binds to ``a`` and ``b`` take one address (a wildcard takes them all)."""
-    return a == b or a in WILDCARDS or b in WILDCARDS
+    """Whether binds to ``a`` and ``b`` take one address (a wildcard takes them all; ``localhost``
+    and ``127.0.0.1`` share one). A name that does not resolve is compared as written: the probe
+    says it, naming its flag."""
+    if a == b or a in WILDCARDS or b in WILDCARDS:
+        return True
+    try:
+        return bool(_bound(a) & _bound(b))
+    except OSError:
+        return False
+
+
+def _bound(host: str) -> set[tuple]:
+    return {address[0] for _, address in listen.addresses(host, 0)}
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -62,3 +62,35 @@ def test_serve_says_a_host_that_is_not_this_machines_before_ray_starts(capsys, m
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a host it cannot bind"))
     assert main(["serve", "--random-model", "--host", "192.0.2.1", "--port", "0"]) == 2   # TEST-NET-1: no one's
     assert "gRPC cannot listen on 192.0.2.1:0 (--port): Cannot assign requested address" in capsys.readouterr().err
+
+
+def _resolving(monkeypatch, host: str, *ips: str) -> None:
+    """``host`` resolves to ``ips`` (as a name with several addresses does), every other name as before."""
+    real = socket.getaddrinfo
+
+    def fake(name, port, *args, **kwargs):
+        if name != host:
+            return real(name, port, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+def test_the_probe_binds_every_address_a_host_resolves_to(taken, monkeypatch):
+    """Found by review: only the first address was probed, so a port in use on a host's second
+    address was found by the door's own bind after the cluster's start."""
+    from router import listen
+
+    _resolving(monkeypatch, "twohomed", "127.0.0.2", "127.0.0.1")   # the port is taken on the second
+    with pytest.raises(OSError, match=rf"gRPC cannot listen on twohomed:{taken} \(--port\): Address already in use"):
+        listen.probe("port", "twohomed", taken)
+    _resolving(monkeypatch, "partly", "198.51.100.1", "127.0.0.2")     # one address not this machine's
+    listen.probe("port", "partly", taken)                           # the door takes the other, as gRPC does
+    _resolving(monkeypatch, "elsewhere", "198.51.100.1", "203.0.113.1")   # TEST-NET-2, -3
+    with pytest.raises(OSError, match="Cannot assign requested address"):
+        listen.probe("port", "elsewhere", 0)
+
+
+def test_an_ipv6_literal_is_said_in_brackets():
+    from router import listen
+
+    assert "cannot listen on [::1]:7 (--port)" in str(listen.cannot_listen("port", "::1", 7, "why"))

@@ -57,6 +57,8 @@ REFUSED = [
     ("--port 8000", "--http-port 8000 is the same port as --port"),
     ("--http-port 9400", "--metrics-port 9400 is the same port as --http-port"),
     ("--port 7000 --metrics-port 7000 --metrics-host 0.0.0.0", "--metrics-port 7000 is the same port as --port"),
+    # found by review: host strings were compared, so localhost and 127.0.0.1 were two addresses
+    ("--port 7000 --metrics-port 7000 --metrics-host localhost", "--metrics-port 7000 is the same port as --port"),
     ("--served-model-name ", "--served-model-name must not be empty, got ''"),   # a probe: accepted
     ("--served-model-name \t", "--served-model-name must not be empty, got '\\t'"),
     ("--otlp-traces-endpoint not-a-url", "--otlp-traces-endpoint must be an http(s) URL with a host, such as "
