@@ -60,8 +60,8 @@ def test_serve_says_a_host_that_is_not_this_machines_before_ray_starts(capsys, m
     from deploy.cli import main
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray must not start for a host it cannot bind"))
-    assert main(["serve", "--random-model", "--host", "192.0.2.1", "--port", "0"]) == 2   # TEST-NET-1: no one's
-    assert "gRPC cannot listen on 192.0.2.1:0 (--port): Cannot assign requested address" in capsys.readouterr().err
+    assert main(["serve", "--random-model", "--host", "203.0.113.1", "--port", "0"]) == 2   # TEST-NET-3: no one's (this VM is on TEST-NET-1)
+    assert "gRPC cannot listen on 203.0.113.1:0 (--port): Cannot assign requested address" in capsys.readouterr().err
 
 
 def _resolving(monkeypatch, host: str, *ips: str) -> None:
