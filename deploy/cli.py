@@ -256,7 +256,7 @@ def cluster_config(args: argparse.Namespace):
     if args.tpot_ms is not None:
         defaults["tpot_s"] = args.tpot_ms / 1000
     return ClusterConfig(
-        mode=args.mode, num_prefill=_num_prefill(args), num_decode=args.num_decode, model=args.model,
+        mode=args.mode, num_prefill=prefill_count(args.mode, args.num_prefill), num_decode=args.num_decode, model=args.model,
         prefill_engine=engine(), decode_engine=engine(), cpus_per_worker=args.cpus_per_worker,
         gpus_per_worker=args.gpus_per_worker,
         threads_per_worker=args.threads_per_worker, address=args.address, host=args.host, port=args.port,
@@ -277,12 +277,14 @@ def cluster_config(args: argparse.Namespace):
     )
 
 
-def _num_prefill(args: argparse.Namespace) -> int:
-    """An explicit count that cannot take effect is refused, not ignored (vLLM's rule)."""
-    if args.mode != "colocated":
-        return 1 if args.num_prefill is None else args.num_prefill
-    if args.num_prefill:
-        raise ConfigError.on("num_prefill", f"{args.num_prefill}: colocated mode has no prefill workers "
+def prefill_count(mode: str, requested: int | None) -> int:
+    """The prefill workers of a ``mode`` cluster given ``--num-prefill`` ``requested`` (None: left
+    out); an explicit count that cannot take effect is refused, not ignored (vLLM's rule). One rule
+    for `pdserve serve` and `pdserve bench --launch`."""
+    if mode != "colocated":
+        return 1 if requested is None else requested
+    if requested:
+        raise ConfigError.on("num_prefill", f"{requested}: colocated mode has no prefill workers "
                                             "(its decode workers prefill); leave it out")
     return 0
 

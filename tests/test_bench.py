@@ -317,6 +317,21 @@ def test_launch_options_build_the_small_cluster_config():
     assert cfg.prefill_engine.num_kv_blocks == 128 and cfg.decode_engine.num_kv_blocks == 128
 
 
+def test_launch_prefill_count_is_serves_rule(capsys, monkeypatch):
+    """Found by a probe: `--launch colocated --num-prefill 2` ignored the count (serve refuses it)."""
+    import ray
+
+    assert (cluster_config(run_parser().parse_args(["--launch", "colocated", "--random-model"])).num_prefill,
+            cluster_config(run_parser().parse_args(["--launch", "disaggregated", "--random-model"])).num_prefill,
+            cluster_config(run_parser().parse_args(["--launch", "disaggregated", "--num-prefill", "3"])).num_prefill
+            ) == (0, 1, 3)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("no cluster for a count that cannot take effect"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--launch", "colocated", "--random-model", "--num-prefill", "2"])
+    assert exit_.value.code == 2
+    assert "--num-prefill 2: colocated mode has no prefill workers" in capsys.readouterr().err
+
+
 def test_launched_cluster_end_to_end(ray_session, tmp_path, capsys):
     result = tmp_path / "disagg.json"
     plots = tmp_path / "plots"

@@ -71,7 +71,7 @@ def run_parser() -> argparse.ArgumentParser:
     la = p.add_argument_group("launch a cluster in-process (grpc)")
     la.add_argument("--launch", choices=("disaggregated", "colocated"), default=None)
     la.add_argument("--random-model", action="store_true", help="tiny random Llama (tests, CI)")
-    la.add_argument("--num-prefill", type=int, default=1)
+    la.add_argument("--num-prefill", type=int, default=None, help="default 1 (disaggregated); colocated has none")
     la.add_argument("--num-decode", type=int, default=1)
     la.add_argument("--cpus-per-worker", type=float, default=1.0)
     la.add_argument("--threads-per-worker", type=int, default=None)
@@ -214,13 +214,14 @@ def is_loopback(host: str) -> bool:
 
 
 def cluster_config(args: argparse.Namespace):
+    from deploy.cli import prefill_count
     from deploy.launcher import ClusterConfig
     from engine.config import EngineConfig
 
     common = {} if args.num_kv_blocks is None else {"num_kv_blocks": args.num_kv_blocks}
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return ClusterConfig(
-        mode=args.launch, num_prefill=args.num_prefill, num_decode=args.num_decode, model=args.model,
+        mode=args.launch, num_prefill=prefill_count(args.launch, args.num_prefill), num_decode=args.num_decode, model=args.model,
         random_model={"seed": 0} if args.random_model else None,
         prefill_engine=EngineConfig(**{"max_num_batched_tokens": 512, **budget, **common}),
         decode_engine=EngineConfig(**budget, **common),
