@@ -60,8 +60,7 @@ class Request:
         self.sampling = self.spec.sampling
         self.adjusts_logits = self.sampling.adjusts_logits
         # A migrated request (tokens already streamed) had them from its first worker.
-        asked = self.sampling.prompt_logprobs is not None and self.spec.num_generated == 0
-        self.prompt_logprobs = [] if asked else None
+        self.prompt_logprobs = [] if self.spec.owes_prompt_logprobs else None
 
     def forgo_prompt_logprobs(self) -> None:
         """Its prompt's KV comes from a prefill worker, which delivers them with the first token."""

@@ -144,6 +144,13 @@ class RequestSpec:
     # W3C traceparent of the router's span for this request (engine/tracing.py); None: untraced.
     traceparent: str | None = None
 
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Whoever prefills it computes its prompt logprobs, so every prompt position and nothing
+        read from a prefix cache (a migrated request streamed tokens: it had them already). The
+        engine's rule, and the router's: such a prompt expects no hit where it is prefilled."""
+        return self.sampling.prompt_logprobs is not None and self.num_generated == 0
+
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:

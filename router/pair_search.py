@@ -127,9 +127,10 @@ class _DecodeSide:
     per-decision terms too, each computed once: the rules read them once per rule and candidate."""
 
     worker: WorkerHandle
-    cached: int
+    cached: int                         # prompt tokens expected in its cache: a hand-off moves the rest
     tpot_s: float | None
     kv_room: bool                       # room for the prompt and every token it may generate
+    local_cached: int = 0               # of those, what it skips when it prefills the prompt itself
     local_ttft_s: float | None = math.nan   # ``PairSearch.local_ttft``'s (nan: not asked for yet)
 
     def fits(self, tpot_target: float | None) -> bool:
@@ -188,15 +189,21 @@ class PairSearch:
         return not self.prefills or self.admission.conditional
 
     # ---- the parts and the pairs ------------------------------------------------------------
+    @cached_property
+    def reads_cache(self) -> bool:
+        """Its prefill skips a cached prefix: not so where it owes prompt logprobs (the engine
+        computes every prompt position then). A decode worker's blocks still spare a hand-off."""
+        return not self.spec.owes_prompt_logprobs
+
     def prefill_side(self, p: WorkerHandle) -> _PrefillSide:
-        cached = p.prefix.expected_hit(self.spec.prompt_token_ids)
+        cached = p.prefix.expected_hit(self.spec.prompt_token_ids) if self.reads_cache else 0
         per_token = self.admission.prefill_seconds_per_token(p)
         return _PrefillSide(p, cached, self._ttft(p, self.prompt - cached, per_token))
 
     def decode_side(self, d: WorkerHandle) -> _DecodeSide:
         step = self.admission.decode_step(d, self.prompt, self.now, fallback_stall=self.local_rate or 0.0)
         cached = d.prefix.expected_hit(self.spec.prompt_token_ids)
-        return _DecodeSide(d, cached, step, has_kv_room(d, self.spec, self.hold))
+        return _DecodeSide(d, cached, step, has_kv_room(d, self.spec, self.hold), cached if self.reads_cache else 0)
 
     def _ttft(self, worker: WorkerHandle, tokens: int, per_token: float | None) -> float | None:
         """No hand-off term: the first token leaves the prefill worker before its KV moves."""
@@ -211,7 +218,7 @@ class PairSearch:
         every one, by three rules."""
         ttft = d.local_ttft_s
         if ttft != ttft:   # nan: not computed yet (a computed TTFT is never nan)
-            ttft = d.local_ttft_s = self._ttft(d.worker, self.prompt - d.cached, self.local_rate)
+            ttft = d.local_ttft_s = self._ttft(d.worker, self.prompt - d.local_cached, self.local_rate)
         return ttft
 
     def pair(self, p: _PrefillSide, d: _DecodeSide) -> Prediction:
@@ -220,13 +227,13 @@ class PairSearch:
 
     def local(self, d: _DecodeSide) -> Prediction:
         """The decode worker prefills the prompt itself (what is not in its cache)."""
-        own = self.prompt - d.cached
+        own = self.prompt - d.local_cached
         running = None
         if d.tpot_s is not None:
             stall = self.admission.stall_per_token(d.worker, self.local_rate or 0.0)
             running = running_tpot_ratio(d.worker, d.tpot_s, own, self.now, stall)
         return Prediction(None, d.worker, self.local_ttft(d), d.tpot_s, running, self.waited_s, self.prompt,
-                          d.cached, d.cached, self.admission.ttft_overhead_s)
+                          d.local_cached, d.local_cached, self.admission.ttft_overhead_s)
 
     def decode_fits(self, d: WorkerHandle, tpot_target: float | None) -> bool:
         """Whether ``d`` could take the request as far as its own part goes (``_DecodeSide.fits``)."""
@@ -248,7 +255,7 @@ class PairSearch:
         if self.prefills:
             p = min(self.prefills, key=lambda s: s.worker.num_prefill_tokens - s.cached)
             return self.pair(p, min(decodes, key=_decode_load))
-        return self.local(min(decodes, key=lambda d: (-d.cached, *_decode_load(d))))
+        return self.local(min(decodes, key=lambda d: (-d.local_cached, *_decode_load(d))))
 
     def choose(self, ttft_t: float | None, tpot_t: float | None) -> Prediction:
         """Among the pairs predicted to meet both targets (with KV room): disaggregated ones
@@ -275,7 +282,7 @@ class PairSearch:
             return None
         cands = []
         for i, d in enumerate(self.decodes):
-            if cheap_only and not _holds_all_but_a_block(d.cached, self.prompt):
+            if cheap_only and not _holds_all_but_a_block(d.local_cached, self.prompt):
                 continue
             ttft = self.local_ttft(d)
             if fits_ttft(ttft, self.waited_s, ttft_t, self.ttft_share) and d.fits(tpot_t):

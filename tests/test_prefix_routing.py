@@ -154,3 +154,33 @@ def test_a_prefix_the_worker_evicted_is_not_routed_to():
     p1.replace(None, {"node_id": "n", "device": "cpu"})
     p1.observe_kv_events(events([(1, "stored", prompt_hashes(prompt(0), 16)[0])]), old)
     assert len(p1.prefix) == 0, "a late report of the dead actor"
+
+
+def plp_spec(tokens, num_generated: int = 0) -> RequestSpec:
+    """A request asking for its prompt's logprobs: the engine computes its whole prompt."""
+    return RequestSpec("r", tokens, SamplingParams(max_tokens=16, prompt_logprobs=1), num_generated=num_generated)
+
+
+def test_prompt_logprobs_expect_no_hit_where_the_prompt_is_computed():
+    """A request with prompt logprobs reads nothing from the cache where it is prefilled (the
+    engine's rule: every prompt position's logits are needed): no expected hit there, so a busier
+    worker holding its prefix does not win it, and a decode worker holding all of it but a block
+    does not prefill it itself (it would compute the whole prompt between its decode steps). The
+    decode side of a hand-off still shares the blocks it holds (fewer bytes moved)."""
+    admission, (p0, p1, d0) = two_prefill_cluster(timings=False)
+    p1.placed_prompt(prompt(0))
+    p1.num_prefill_tokens = 30
+    assert admission.decide(spec(prompt(5))).prediction.prefill is p1, "the plain request takes the hit"
+    chosen = admission.decide(plp_spec(prompt(5))).prediction
+    assert chosen.prefill is p0 and chosen.cached_tokens == 0
+    migrated = admission.decide(plp_spec(prompt(5), num_generated=3)).prediction
+    assert migrated.prefill is p1, "a migrated request owes none: it reads the cache"
+    admission, (p0, p1, d0) = two_prefill_cluster(conditional=True)
+    turn = prompt(0)
+    d0.placed_prompt(turn)
+    again = turn + (7, 8, 9)
+    assert admission.decide(spec(again, ttft=0.5, tpot=0.05)).prediction.prefill is None
+    pair = admission.decide(RequestSpec("r", again, SamplingParams(max_tokens=16, prompt_logprobs=0),
+                                        SLOTarget(0.5, 0.05))).prediction
+    assert pair.prefill is not None and pair.cached_tokens == 0, "prefilled on a prefill worker, whole"
+    assert pair.decode is d0 and pair.decode_cached_tokens == 80, "the decode side's blocks still shared"
