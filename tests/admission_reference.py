@@ -190,7 +190,7 @@ class _Search:
         if self.prefills:
             p = min(self.prefills, key=lambda s: s.worker.num_prefill_tokens - s.cached)
             return self.pair(p, min(decodes, key=_decode_load))
-        return self.local(min(decodes, key=lambda d: (-d.cached, *_decode_load(d))))
+        return self.local(min(decodes, key=lambda d: (d.worker.num_prefill_tokens - d.cached, *_decode_load(d))))
 
     def choose(self, ttft_t: float | None, tpot_t: float | None) -> Prediction:
         """Among the pairs predicted to meet both targets (with KV room): disaggregated ones

@@ -184,3 +184,23 @@ def test_prompt_logprobs_expect_no_hit_where_the_prompt_is_computed():
                                         SLOTarget(0.5, 0.05))).prediction
     assert pair.prefill is not None and pair.cached_tokens == 0, "prefilled on a prefill worker, whole"
     assert pair.decode is d0 and pair.decode_cached_tokens == 80, "the decode side's blocks still shared"
+
+
+def test_colocated_best_effort_weighs_the_hit_against_queued_tokens():
+    """Colocated (no prefill workers), no SLO targets: the least queued work wins, the prefix
+    expected cached counted against the worker's queue as on the prefill side. A worker holding
+    the prefix once took every request sharing it whatever its queue, so a burst sharing one
+    system prompt all went to one worker while the other idled."""
+    registry = WorkerRegistry()
+    d0, d1 = (WorkerHandle(f"d{i}", "decode", None, "n", "cpu", stats(f"d{i}", "decode", decode_steps()),
+                           prefix=PrefixIndex(16, enabled=True)) for i in range(2))
+    for w in (d0, d1):
+        registry.add(w)
+    admission = Admission(registry)
+    d0.placed_prompt(prompt(0))
+    assert admission.decide(spec(prompt(5))).prediction.decode is d0, "an idle worker holding the prefix"
+    d0.num_prefill_tokens = 100          # queued: more than the 64 tokens the hit saves
+    chosen = admission.decide(spec(prompt(5))).prediction
+    assert chosen.prefill is None and chosen.decode is d1 and chosen.cached_tokens == 0
+    d0.num_prefill_tokens = 40
+    assert admission.decide(spec(prompt(5))).prediction.decode is d0, "the hit outweighs a shorter queue"
