@@ -79,14 +79,25 @@ def test_large_decode_batch_matches_hf(tiny_model, hf_reference, monkeypatch):
     """40 requests decoding together: past the skinny kernel's limit and within the panel
     kernel's on both SIMD builds, so every decode step's linears run on the panel kernel
     (counted), not MKL."""
-    from engine import skinny_linear
+    from engine import lean_cpu, skinny_linear
 
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 12))] for _ in range(40)]
     refs = [hf_greedy(hf_reference, p, 8) for p in prompts]
-    rows: list[int] = []
+    rows: list[int] = []   # one entry per linear call on the panel kernel: its row count
     real = skinny_linear.panel_linear
-    monkeypatch.setattr(skinny_linear, "panel_linear", lambda x, w: rows.append(x.shape[0]) or real(x, w))
+    spy = lambda x, w: rows.append(x.shape[0]) or real(x, w)   # noqa: E731
+    monkeypatch.setattr(skinny_linear, "panel_linear", spy)
+    # The C++ layer stack (decode-only steps, where it is built) runs the panel kernel itself, named
+    # by its code: the spy is the panel kernel there too, and each such call is its layers' linears.
+    monkeypatch.setitem(lean_cpu._KERNEL_CODES, spy, lean_cpu._KERNEL_CODES[real])
+    native = lean_cpu.NativeLayers.__call__
+
+    def native_spy(self, hidden, cos, sin, kernel, metadata):
+        if kernel is spy:
+            rows.extend([hidden.shape[1]] * 4 * len(self.scales))   # q/k/v, o, gate/up, down per layer
+        return native(self, hidden, cos, sin, kernel, metadata)
+    monkeypatch.setattr(lean_cpu.NativeLayers, "__call__", native_spy)
     engine = LLMEngine(tiny_model, EngineConfig(num_kv_blocks=256, max_num_seqs=64))
     specs = [RequestSpec(f"b{i}", tuple(p), SamplingParams(max_tokens=8, ignore_eos=True)) for i, p in enumerate(prompts)]
     got = engine.generate(specs)
