@@ -61,6 +61,7 @@ class DecodeWorker(WorkerBase):
         self._receivers: dict[str, Any] = {}
         self._stream: asyncio.Queue[StreamBatch] | None = None
         self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
+        self._leases: dict[str, asyncio.TimerHandle] = {}   # each live reservation's lease timer
         self._spans = RequestSpans()   # each traced request's ``decode`` span (engine/tracing.py)
         self._ended = EndedRequests(RESERVATION_LEASE_S)   # a reserve of these arrives too late
 
@@ -100,9 +101,26 @@ class DecodeWorker(WorkerBase):
             num_cached_tokens=num_cached,
         )
         # No commit or abort by the end of the lease (the router died, an abort was lost): free it.
-        self.aio.call_later(RESERVATION_LEASE_S, lambda: self._handles.get(spec.req_id) is handle
-                            and asyncio.ensure_future(self.abort(spec.req_id)))
+        # Cancelled when the reservation ends (``_take``): a timer left to run held the request's
+        # spec and handle for the whole lease, one per request (found by benchmarks/probe_soak.py).
+        self._leases[spec.req_id] = self.aio.call_later(RESERVATION_LEASE_S, self._lease_ended, spec.req_id, handle)
         return handle
+
+    def _lease_ended(self, req_id: str, handle: KVBlocksHandle) -> None:
+        self._leases.pop(req_id, None)
+        if self._handles.get(req_id) is handle:
+            asyncio.ensure_future(self.abort(req_id))
+
+    def _take(self, req_id: str) -> KVBlocksHandle | None:
+        """End ``req_id``'s reservation (committed or aborted): its handle, None if none is live."""
+        lease = self._leases.pop(req_id, None)
+        if lease is not None:
+            lease.cancel()
+        return self._handles.pop(req_id, None)
+
+    async def leak_report(self) -> dict:
+        """The engine's holdings, and the reservations still live here (each with its lease timer)."""
+        return {**await super().leak_report(), "reservations": len(self._handles)}
 
     def _refuse_if_ended(self, req_id: str) -> None:
         if req_id in self._ended:
@@ -111,7 +129,7 @@ class DecodeWorker(WorkerBase):
     async def commit(self, req_id: str, first_token_id: int, handle: KVBlocksHandle) -> float:
         """Receive the KV (per transport) and admit the request; returns the receive seconds."""
         start = time.perf_counter()
-        if self._handles.pop(req_id, None) is None:   # aborted (perhaps fenced), or its lease ran out
+        if self._take(req_id) is None:   # aborted (perhaps fenced), or its lease ran out
             raise KVTransferError(f"{req_id}: no live reservation here (aborted, or its lease ran out)")
         receiver = self._receiver(handle.transport)
         try:
@@ -149,7 +167,7 @@ class DecodeWorker(WorkerBase):
         reservation, so the blocks stay fenced until the lease ends."""
         self._spans.close(req_id, aborted=True)
         self._ended.add(req_id)
-        await self._free(req_id, self._handles.pop(req_id, None), writer_gone)
+        await self._free(req_id, self._take(req_id), writer_gone)
 
     async def _free(self, req_id: str, handle: KVBlocksHandle | None, writer_gone: bool) -> None:
         """Free at once, or (a writer may still be busy) once the lease plus the longest

@@ -647,21 +647,24 @@ class ClusterThread:
 
 def router_holds(cluster: Cluster) -> dict[str, int]:
     """Per-request state the router itself still holds (empty when idle): live request ids,
-    first tokens awaited, decode-stream registrations, admission waiters, running cleanups."""
+    first tokens awaited, decode-stream registrations, admission waiters, running cleanups,
+    abandoned prefill streams still being read to their end."""
     held = {
         "live_requests": len(cluster.servicer.core.live),
         "first_token_waits": len(cluster.inbox),
         "decode_streams": cluster.streams.num_registered,
         "admission_waiters": cluster.admission.num_waiting,
         "cleanups": cluster.orchestrator.num_cleanups,
+        "stream_drains": cluster.orchestrator.drains.num_draining,
     }
     return {name: n for name, n in held.items() if n}
 
 
 def holds_anything(report: dict) -> bool:
-    """A ``leak_reports`` entry that is not idle: requests or KV blocks held by the worker, or
-    requests and prompt tokens the router still counts against it."""
-    return bool(report["requests"] or report["free_blocks"] != report["total_blocks"]
+    """A ``leak_reports`` entry that is not idle: requests, KV blocks or (a decode worker's)
+    reservations held by the worker, or requests and prompt tokens the router still counts
+    against it."""
+    return bool(report["requests"] or report["free_blocks"] != report["total_blocks"] or report.get("reservations")
                 or report["router_requests"] or report["router_prefill_tokens"])
 
 

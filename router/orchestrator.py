@@ -52,6 +52,7 @@ from router.first_token_inbox import FirstTokenInbox, first_ahead
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
 from router.pair_search import Prediction
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
+from router.stream_drain import StreamDrains
 from router.streams import DecodeStreams
 from router.worker_calls import WorkerLost, call, stream_call
 
@@ -191,6 +192,7 @@ class Orchestrator:
         self.inbox, self.node_id, self.submitter = inbox, node_id, submitter
         self.on_stats = on_stats   # a worker's fresh stats go on to admission and metrics (the launcher's rule)
         self._cleanups: set[asyncio.Task] = set()
+        self.drains = StreamDrains()   # prefill calls whose reader was cancelled, read to their end
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
         run = RequestMigration(spec, self.migration_limit)
@@ -359,7 +361,7 @@ class Orchestrator:
         if early is not None:
             self._submit_directly(at, prefill, transport)
         call_items = stream_call(prefill, "prefill", spec, transport, decode.actor, inbox.path if inbox else None,
-                                 generation=at.prefill_gen)
+                                 generation=at.prefill_gen, drains=self.drains)
         try:
             async with contextlib.aclosing(call_items) as items, \
                     contextlib.aclosing(first_ahead(items, early)) as items_first_ahead:

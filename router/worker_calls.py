@@ -25,6 +25,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 if TYPE_CHECKING:
     from router.registry import WorkerHandle
+    from router.stream_drain import StreamDrains
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +54,20 @@ async def call(worker: WorkerHandle, method: str, *args: Any, generation: int | 
 
 
 async def stream_call(worker: WorkerHandle, method: str, *args: Any, generation: int | None = None,
-                      give_up_s: float = UNAVAILABLE_GIVE_UP_S) -> AsyncIterator[Any]:
-    """The items of the streaming call ``worker.actor.<method>.remote(*args)``, with ``call``'s rules."""
+                      give_up_s: float = UNAVAILABLE_GIVE_UP_S, drains: StreamDrains | None = None
+                      ) -> AsyncIterator[Any]:
+    """The items of the streaming call ``worker.actor.<method>.remote(*args)``, with ``call``'s
+    rules. Cancelled while it waits for an item, the call goes to ``drains`` (read to its end
+    there: Ray would otherwise keep that wait's callback for ever, router/stream_drain.py)."""
     generation = _expected(worker, generation)
     actor = worker.actor
     num_yielded = 0
     backoff = _Backoff(worker, generation, give_up_s)
     while True:
+        stream = getattr(actor, method).remote(*args)
         try:
             num_items = 0
-            async for ref in getattr(actor, method).remote(*args):
+            async for ref in stream:
                 item = await ref
                 num_items += 1
                 worker.heard(generation)
@@ -70,6 +75,10 @@ async def stream_call(worker: WorkerHandle, method: str, *args: Any, generation:
                     num_yielded = num_items
                     yield item
             return
+        except asyncio.CancelledError:
+            if drains is not None:
+                drains.take(stream)
+            raise
         except ActorUnavailableError as exc:
             await backoff.wait(exc)
         except RayActorError as exc:
