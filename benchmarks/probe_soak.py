@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--per-round", type=int, default=168)
     parser.add_argument("--warmup-rounds", type=int, default=2)
+    parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    parser.add_argument("--num-decode", type=int, default=1)
     args = parser.parse_args()
 
     from engine.model_loader import random_model
@@ -166,7 +168,8 @@ def main() -> None:
     random_model(seed=0).model.save_pretrained(model_dir)
     byte_level_tokenizer().save_pretrained(model_dir)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    config = ClusterConfig(mode="disaggregated", port=0, http_port=0, cpus_per_worker=0.5, threads_per_worker=1,
+    config = ClusterConfig(mode=args.mode, num_prefill=int(args.mode == "disaggregated"), num_decode=args.num_decode,
+                           port=0, http_port=0, cpus_per_worker=0.5, threads_per_worker=1,
                            model=str(model_dir),
                            prefill_engine=EngineConfig(num_kv_blocks=128, max_num_batched_tokens=256),
                            decode_engine=EngineConfig(num_kv_blocks=256))
@@ -207,7 +210,8 @@ def _header(args: argparse.Namespace) -> str:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).parent).stdout.strip()
     return (f"# probe_soak.py --rounds {args.rounds} --per-round {args.per_round} --warmup-rounds "
-            f"{args.warmup_rounds}, at {rev} ({time.strftime('%Y-%m-%d')}); tiny Llama, 1 prefill + 1 decode, "
+            f"{args.warmup_rounds} --mode {args.mode} --num-decode {args.num_decode}, at {rev} "
+            f"({time.strftime('%Y-%m-%d')}); tiny Llama, "
             f"the kinds in turn: {', '.join(KINDS)}")
 
 
