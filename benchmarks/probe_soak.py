@@ -23,8 +23,10 @@ import gc
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -132,6 +134,24 @@ def _objects() -> collections.Counter:
     return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
+def _kill_later(cluster: ClusterThread, round_no: int) -> threading.Thread:
+    """SIGKILL the round's victim (the workers in turn) a second from now."""
+    workers = cluster.cluster.registry.all
+    victim = workers[round_no % len(workers)]
+    thread = threading.Thread(target=lambda: (time.sleep(1.0), os.kill(victim.pid, signal.SIGKILL)), daemon=True)
+    thread.victim = (victim, victim.restarts)
+    thread.start()
+    return thread
+
+
+def _wait_replaced(cluster: ClusterThread, victim, restarts_before: int) -> None:
+    deadline = time.monotonic() + 180
+    while not (victim.alive and victim.restarts > restarts_before):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{victim.worker_id} not replaced: {victim.state}")
+        time.sleep(0.05)
+
+
 def _census(actor_self) -> int:
     """Run inside a worker's actor (Ray's ``__ray_call__``): its live Python objects."""
     import gc
@@ -160,6 +180,8 @@ def main() -> None:
     parser.add_argument("--warmup-rounds", type=int, default=2)
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--kill", action="store_true",
+                        help="SIGKILL one worker (in turn) a second into every round; wait for its replacement after")
     args = parser.parse_args()
 
     from engine.model_loader import random_model
@@ -184,7 +206,11 @@ def main() -> None:
     try:
         for round_no in range(args.rounds):
             start = time.monotonic()
+            killer = _kill_later(cluster, round_no) if args.kill else None
             outcomes = asyncio.run(_round(addr, base, model, args.per_round, seed=round_no))
+            if killer is not None:
+                killer.join()
+                _wait_replaced(cluster, *killer.victim)
             leaks = cluster_leaks(cluster)
             objects = _objects()
             workers = _worker_marks(cluster)
@@ -193,9 +219,9 @@ def main() -> None:
                          f"router RSS {marks[-1][0]:.1f} MB, {marks[-1][1]} objects; workers "
                          + ", ".join(f"{w} {mb:.0f} MB {n} objects" for w, (mb, n) in workers.items())
                          + f"; leaks {leaks or 'none'}")
-            if round_no == 0:
+            if round_no == 0 or args.kill:
                 lines.append("    outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
-            print("\n".join(lines[-2 if round_no == 0 else -1:]), flush=True)
+            print("\n".join(lines[-2 if round_no == 0 or args.kill else -1:]), flush=True)
         lines += _report(marks, args)
         print("\n".join(lines[-2:]), flush=True)
         write_run(Path(__file__).parent / "results" / "soak.txt", "\n".join(lines))
@@ -210,7 +236,7 @@ def _header(args: argparse.Namespace) -> str:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          cwd=Path(__file__).parent).stdout.strip()
     return (f"# probe_soak.py --rounds {args.rounds} --per-round {args.per_round} --warmup-rounds "
-            f"{args.warmup_rounds} --mode {args.mode} --num-decode {args.num_decode}, at {rev} "
+            f"{args.warmup_rounds} --mode {args.mode} --num-decode {args.num_decode}{' --kill' if args.kill else ''}, at {rev} "
             f"({time.strftime('%Y-%m-%d')}); tiny Llama, "
             f"the kinds in turn: {', '.join(KINDS)}")
 
