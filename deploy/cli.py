@@ -407,7 +407,8 @@ def _stream_to_terminal(args, text, messages) -> str:
                 sys.stdout.flush()
                 out.append(resp.text)
         except grpc.RpcError as exc:
-            print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = security_args.connection_hint(exc.details(), args) if exc.code() is grpc.StatusCode.UNAVAILABLE else ""
+            print(f"\npdserve: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
             raise SystemExit(1)
     print()
     return "".join(out)

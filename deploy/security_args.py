@@ -53,3 +53,27 @@ def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for ``PdserveClient`` / ``AsyncPdserveClient``."""
     return {"tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
             "auth_token": token_from(args.auth_token_file)}
+
+
+# What gRPC's connection failures say (its last error's words) -> what the client's flags should
+# change, in the client's terms. gRPC says a plaintext client refused by a TLS server, and a TLS
+# client without the certificate an mTLS server requires, as a bare "Socket closed".
+_HINTS = (
+    ("WRONG_VERSION_NUMBER", lambda tls, cert: "the server does not speak TLS: leave out --tls / --tls-ca"),
+    ("CERTIFICATE_VERIFY_FAILED", lambda tls, cert: "the server's certificate is not signed by the CA the client "
+                                                    "trusts (--tls-ca), or does not name this host"),
+    ("Socket closed", lambda tls, cert: None if tls and cert else
+        "the server closed the connection: it may require TLS (--tls-ca FILE)" if not tls else
+        "the server closed the TLS connection: it may require a client certificate (--tls-cert, --tls-key)"),
+    ("Connection refused", lambda tls, cert: "nothing listens there: is `pdserve serve` running at this --address?"),
+)
+
+
+def connection_hint(details: str | None, args: argparse.Namespace) -> str:
+    """A hint for an UNAVAILABLE call's ``details`` under the client flags ``args`` ("" if none)."""
+    tls, cert = bool(args.tls or args.tls_ca), bool(args.tls_cert)
+    for words, hint in _HINTS:
+        if words in (details or ""):
+            said = hint(tls, cert)
+            return f" ({said})" if said else ""
+    return ""

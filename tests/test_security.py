@@ -353,3 +353,39 @@ def test_security_modules_do_not_load_torch():
     code = ("import sys, router.security, router.auth, router.channel, router.client; "
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("server, flags, hint", [
+    ("tls", [], "it may require TLS (--tls-ca FILE)"),
+    ("plaintext", ["--tls-ca", "ca.pem"], "the server does not speak TLS: leave out --tls / --tls-ca"),
+    ("tls", ["--tls-ca", "other-ca.pem"], "the server's certificate is not signed by the CA the client trusts"),
+    ("mtls", ["--tls-ca", "ca.pem"], "it may require a client certificate (--tls-cert, --tls-key)"),
+    ("none", [], "nothing listens there: is `pdserve serve` running at this --address?"),
+])
+def test_a_connection_refused_for_its_security_says_which_flag_to_change(pki, tmp_path, capsys, monkeypatch,
+                                                                         server, flags, hint):
+    """gRPC says a plaintext client at a TLS server, or a TLS client without the certificate an
+    mTLS server requires, as a bare "Socket closed": `pdserve generate` (and bench) add what to change."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deploy.cli import main
+
+    for name, data in {"ca.pem": pki.ca.cert, "other-ca.pem": _issue("a third CA", None, ca=True)[0].cert}.items():
+        (tmp_path / name).write_bytes(data)
+    monkeypatch.chdir(tmp_path)
+    creds = {"tls": grpc.ssl_server_credentials([(pki.server.key, pki.server.cert)]),
+             "mtls": grpc.ssl_server_credentials([(pki.server.key, pki.server.cert)], root_certificates=pki.ca.cert,
+                                                 require_client_auth=True)}.get(server)
+    bare = grpc.server(ThreadPoolExecutor(1))
+    port = bare.add_secure_port("127.0.0.1:0", creds) if creds else bare.add_insecure_port("127.0.0.1:0")
+    if server == "none":
+        port = 1
+    else:
+        bare.start()
+    try:
+        with pytest.raises(SystemExit):
+            main(["generate", "hi", "--address", f"127.0.0.1:{port}", *flags])
+    finally:
+        bare.stop(None)
+    err = capsys.readouterr().err
+    assert "pdserve: UNAVAILABLE: " in err and hint in err, err

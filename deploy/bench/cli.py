@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(said(exc, args))
     except grpc.RpcError as exc:   # the server is not there, or refused us (a wrong token)
         target = args.address if args.backend == "grpc" else args.base_url
-        print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = security_args.connection_hint(exc.details(), args) if exc.code() is grpc.StatusCode.UNAVAILABLE else ""
+        print(f"pdserve bench: error: {target}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
 
 
