@@ -37,7 +37,8 @@ from router.chat_prompt import chat_from_proto
 from router.convert import IncrementalDetokenizer, RequestTimings, ServerDefaults, Usage
 from router.delta_queue import QUEUE_POLICY, SLOW_READER, QueuePolicy, SlowReaderError
 from router.errors import RequestFailedError, fault_of, status_for
-from router.identity import CUT_AT_STOP, DuplicateRequestError, LiveRequests, RequestIdentity, ShuttingDownError
+from router.identity import (CUT_AT_STOP, ENDING_WAIT_S, RACE_WAIT_S, DuplicateRequestError, LiveRequests,
+                             RequestIdentity, ShuttingDownError)
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, RequestTrace
 from router.stop_text import StopTextTrimmer
@@ -92,13 +93,20 @@ class GenerationCore:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="pdserve-tokenize")
 
     # ---- one request ------------------------------------------------------------------------
-    def claim(self, request: pb.GenerateRequest | MalformedRequest) -> RequestIdentity:
-        """Cheap checks, before any tokenizer runs: the message parsed, its sizes, its label."""
+    async def claim(self, request: pb.GenerateRequest | MalformedRequest) -> RequestIdentity:
+        """Cheap checks, before any tokenizer runs: the message parsed, its sizes, its label (one
+        a request still holds is waited for a moment first: router/identity.py)."""
         if isinstance(request, MalformedRequest):
             raise request.refusal("GenerateRequest")
         request_limits.check_request(request, self.limits)
+        label = convert.label_from_proto(request)
+        released = self.live.released(label)
+        if released is not None:   # its own last request, perhaps, its client gone a moment ago
+            await _wait_for(released, RACE_WAIT_S)
+            if not released.is_set() and self.live.ending(label):
+                await _wait_for(released, ENDING_WAIT_S)
         try:
-            return self.live.claim(convert.label_from_proto(request))
+            return self.live.claim(label)
         except (DuplicateRequestError, CapacityError, ShuttingDownError) as exc:   # refused before admission: counted too
             if self.metrics is not None:
                 self.metrics.request_rejected(_rejected_as(exc))
@@ -347,3 +355,8 @@ def _text(ids, finished: bool, detok: IncrementalDetokenizer, trim: StopTextTrim
     if last:
         return head
     return head + trim.push(detok.push(ids[within_min:], finished=finished), finished=finished)
+
+
+async def _wait_for(event: asyncio.Event, timeout_s: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_s)

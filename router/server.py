@@ -116,7 +116,7 @@ class PdserveServicer(pb_grpc.PdserveServicer):
         identity: RequestIdentity | None = None
         headers: _Headers | None = None
         try:
-            identity = self.core.claim(request)
+            identity = await self.core.claim(request)
             headers = _Headers(context)
             client_trace = tracing.client_context(context.invocation_metadata() or ())
             async with contextlib.aclosing(self.core.stream(request, identity, trace_context=client_trace)) as events:

@@ -318,3 +318,39 @@ def test_draining_refuses_new_requests_and_waits_for_the_live_ones():
         await asyncio.wait_for(empty.drained(), 1)   # nothing live: drained at once
 
     asyncio.run(run())
+
+
+def test_a_live_labels_release_can_be_awaited_and_an_ending_request_is_told_apart():
+    """``released``: the event a call waits on for a live label's release (None for a free one);
+    ``ending``: whether the request holding it is unwinding (its handler cancelled: the client left)."""
+    from router.identity import LiveRequests
+
+    async def run():
+        live = LiveRequests(max_live=4)
+        claimed: dict[str, object] = {}
+        gate = asyncio.Event()
+
+        async def handler(label: str) -> None:
+            claimed[label] = live.claim(label)
+            try:
+                await gate.wait()
+            finally:
+                await asyncio.sleep(0.01)   # its unwinding (aborts, metrics) before the release
+                live.release(claimed[label])
+
+        running = asyncio.ensure_future(handler("running"))
+        ending = asyncio.ensure_future(handler("ending"))
+        await asyncio.sleep(0)
+        assert live.released("free") is None and live.released(None) is None
+        assert not live.ending("running") and not live.ending("ending")
+        ending.cancel()
+        await asyncio.sleep(0)
+        assert live.ending("ending") and not live.ending("running")
+        released = live.released("ending")
+        assert released is not None and not released.is_set()
+        await asyncio.wait_for(released.wait(), 1)
+        assert "ending" not in live and live.claim("ending").label == "ending"
+        gate.set()
+        await running
+
+    asyncio.run(run())

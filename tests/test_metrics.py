@@ -276,7 +276,7 @@ def test_a_request_cancelled_while_its_prompt_is_tokenized_is_counted_aborted(me
     request = pb.GenerateRequest(text="a long prompt")
 
     async def cancel_while_tokenizing():
-        identity = core.claim(request)
+        identity = await core.claim(request)
 
         async def drain():
             async for _ in core.stream(request, identity):

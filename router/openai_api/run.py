@@ -72,7 +72,7 @@ class GenerationResponse(Response):
         identities: list[RequestIdentity] = []
         try:
             for request in self.requests:   # all or none: a refused one releases the others (finally)
-                identities.append(self.core.claim(request))
+                identities.append(await self.core.claim(request))
             await self._run(identities, send)
         except asyncio.CancelledError as exc:
             await self._cancelled(exc, _first(identities), send, task)
