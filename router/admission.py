@@ -27,7 +27,11 @@ Decision (targets scaled down for lower priority classes, so they are shed first
            (``_hold``; a migrating request is not held back), as an engine's waiting queue does;
   reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
            prediction in the message.
-With no targets (best effort) or before any step timing arrived, requests are admitted.
+With no targets (best effort), requests are admitted. Before any step timing arrived, a request
+with targets is admitted only where the worker prefilling it has no prompt queued (one prompt at
+a time per prefill worker): the rest queue (``Cause.NO_TIMINGS``) until a report brings timings,
+then are decided on them. Admitting everything blind admitted a whole cold-start burst: 24 prompts
+at once with a 1.5 s TTFT target, 10 of them 1.5-2.4 s late (found by a probe).
 
 Life cycle: one ``Admission`` per router. Worker reports feed ``observe_stats`` and ``notify``;
 each request calls ``acquire`` once (admitted, queued until capacity changes, or refused), then
@@ -90,6 +94,7 @@ class Cause(enum.Enum):
     RUNNING_TPOT = "running_tpot"      # queued: a running request's TPOT would suffer
     KV_FULL = "kv_full"                # queued: no room for the prompt's blocks
     RESTARTING = "restarting"          # queued: no decode worker up, one is coming back
+    NO_TIMINGS = "no_timings"          # queued: no step timings yet and its prefill worker is busy
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +262,9 @@ class Admission:
             if best is None:
                 return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded(),
                                 len(spec.prompt_token_ids))
+            if self.enabled and (ttft_t is not None or tpot_t is not None) and _prefill_busy(best):
+                return Decision(Action.QUEUE, Cause.NO_TIMINGS, "no step timings yet: one prompt at a time per "
+                                "prefill worker until they report", best)
             return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
         best = search.choose(ttft_t, tpot_t)
         if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models
@@ -288,15 +296,17 @@ class Admission:
         decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
                                hold=self._hold(spec, resuming))
         ticket, admitted = None, False
+        waiting = _Waiting(decision.cause)   # what it waits for: the wake check reads it (this loop owns it)
         try:
             while decision.action is Action.QUEUE:
                 queue_reason = decision.reason
+                waiting.cause = decision.cause
                 self._line_up(spec, decision, resuming, line_since)
                 if ticket is None:
                     if self.max_queued is not None and self.num_queued >= self.max_queued and not resuming:
                         raise CapacityError(f"max_queued_requests: {self.num_queued} requests are queued "
                                             f"({decision.reason}); retry later", "queue_full")
-                    ticket = self._waiters.enter(None if resuming else lambda worker: self._could_take(worker, spec),
+                    ticket = self._waiters.enter(None if resuming else lambda worker: self._may_go_on(worker, spec, waiting.cause),
                                                  spec.priority)
                     self._count_queue(+1, metrics, decision)
                 remaining = deadline - time.perf_counter()
@@ -307,7 +317,7 @@ class Admission:
                 # Woken by one worker's report, the check ran in ``notify``, but earlier waiters may
                 # have taken that worker's room since: checked again (a decision only if still free).
                 source = await self._waiters.wait(ticket, remaining)
-                if source is not None and not resuming and not self._could_take(source, spec):
+                if source is not None and not resuming and not self._may_go_on(source, spec, waiting.cause):
                     continue   # only ``source`` changed and it still has no room: the last decision holds
                 decision = self.decide(spec, waited_s=time.perf_counter() - start, best_effort=resuming,
                                        hold=self._hold(spec, resuming))
@@ -366,6 +376,12 @@ class Admission:
         until a worker reports, which wakes them: a bounded wake per report either way)."""
         if self._room_line.leave(req_id) and wake:
             self.notify()
+
+    def _may_go_on(self, worker: WorkerHandle, spec: RequestSpec, cause: Cause) -> bool:
+        """Whether ``worker``'s report could let a request queued for ``cause`` go on: one
+        waiting for the first timings (``Cause.NO_TIMINGS``) at any live worker's report, a
+        prefill worker's too (its first timings, or its queue emptied); else ``_could_take``."""
+        return worker.alive if cause is Cause.NO_TIMINGS else self._could_take(worker, spec)
 
     def _could_take(self, worker: WorkerHandle, spec: RequestSpec) -> bool:
         """Whether a queued request could now go to ``worker``, the one worker whose report woke
@@ -432,6 +448,19 @@ def _retry_after_s(decision: Decision, target: float | None, share: float) -> fl
         return DEFAULT_RETRY_AFTER_S
     excess = (p.ttft_s - p.waited_s) - target * share
     return min(MAX_RETRY_AFTER_S, max(DEFAULT_RETRY_AFTER_S, excess))
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A queued request's last cause, read by its wake check (``_may_go_on``)."""
+
+    cause: Cause
+
+
+def _prefill_busy(p: Prediction) -> bool:
+    """The worker that would prefill ``p``'s prompt has a prompt queued already (the router's
+    count or its own report): without timings, nothing says how long this one would wait."""
+    return queued_prefill_tokens(p.prefill or p.decode) > 0
 
 
 def _idle(p: Prediction) -> bool:

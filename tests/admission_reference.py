@@ -50,6 +50,10 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
         if best is None:   # the room it waits for, mirrored (session 29: first come, first served for room)
             return Decision(Action.QUEUE, Cause.KV_FULL, "decode KV cache full", search.least_loaded(),
                             len(spec.prompt_token_ids))
+        if self.enabled and (ttft_t is not None or tpot_t is not None) and queued_prefill_tokens(best.prefill or best.decode):
+            # mirrored on purpose (session 17's admission probe): no timings, one prompt at a time per prefill worker
+            return Decision(Action.QUEUE, Cause.NO_TIMINGS, "no step timings yet: one prompt at a time per "
+                            "prefill worker until they report", best)
         return Decision(Action.ADMIT, Cause.BEST_EFFORT if self.enabled else Cause.ADMISSION_OFF, prediction=best)
     best = search.choose(ttft_t, tpot_t)
     if _idle(best):  # refusing an idle pair helps no one; its timings also refresh the models

@@ -131,6 +131,37 @@ def test_no_timings_yet_admits_least_loaded():
     assert decision.action is Action.ADMIT
 
 
+def test_no_timings_yet_admits_one_prompt_per_prefill_worker_then_decides_on_the_first_report():
+    """Found by a probe: a burst at a cold start (no step timings yet) was admitted whole, 24
+    prompts at once with a 1.5 s TTFT target, 10 of them 1.5-2.4 s late. Without timings a
+    request with targets goes only where the prefilling worker has nothing queued; the rest
+    queue until a report brings timings, then are decided on them (best effort as before)."""
+    async def scenario():
+        registry = WorkerRegistry()
+        p = WorkerHandle("p0", "prefill", None, "n", "cpu")
+        d = WorkerHandle("d0", "decode", None, "n", "cpu")
+        registry.add(p)
+        registry.add(d)
+        admission = Admission(registry, conditional=False)
+        p.num_prefill_tokens = 400            # the first prompt of the burst, admitted blind
+        queued = admission.decide(spec(ttft=0.5, tpot=0.05))
+        assert (queued.action, queued.cause) == (Action.QUEUE, Cause.NO_TIMINGS)
+        assert admission.decide(spec()).cause is Cause.BEST_EFFORT
+        waiter = asyncio.create_task(admission.acquire(spec(prompt=200, ttft=0.5, tpot=0.05)))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and admission.num_queued == 1
+        p.stats, d.stats = stats("p0", "prefill", prefill_steps()), stats("d0", "decode", decode_steps(), running=1)
+        for w in (p, d):
+            admission.observe_stats(w)
+        admission.notify(p)                   # the prefill worker's report brings the first timings
+        pair = await asyncio.wait_for(waiter, 1.0)   # 600 tokens x 0.1 ms: 60 ms, within target
+        assert pair.ttft_s - pair.waited_s == pytest.approx(0.06, rel=1e-6) and admission.num_queued == 0
+        p.num_prefill_tokens = 50_000         # with timings, a queue past the target is refused at once
+        assert admission.decide(spec(ttft=0.5, tpot=0.05)).cause is Cause.TTFT
+
+    asyncio.run(scenario())
+
+
 def test_admission_off_admits_everything():
     admission = cluster(prefill_inflight_tokens=50_000)
     admission.enabled = False
