@@ -25,7 +25,8 @@ Decision (targets scaled down for lower priority classes, so they are shed first
            room it waits for against every later one of its class or a lower one on the decode
            worker with the most room, once it has waited ``HOLD_AFTER_S``
            (``_hold``; a migrating request is not held back), as an engine's waiting queue does;
-  reject - TTFT cannot be met even now, or the deadline passed: RESOURCE_EXHAUSTED with the
+  reject - TTFT cannot be met even now, or the deadline passed, or the TPOT target is below a
+           step of the request alone (``tpot_floor``: no wait helps): RESOURCE_EXHAUSTED with the
            prediction in the message.
 With no targets (best effort), requests are admitted. Before any step timing arrived, a request
 with targets is admitted only where the worker prefilling it has no prompt queued (one prompt at
@@ -95,6 +96,7 @@ class Cause(enum.Enum):
     KV_FULL = "kv_full"                # queued: no room for the prompt's blocks
     RESTARTING = "restarting"          # queued: no decode worker up, one is coming back
     NO_TIMINGS = "no_timings"          # queued: no step timings yet and its prefill worker is busy
+    TPOT_FLOOR = "tpot_floor"          # rejected: TPOT target below a step of the request alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +230,16 @@ class Admission:
         share = self.stall_per_token(decode, fallback_stall) * rate if rate else 0.0
         return step * self.tpot_correction / (1.0 - share) if share < MAX_PREFILL_SHARE else float("inf")
 
+    def tpot_floor(self, spec: RequestSpec) -> float | None:
+        """The least TPOT any decode worker could give ``spec``: its step with this request
+        alone (no other sequence, no prefill beside it), times the TPOT correction. A target
+        below it cannot be met however long the request waits (found by a probe: such a
+        request queued for TPOT until its TTFT deadline, 30 s without one, or an idle worker)."""
+        prompt = len(spec.prompt_token_ids)
+        steps = [s for s in (self.model(d.worker_id).predict(1, prompt) for d in self.registry.alive("decode"))
+                 if s is not None]
+        return min(steps) * self.tpot_correction if steps else None
+
     def stall_per_token(self, decode: WorkerHandle, fallback: float | None = None) -> float:
         """Seconds a prompt token prefilled on ``decode`` stalls its decodes: measured there once
         it has prefilled (colocated, or conditional disaggregation), else the prefill workers'
@@ -273,6 +285,11 @@ class Admission:
         if not best.fits_ttft(ttft_t, share):
             return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share), best)
         if not fits_tpot(best.tpot_s, tpot_t):
+            floor = self.tpot_floor(spec)
+            if floor is not None and not fits_tpot(floor, tpot_t):   # no wait helps: refused at once
+                return Decision(Action.REJECT, Cause.TPOT_FLOOR, f"TPOT target {tpot_t * 1e3:.1f} ms is below "
+                                f"{floor * 1e3:.1f} ms, the predicted step of this request alone on the fastest "
+                                f"decode worker", best)
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
         if not best.spares_running:
             return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)

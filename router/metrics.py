@@ -28,7 +28,7 @@ Metrics (every name starts with ``pdserve_``):
     requests_total                               outcome: finished_stop, finished_length,
                                                  aborted, error, rejected, invalid
     admission_decisions_total                    decision: admit, queue, reject; reason (admission.Cause's,
-                                                 or a refusal's: ttft, queue_full, queue_deadline,
+                                                 or a refusal's: ttft, tpot_floor, queue_full, queue_deadline,
                                                  max_streams, duplicate_id, shutting_down, capacity)
     preemptions_total                            worker      (from WorkerStats deltas)
     prefix_cache_query_tokens_total,             worker      (from WorkerStats deltas: prompt

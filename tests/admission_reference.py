@@ -62,6 +62,11 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
     if not best.fits_ttft(ttft_t, share):
         return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share), best)
     if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
+        floor = self.tpot_floor(spec)   # mirrored on purpose (session 17's admission probe): refused at once
+        if floor is not None and floor > tpot_t * TPOT_SAFETY:
+            return Decision(Action.REJECT, Cause.TPOT_FLOOR, f"TPOT target {tpot_t * 1e3:.1f} ms is below "
+                            f"{floor * 1e3:.1f} ms, the predicted step of this request alone on the fastest "
+                            f"decode worker", best)
         return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
     if not best.spares_running:
         return Decision(Action.QUEUE, Cause.RUNNING_TPOT, f"a running request's TPOT would reach {best.running_tpot_ratio:.0%} of its target", best)

@@ -162,6 +162,23 @@ def test_no_timings_yet_admits_one_prompt_per_prefill_worker_then_decides_on_the
     asyncio.run(scenario())
 
 
+def test_a_tpot_target_below_a_step_of_the_request_alone_is_refused_at_once():
+    """Found by a probe: a TPOT target no decode step can meet (even the request alone) queued
+    for TPOT until its TTFT deadline, 30 s without one, or until an idle worker admitted it to
+    miss. It is refused at once, saying why; a target a lighter batch meets still queues."""
+    async def scenario():
+        admission = cluster(decode_inflight=60)            # alone: 10 + 1 ms + 0.2 ms = 11.2 ms
+        queued = admission.decide(spec(ttft=0.5, tpot=0.05))
+        assert (queued.action, queued.cause) == (Action.QUEUE, Cause.TPOT)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(CapacityError, match=r"TPOT target 5\.0 ms is below 11\.2 ms") as refused:
+            await admission.acquire(spec(tpot=0.005))       # no TTFT target: it queued 30 s before
+        assert refused.value.reason == "tpot_floor" and asyncio.get_running_loop().time() - t0 < 0.5
+        assert admission.num_queued == 0
+
+    asyncio.run(scenario())
+
+
 def test_admission_off_admits_everything():
     admission = cluster(prefill_inflight_tokens=50_000)
     admission.enabled = False

@@ -11,6 +11,7 @@ import dataclasses
 import random
 
 from engine.errors import WorkerFailedError
+from engine.types import SLOTarget
 from router.admission import Admission, Cause
 from router.registry import WorkerState
 from tests.admission_reference import reference_decide
@@ -72,6 +73,8 @@ def test_the_decisions_are_those_of_the_frozen_reference():
             spec = request(rng, admission)
             if rng.random() < 0.3:   # long enough to stall the requests decoding where it prefills
                 spec = dataclasses.replace(spec, prompt_token_ids=spec.prompt_token_ids * (4000 // len(spec.prompt_token_ids)))
+            if rng.random() < 0.08:  # a TPOT target no step meets, the request alone included
+                spec = dataclasses.replace(spec, slo=SLOTarget(spec.slo.ttft_s, 0.0005))
             kwargs = dict(now=NOW + rng.choice((0.0, 3.0)), waited_s=rng.choice((0.0, 0.0, 0.15, 0.7)),
                           best_effort=rng.random() < 0.1)
             got = outcome(Admission.decide, admission, spec, **kwargs)
