@@ -139,7 +139,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="serve chat's tool_choice \"auto\" (OpenAI's default with tools): needs --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
                    help="the model's tool-call syntax, found in its replies for tool_choice \"auto\": hermes "
-                        "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+ JSON calls)")
+                        "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json (Llama 3.1+ JSON calls), "
+                        "mistral ([TOOL_CALLS]...), pythonic ([f(x=1)]: Llama 3.2/4)")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="export OpenTelemetry traces (router and workers) over OTLP/HTTP to this endpoint, "
                         "e.g. http://127.0.0.1:4318 (default: tracing off, no cost)")

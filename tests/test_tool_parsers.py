@@ -197,3 +197,12 @@ def test_serve_flags_turn_auto_on_as_vllms_do():
         cluster_config(_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--tool-call-parser", "nope"])
+
+
+def test_serve_help_names_every_tool_call_parser():
+    """`pdserve serve --help` described two of the four syntaxes it accepts (a probe)."""
+    from deploy.cli import _parser
+
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]
+    action = next(a for a in serve._actions if "--tool-call-parser" in a.option_strings)
+    assert all(name in action.help for name in action.choices), (action.choices, action.help)
