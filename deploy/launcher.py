@@ -350,7 +350,7 @@ class Cluster:
         if spare is not None:
             try:
                 await spare.activate.remote(worker.worker_id)
-                return spare, await spare.start.remote()
+                return spare, {**await spare.start.remote(), "standby": True}   # the supervisor's log says so
             except Exception as exc:
                 logger.warning("standby for %s failed (%s); cold start", worker.worker_id, first_line(exc))
                 ray.kill(spare, no_restart=True)

@@ -49,6 +49,7 @@ from engine.unix_push import UnixPusher
 from router.admission import RESUME_WAIT_S, Admission
 from router.convert import RequestTimings
 from router.first_token_inbox import FirstTokenInbox, first_ahead
+from router.loss_log import LossLog
 from router.migration import DEFAULT_MIGRATION_LIMIT, RequestMigration, resumed
 from router.pair_search import Prediction
 from router.registry import DecodeProgress, WorkerHandle, WorkerRegistry
@@ -193,6 +194,7 @@ class Orchestrator:
         self.on_stats = on_stats   # a worker's fresh stats go on to admission and metrics (the launcher's rule)
         self._cleanups: set[asyncio.Task] = set()
         self.drains = StreamDrains()   # prefill calls whose reader was cancelled, read to their end
+        self.losses = LossLog()        # one line per worker loss for the requests it moved
 
     async def generate(self, spec: RequestSpec, trace: RequestTrace) -> AsyncIterator[TokenDelta]:
         run = RequestMigration(spec, self.migration_limit)
@@ -250,13 +252,20 @@ class Orchestrator:
 
     def _migrate(self, run: RequestMigration, lost: WorkerLost, trace: RequestTrace, found_lost: bool) -> None:
         """Move ``run`` off the worker ``lost`` names (WorkerFailedError past the limit)."""
-        counted = run.migrate(lost.cause, lost.worker.worker_id if found_lost else None)
+        worker_id, req_id = lost.worker.worker_id, run.spec.req_id
+        try:
+            counted = run.migrate(lost.cause, worker_id if found_lost else None)
+        except WorkerFailedError:
+            self.losses.failed(worker_id, lost.generation, req_id)
+            raise
         trace.migrations = run.num_moves
         if self.metrics is not None:
             self.metrics.migration()
-        logger.warning("%s: %s; migrating (attempt %d%s) with %d tokens already sent", run.spec.req_id, lost.cause,
-                       run.num_moves + 1, "" if counted else ", not counted: that worker was lost before this attempt "
-                       "used it", len(run.sent_token_ids))
+        # One line per loss, not per request (router.loss_log); this one for a request's story.
+        self.losses.moved(worker_id, lost.generation, req_id, len(run.sent_token_ids))
+        logger.debug("%s: %s; migrating (attempt %d%s) with %d token(s) already sent", req_id, lost.cause,
+                     run.num_moves + 1, "" if counted else ", not counted: that worker was lost before this attempt "
+                     "used it", len(run.sent_token_ids))
 
     def _report_lost(self, lost: WorkerLost) -> None:
         if self.on_lost is not None:

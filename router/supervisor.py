@@ -94,7 +94,8 @@ class Supervisor:
             return
         if not worker.mark_down(lost.generation):
             return
-        logger.error("worker %s (generation %d) lost: %s", worker.worker_id, lost.generation, lost.cause)
+        logger.error("worker %s (generation %d, %s) lost: %s", worker.worker_id, lost.generation,
+                     _pid(worker.pid), lost.cause)
         if worker.role != "colocated" and self.registry.dist_ready:
             self.registry.lose_kv_group()
         self._on_down(worker)
@@ -144,9 +145,8 @@ class Supervisor:
             return
         worker.replace(actor, info)
         self.registry.forget_pairs(worker)
-        logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s (%s)", worker.worker_id,
-                       worker.generation, worker.restarts, time.monotonic() - started,
-                       ", ".join(f"{k} {v:.1f} s" for k, v in info.get("startup_s", {}).items()))
+        logger.warning("worker %s replaced (generation %d, restart %d) in %.1f s by %s", worker.worker_id,
+                       worker.generation, worker.restarts, time.monotonic() - started, replacement(info))
         self.watch(worker)
         self._on_ready(worker)
 
@@ -172,6 +172,19 @@ class Supervisor:
         if pending:
             logger.warning("supervisor: %d task(s) did not end: %s", len(pending),
                            ", ".join(sorted(t.get_name() for t in pending)))
+
+
+def _pid(pid: int | None) -> str:
+    return f"pid {pid}" if pid else "pid unknown"
+
+
+def replacement(info: dict) -> str:
+    """What took a slot, for the log: a warm spare's start-up phases ran long before the loss
+    (printing them as the replacement's own read as a 20 s restart that took 0.0 s)."""
+    if info.get("standby"):
+        return f"a warm spare ({_pid(info.get('pid'))}, built ahead)"
+    phases = ", ".join(f"{k} {v:.1f} s" for k, v in info.get("startup_s", {}).items())
+    return f"a cold start ({_pid(info.get('pid'))}{': ' + phases if phases else ''})"
 
 
 def _kill(actor) -> None:

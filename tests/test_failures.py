@@ -468,3 +468,31 @@ def _client_loop_closed(record) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return ("PollerCompletionQueue._handle_events" in record.getMessage()
             and isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed")
+
+
+def test_a_kill_is_logged_once_with_pids_and_the_requests_it_moved(cluster, workload, caplog):
+    """What an operator reads after a worker's death (a probe: one WARNING per migrating request
+    naming Ray's generic 'actor died', no pid, no count, and a warm spare's replacement line
+    printing the spare's own 20 s start-up as if it were the restart's): the loss with the dead
+    pid, the replacement with its pid and kind, one line counting the requests moved."""
+    import logging
+
+    prompts, max_tokens, _ = workload
+    decode = cluster.cluster.registry.get("decode-0")
+    dead_pid, restarts = decode.pid, decode.restarts
+    with caplog.at_level(logging.INFO):
+        asyncio.run(_streams(address(cluster), prompts, max_tokens, lambda: _kill(dead_pid)))
+        _wait_ready(cluster, "decode-0", restarts + 1)
+        time.sleep(1.5)   # the loss log's window
+    said = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    lost = [m for name, _, m in said if name == "router.supervisor" and " lost: " in m]
+    assert len(lost) == 1 and f"pid {dead_pid}" in lost[0], said
+    replaced = [m for name, _, m in said if name == "router.supervisor" and "replaced" in m]
+    kind = "a warm spare" if cluster.cluster.standby is not None else "a cold start"
+    assert len(replaced) == 1 and f"by {kind} (pid {decode.pid}" in replaced[0], replaced
+    moved = [m for name, _, m in said if name == "router.loss_log"]
+    assert len(moved) == 1 and f"moved {len(prompts)} request(s)" in moved[0], moved
+    per_request = [m for name, level, m in said if name == "router.orchestrator" and level >= logging.INFO
+                   and "migrating" in m]
+    assert not per_request, per_request[:3]
+    assert cluster_leaks(cluster) == {}

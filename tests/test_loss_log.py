@@ -1,0 +1,53 @@
+"""A worker's loss is said once for the requests it moved (router.loss_log), and the
+supervisor's replacement line says what replaced the worker (router.supervisor.replacement)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from router.loss_log import LossLog
+from router.supervisor import replacement
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "router.loss_log"]
+
+
+def test_one_line_per_loss_with_counts_and_examples(caplog):
+    async def run():
+        log = LossLog(window_s=0.05)
+        for i in range(200):
+            log.moved("decode-0", 3, f"req{i}", tokens_sent=i % 2)
+        log.failed("decode-0", 3, "late")
+        log.moved("prefill-0", 1, "other", tokens_sent=0)   # another loss: its own line
+        await asyncio.sleep(0.1)
+
+    with caplog.at_level(logging.WARNING, logger="router.loss_log"):
+        asyncio.run(run())
+    lines = _lines(caplog)
+    assert len(lines) == 2, lines
+    decode = next(line for line in lines if "decode-0" in line)
+    assert "(generation 3)" in decode and "moved 200 request(s)" in decode and "(100 mid-stream)" in decode
+    assert "1 failed (migration limit reached)" in decode and "e.g. req0, req1, req2" in decode
+    assert "moved 1 request(s)" in next(line for line in lines if "prefill-0" in line)
+
+
+def test_moves_after_the_window_open_another_line(caplog):
+    async def run():
+        log = LossLog(window_s=0.02)
+        log.moved("decode-0", 0, "a", tokens_sent=5)
+        await asyncio.sleep(0.06)
+        log.moved("decode-0", 0, "b", tokens_sent=0)
+        await asyncio.sleep(0.06)
+
+    with caplog.at_level(logging.WARNING, logger="router.loss_log"):
+        asyncio.run(run())
+    assert [("moved 1 request(s)" in line) for line in _lines(caplog)] == [True, True]
+
+
+def test_replacement_names_a_spare_or_a_cold_start_with_its_pid():
+    spare = replacement({"pid": 42, "standby": True, "startup_s": {"load_model": 1.4}})
+    assert spare == "a warm spare (pid 42, built ahead)"   # not the spare's own start-up phases
+    cold = replacement({"pid": 7, "startup_s": {"process_to_init": 11.7, "load_model": 1.4}})
+    assert cold == "a cold start (pid 7: process_to_init 11.7 s, load_model 1.4 s)"
