@@ -238,6 +238,9 @@ class Cluster:
             except ray.exceptions.RayTaskError as exc:   # Ray's text is the task's traceback: its last line says why
                 raise ValueError(f"--model {cfg.model}: {cause_line(exc)}") from exc
             model_dir, name = prepared.path, prepared.name
+            if prepared.converted_s is not None:   # the conversion's own bars are for terminals only
+                logger.info("converted the GGUF of %s in %.1f s into %s (later starts load that)", name,
+                            prepared.converted_s, model_dir)
             from deploy.model_prep import load_tokenizer
 
             self.tokenizer = load_tokenizer(model_dir)

@@ -7,6 +7,7 @@ Runs inside a Ray task so the driver (router) process never imports torch.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import ray
@@ -18,14 +19,21 @@ logger = logging.getLogger(__name__)
 class PreparedModel:
     path: str   # the HF directory every worker loads (a GGUF's converted cache)
     name: str   # the model's clean name (engine.model_loader.model_name)
+    converted_s: float | None = None   # a GGUF converted by this call, not found cached: how long it took
 
 
 @ray.remote(num_cpus=0)
 def prepare_model(source: str | None) -> PreparedModel:
-    from engine.model_loader import ensure_converted, model_name, resolve_source
+    from engine.model_loader import ensure_converted, gguf_cache_path, model_name, resolve_source
 
     path, is_gguf = resolve_source(source)
-    return PreparedModel(str(ensure_converted(path) if is_gguf else path), model_name(source, path, is_gguf))
+    name = model_name(source, path, is_gguf)
+    if not is_gguf:
+        return PreparedModel(str(path), name)
+    cached = (gguf_cache_path(path) / "config.json").is_file()
+    started = time.monotonic()
+    converted = ensure_converted(path)
+    return PreparedModel(str(converted), name, None if cached else time.monotonic() - started)
 
 
 def load_tokenizer(model_dir: str):

@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,9 +134,10 @@ def load_model(
     name = model_name(source, path, is_gguf)
     model_dir = ensure_converted(path, cache_dir) if is_gguf else path
     logger.info("loading %s from %s (%s, %s)", name, model_dir, dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch_dtype(dtype), attn_implementation="sdpa", local_files_only=True
-    )
+    with progress_bars_on_terminals_only():
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype(dtype), attn_implementation="sdpa", local_files_only=True
+        )
     tokenizer = _load_tokenizer(model_dir)
     return _finish(model.to(device), tokenizer, name)
 
@@ -166,7 +169,8 @@ def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         os.chmod(tmp, 0o755)   # mkdtemp's 0700 would hide a shared cache from other users
         try:
-            _convert_gguf(gguf, tmp)
+            with progress_bars_on_terminals_only():
+                _convert_gguf(gguf, tmp)
             if target.exists():   # only a hand-made or foreign partial dir; ours appear atomically
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -175,10 +179,33 @@ def ensure_converted(gguf: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def progress_bars_on_terminals_only() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights", the GGUF dequantization's) only where
+    stderr is a terminal. A Ray worker's stderr is a file Ray forwards to the router's log: each
+    worker start (every replacement and warm spare too) put a bar there, its carriage returns
+    and ANSI codes mangled into journald lines (found by the operations probe)."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils   # its bar is plain tqdm's
+
+    enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    plain = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(plain, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = plain
+        if enabled:
+            transformers.utils.logging.enable_progress_bar()
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize once and save as safetensors + tokenizer + generation config."""
     logger.info("converting %s to safetensors in %s (one-time, ~20 s)", gguf.name, out_dir)
-    stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage")
+    stages = tqdm(total=3, desc=f"converting {gguf.name}", unit="stage", disable=not sys.stderr.isatty())
     with stages:
         stages.set_postfix_str("dequantize")
         gguf_model = AutoModelForCausalLM.from_pretrained(

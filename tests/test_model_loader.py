@@ -229,3 +229,39 @@ def test_one_dtype_table_names_its_choices():
         assert dtype_name(torch_dtype(name)) == name
     with pytest.raises(ValueError, match="'float64'.*float32, float16, bfloat16"):
         torch_dtype("float64")
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's stderr is a file Ray forwards to the router's log: no "Loading weights" bar
+    there (a probe found one per worker start, replacements and spares included, ANSI codes and
+    carriage returns in the journal), and the caller's setting is left as it was."""
+    import io
+    import sys
+
+    import transformers.utils.logging as hf_logging
+
+    random_model().model.save_pretrained(tmp_path)
+    seen = []
+    real = model_loader.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(model_loader.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (seen.append(hf_logging.is_progress_bar_enabled()), real(*a, **k))[1])
+    hf_logging.enable_progress_bar()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())   # not a terminal, as in a Ray worker
+    load_model(str(tmp_path))
+    assert seen == [False] and hf_logging.is_progress_bar_enabled()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    load_model(str(tmp_path))
+    assert seen == [False, True]
+
+
+def test_prepare_model_says_when_it_converted(tmp_path: Path, fake_convert: list[Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router logs a conversion (its bars no longer reach the log): only the one that ran."""
+    from deploy.model_prep import prepare_model
+
+    monkeypatch.setenv("PDSERVE_MODEL_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    first = prepare_model._function(str(gguf))
+    again = prepare_model._function(str(gguf))
+    assert first.converted_s is not None and again.converted_s is None and first.path == again.path
