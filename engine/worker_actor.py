@@ -31,12 +31,12 @@ class WorkerActor:
 
     async def kv_group_address(self) -> str:
         """A rendezvous address on this worker's node, for a KV group it is rank 0 of (its store
-        listens there)."""
+        listens there from now on, before any member joins)."""
         import ray
 
-        from kvtransfer.rendezvous import rendezvous_address
+        from kvtransfer import group   # torch.distributed: in the worker's process only
 
-        return rendezvous_address(ray.util.get_node_ip_address())
+        return group.host_rendezvous(ray.util.get_node_ip_address())
 
     async def join_kv_group(self, address: str, world_size: int, rank: int) -> None:
         """Join the KV group at ``address``, leaving the one this worker is in (if any) first."""

@@ -1,7 +1,7 @@
 """Joining the workers' torch.distributed group (gloo on CPU, NCCL on GPU) from a worker actor.
 
 Life cycle: the launcher asks rank 0 for the rendezvous ``address`` (on rank 0's node, where its
-store listens), every KV-moving worker calls ``join`` at once (it blocks until all have joined),
+store listens from then on), every KV-moving worker calls ``join`` at once (it blocks until all have joined),
 transfers run; after a member is replaced, every member calls ``join`` again with a fresh address
 (the old group is left once its transfers in flight end); ``leave`` at shutdown.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvtransfer import group_store
 from kvtransfer.torch_dist import default_backend, destroy_kv_group, init_kv_group
 
 
@@ -19,8 +20,15 @@ from kvtransfer.torch_dist import default_backend, destroy_kv_group, init_kv_gro
 JOIN_TIMEOUT_S = 30.0
 
 
+def host_rendezvous(hostname: str) -> str:
+    """Rank 0's: a rendezvous address on ``hostname`` (this worker's node), its store bound now."""
+    return group_store.host(hostname, JOIN_TIMEOUT_S)
+
+
 async def join(address: str, world_size: int, rank: int, device: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
-    await asyncio.to_thread(init_kv_group, address, world_size, rank, backend=default_backend(device), timeout_s=timeout_s)
+    """Join the group at ``address`` (rank 0's ``host_rendezvous``: hosted before the joins went out)."""
+    await asyncio.to_thread(init_kv_group, address, world_size, rank, backend=default_backend(device),
+                            timeout_s=timeout_s, hosted=True)
 
 
 def leave() -> None:

@@ -1,8 +1,10 @@
-"""Free TCP ports and the rendezvous address of the torch.distributed KV group (torch-free).
+"""Free TCP ports, and rendezvous addresses for torch.distributed groups torch itself sets up
+(torch-free).
 
-The launcher (a torch-free driver process) picks the address on the head node before any worker
-joins; workers pass it to ``init_kv_group`` (kvtransfer/torch_dist.py). Tests and benchmarks take
-free ports from here too: one rule for "a port free right now".
+A cluster's KV group does not use these: its rank 0 hosts the store before any join
+(kvtransfer/group_store.py). Tests and benchmarks that form groups of their own with
+``init_kv_group(rendezvous_address(), ...)`` take their addresses, and free ports, from here: one
+rule for "a port free right now".
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Group set-up (before any transfer; again whenever a member was replaced):
 
-1. The launcher asks rank 0 for a rendezvous address on its own node (where rank 0's store
-   listens: ``rendezvous_address()``, a free TCP port) and assigns every worker that moves KV a
+1. The launcher asks rank 0 for a rendezvous address on its own node (rank 0 binds the store
+   there at once, before any join: ``group_store.host``) and assigns every worker that moves KV a
    rank in ``[0, world_size)``.
-2. Every worker calls ``init_kv_group(address, world_size, rank, backend=...)``; it blocks
+2. Every worker calls ``init_kv_group(address, world_size, rank, backend=..., hosted=True)``; it blocks
    until all ``world_size`` workers have joined. ``timeout_s`` becomes the process group's
    timeout: a gloo send/recv whose peer never shows up raises after it.
 3. A member died: the group is broken for everyone (a collective world cannot take a new
@@ -58,6 +58,7 @@ from torch.distributed import distributed_c10d
 from engine.dtypes import torch_dtype
 from engine.errors import KVTransferError
 from engine.types import KVLayout
+from kvtransfer import group_store
 from kvtransfer.blocks import Staging, check_side, gather_blocks, scatter_blocks
 from kvtransfer.cache_alloc import layout_of
 from kvtransfer.connector import TransferResult
@@ -128,7 +129,7 @@ class _Membership:
                                       "its ranks may name other workers now")
 
     def join(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
-             drain_s: float) -> None:
+             drain_s: float, hosted: bool = False) -> None:
         with self._changed:
             self._changed.wait_for(lambda: not self._joining)   # one change at a time
             self._joining = True
@@ -139,10 +140,11 @@ class _Membership:
                                       "the group is not joined again")
             self._leave()
             try:
-                dist.init_process_group(
-                    backend, init_method=init_method, world_size=world_size, rank=rank,
-                    timeout=datetime.timedelta(seconds=timeout_s),
-                )
+                # hosted: rank 0 bound the store before the joins (kvtransfer/group_store.py)
+                where = ({"store": group_store.store_for(init_method, world_size, rank, timeout_s)} if hosted
+                         else {"init_method": init_method})
+                dist.init_process_group(backend, world_size=world_size, rank=rank,
+                                        timeout=datetime.timedelta(seconds=timeout_s), **where)
             except BaseException:
                 _forget_failed_group()
                 raise
@@ -178,12 +180,14 @@ _membership = _Membership()
 
 def init_kv_group(
     init_method: str, world_size: int, rank: int, *, backend: str = "gloo", timeout_s: float = 60.0,
-    drain_s: float = 45.0,
+    drain_s: float = 45.0, hosted: bool = False,
 ) -> None:
     """Join the process group that KV moves over (blocks until all ranks joined), leaving the one
     this process is in first, once its transfers in flight have ended (up to ``drain_s``: each
-    is bounded by its own timeout)."""
-    _membership.join(init_method, world_size, rank, backend, timeout_s, drain_s)
+    is bounded by its own timeout). ``hosted``: rank 0 bound the rendezvous store at
+    ``init_method`` before any member was asked to join (``group_store.host``), so a store
+    that is not there means rank 0 was lost: the join fails at once."""
+    _membership.join(init_method, world_size, rank, backend, timeout_s, drain_s, hosted)
 
 
 def destroy_kv_group() -> None:

@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -513,6 +514,65 @@ def test_a_member_whose_join_failed_meets_a_fresh_process_at_the_next_join():
         child.join(20)
         if child.is_alive():
             child.kill()
+
+
+def _hosting_rank0(addresses) -> None:
+    """Rank 0 of a 3-member forming: hosts the store (as ``kv_group_address`` does), then joins."""
+    from kvtransfer import group_store, torch_dist
+
+    torch.set_num_threads(1)
+    address = group_store.host("127.0.0.1", 30.0)
+    addresses.put(address)
+    torch_dist.init_kv_group(address, 3, 0, timeout_s=30.0, hosted=True)
+
+
+def _timed_member(address: str, rank: int, out) -> None:
+    import time
+
+    from kvtransfer import torch_dist
+
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    try:
+        torch_dist.init_kv_group(address, 3, rank, timeout_s=30.0, hosted=True)
+        out.put((rank, "joined", time.monotonic() - start))
+    except Exception as exc:   # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", time.monotonic() - start))
+
+
+@pytest.mark.parametrize("rank0_dies", [False, True])
+def test_rank_0_lost_during_a_forming_fails_every_join_at_once(rank0_dies):
+    """Found by a probe: rank 0 (its store's host) SIGKILLed as a forming's joins went out; a
+    member that reached for the store after that retried its connect for the whole 30 s timeout,
+    twice, with a random pause between (63-72 s), and the group came back 84-96 s after the first
+    kill. Rank 0 now hosts the store before any join is asked for: a member already connected
+    fails as the store goes, a later one finds nothing listening and fails at once."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("spawn")
+    addresses, out = ctx.Queue(), ctx.Queue()
+    rank0 = ctx.Process(target=_hosting_rank0, args=(addresses,))
+    rank0.start()
+    address = addresses.get(timeout=60)
+    members = [ctx.Process(target=_timed_member, args=(address, 1, out))]
+    members[0].start()
+    if rank0_dies:
+        time.sleep(1.0)   # rank 1 is connected, waiting for rank 2
+        os.kill(rank0.pid, signal.SIGKILL)
+    members.append(ctx.Process(target=_timed_member, args=(address, 2, out)))
+    members[1].start()
+    try:
+        results = sorted(out.get(timeout=60) for _ in members)
+    finally:
+        for p in (rank0, *members):
+            p.kill()
+            p.join(10)
+    if not rank0_dies:
+        assert [r[1] for r in results] == ["joined", "joined"]
+        return
+    assert all(r[1] != "joined" and r[2] < 10 for r in results), results
+    assert "rendezvous store at 127.0.0.1" in results[1][1] and "is gone" in results[1][1], results
 
 
 def test_a_reservation_for_torch_dist_outside_a_group_is_refused_before_any_block_is_held():
