@@ -77,6 +77,13 @@ def unwrap(exc: BaseException) -> BaseException:
 def _logged(what: str, exc: BaseException, req_id: str) -> str:
     ref = uuid.uuid4().hex[:12]
     detail = exc.detail if isinstance(exc, RequestFailedError) else f"{type(exc).__name__}: {exc}"
+    if str(exc) and str(exc) in what:   # "unavailable: <its text>": the text once in the line
+        detail = type(exc).__name__
+    # A worker's failure (RequestFailedError) and a loss the router could not move past
+    # (WorkerFailedError: which worker, what limit) are said in full by their text: a stack of the
+    # router's own generators per request adds nothing but lines (a probe: 8 requests failing on
+    # a killed worker logged 400 traceback lines). Anything else is unexpected: its stack helps.
+    expected = isinstance(exc, (RequestFailedError, WorkerFailedError))
     logger.error("%s (ref %s) for request %s: %s", what, ref, req_id or "-", detail,
-                 exc_info=None if isinstance(exc, RequestFailedError) else exc)
+                 exc_info=None if expected else exc)
     return f"{what} (ref {ref}); see router logs"

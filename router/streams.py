@@ -97,6 +97,9 @@ class DecodeStreams:
         owner = (lost.worker.worker_id, lost.generation)
         for req_id, where in list(self._owner.items()):
             if where == owner:
-                self._queues[req_id].put_nowait(lost)
+                # Its own exception each: every request re-raises it, and one shared instance
+                # grew a traceback frame per raise (a probe: the 8th request's ERROR log carried
+                # 8 copies of the same frames; 256 streams would log ~33,000 frames).
+                self._queues[req_id].put_nowait(WorkerLost(lost.worker, lost.generation, lost.cause))
         if self.on_lost:
             self.on_lost(lost)

@@ -182,7 +182,7 @@ def replacement(info: dict) -> str:
     """What took a slot, for the log: a warm spare's start-up phases ran long before the loss
     (printing them as the replacement's own read as a 20 s restart that took 0.0 s)."""
     if info.get("standby"):
-        return f"a warm spare ({_pid(info.get('pid'))}, built ahead)"
+        return f"a warm spare ({_pid(info.get('pid'))})"
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in info.get("startup_s", {}).items())
     return f"a cold start ({_pid(info.get('pid'))}{': ' + phases if phases else ''})"
 

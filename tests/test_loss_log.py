@@ -48,6 +48,45 @@ def test_moves_after_the_window_open_another_line(caplog):
 
 def test_replacement_names_a_spare_or_a_cold_start_with_its_pid():
     spare = replacement({"pid": 42, "standby": True, "startup_s": {"load_model": 1.4}})
-    assert spare == "a warm spare (pid 42, built ahead)"   # not the spare's own start-up phases
+    assert spare == "a warm spare (pid 42)"   # not the spare's own start-up phases (long before)
     cold = replacement({"pid": 7, "startup_s": {"process_to_init": 11.7, "load_model": 1.4}})
     assert cold == "a cold start (pid 7: process_to_init 11.7 s, load_model 1.4 s)"
+
+
+def test_a_loss_gives_each_request_its_own_exception():
+    """Every request on a lost decode worker re-raises what its queue holds: one shared instance
+    grew a traceback frame per raise, and the Nth request's log carried N copies of its frames."""
+    from types import SimpleNamespace
+
+    from router.streams import DecodeStreams
+    from router.worker_calls import WorkerLost
+
+    async def run():
+        worker = SimpleNamespace(worker_id="decode-0", generation=0)
+        streams = DecodeStreams(registry=None)
+        queues = [streams.register(f"r{i}", worker) for i in range(3)]
+        streams._lose(WorkerLost(worker, 0, "it died"))
+        return [await q.get() for q in queues]
+
+    items = asyncio.run(run())
+    assert all(isinstance(e, WorkerLost) and e.cause == "it died" and e.worker.worker_id == "decode-0" for e in items)
+    assert len({id(e) for e in items}) == 3
+
+
+def test_a_request_failed_by_a_loss_is_logged_in_one_line(caplog):
+    """UNAVAILABLE for a loss past the migration limit is an expected ending: its line names the
+    cause and the ref once, with no traceback of the router's generators."""
+    import grpc
+
+    from engine.errors import WorkerFailedError
+    from router.errors import status_for
+
+    try:
+        raise WorkerFailedError("worker lost and the migration limit (0) is reached: decode-0 died")
+    except WorkerFailedError as exc:
+        with caplog.at_level(logging.ERROR, logger="router.errors"):
+            code, message = status_for(exc, "req1")
+    assert code == grpc.StatusCode.UNAVAILABLE and "(ref " in message
+    [record] = [r for r in caplog.records if r.name == "router.errors"]
+    assert record.exc_info is None and record.getMessage().count("decode-0 died") == 1, record.getMessage()
+    assert "for request req1" in record.getMessage()
