@@ -25,6 +25,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -107,11 +108,52 @@ def resolve_source(source: str | os.PathLike[str] | None) -> tuple[Path, bool]:
 
 
 def gguf_cache_path(gguf: Path, cache_dir: Path | None = None) -> Path:
-    """Where the converted copy of ``gguf`` lives; keyed by size and mtime so a new file misses."""
-    st = gguf.stat()
-    key = f"{_CACHE_VERSION}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    """Where the converted copy of ``gguf`` lives: keyed by the file's content, so a changed file
+    misses and the same bytes hit wherever and whenever they were installed. Keyed by path, size
+    and mtime before, a reinstall of the same wheel (pip writes its files anew: a new mtime)
+    converted again (~20 s) and left the last copy (538 MB for SmolLM2) behind for good, one per
+    reinstall (found by the operations probe)."""
+    cache_dir = cache_dir or default_cache_dir()
+    key = f"{_CACHE_VERSION}:{content_digest(gguf, cache_dir)}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:10]
-    return (cache_dir or default_cache_dir()) / f"{gguf.stem}-{digest}"
+    return cache_dir / f"{gguf.stem}-{digest}"
+
+
+def content_digest(path: Path, cache_dir: Path) -> str:
+    """sha256 of ``path``'s bytes, remembered in ``cache_dir/.digests.json`` by path, size, mtime
+    and inode: read once per install (~0.3 s for SmolLM2's 98 MB), a stat afterwards."""
+    st = path.stat()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    memo_path = cache_dir / ".digests.json"
+    memo = _read_memo(memo_path)
+    if stamp not in memo:
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                sha.update(chunk)
+        memo[stamp] = sha.hexdigest()
+        _write_memo(memo_path, memo)
+    return memo[stamp]
+
+
+def _read_memo(memo_path: Path) -> dict[str, str]:
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):   # none yet, or torn by a crash: digests are recomputed
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _write_memo(memo_path: Path, memo: dict[str, str]) -> None:
+    """Atomically (two workers writing at once lose at most an entry, recomputed next time);
+    an unwritable cache only costs the hash again."""
+    with contextlib.suppress(OSError):
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".digests.", dir=memo_path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, memo_path)
 
 
 def model_name(source: str | os.PathLike[str] | None, path: Path, is_gguf: bool) -> str:

@@ -154,8 +154,32 @@ def test_changed_file_misses_the_cache(tmp_path: Path) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     before = gguf_cache_path(gguf, tmp_path)
+    gguf.write_bytes(b"GGUF2")
     os.utime(gguf, ns=(1, 1))
     assert gguf_cache_path(gguf, tmp_path) != before
+
+
+def test_a_reinstalled_file_hits_the_cache(tmp_path: Path, fake_convert: list[Path]) -> None:
+    """pip writes a reinstalled wheel's files anew: the same bytes with a new mtime (and inode)
+    must find their conversion (a probe: keyed by mtime, it converted again, ~20 s, and left
+    the old 538 MB copy behind, once per reinstall)."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    cache = tmp_path / "cache"
+    first = ensure_converted(gguf, cache)
+    gguf.unlink()
+    gguf.write_bytes(b"GGUF")
+    os.utime(gguf, ns=(10**18, 10**18))
+    assert ensure_converted(gguf, cache) == first and len(fake_convert) == 1
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == [first.name]
+
+
+def test_the_digest_is_read_once_per_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    first = gguf_cache_path(gguf, tmp_path)
+    monkeypatch.setattr(model_loader.hashlib, "sha256", None)   # a second read would fail
+    assert gguf_cache_path(gguf, tmp_path) == first
 
 
 def test_concurrent_first_loads_convert_once(tmp_path: Path, fake_convert: list[Path]) -> None:
@@ -180,7 +204,8 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     gguf.write_bytes(b"GGUF")
     with pytest.raises(RuntimeError):
         ensure_converted(gguf, tmp_path / "cache")
-    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+    left = [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+    assert left == [".digests.json"]   # the file's content digest (memo), no part of a conversion
 
 
 # ---------------------------------------------------------------- the real default model (slow)
