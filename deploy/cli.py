@@ -359,6 +359,12 @@ async def _serve(config) -> int:
     return 0
 
 
+def _again(first: signal.Signals) -> str:
+    """How to end the drain, in the words of the signal that began it: under systemd, Docker or
+    Kubernetes it is SIGTERM and no terminal is there for a Ctrl-C (either signal ends it)."""
+    return "Ctrl-C again" if first == signal.SIGINT else f"a second {first.name}"
+
+
 async def _drain(cluster, timeout_s: float, signals: list, again: asyncio.Event) -> None:
     """Live requests may finish (up to ``timeout_s``) while new ones are refused; a second
     signal stops at once."""
@@ -370,7 +376,7 @@ async def _drain(cluster, timeout_s: float, signals: list, again: asyncio.Event)
         await cluster.drain(0)
         return
     print(f"pdserve: {signals[0].name}, draining {live} live request(s) for up to {timeout_s:.0f} s "
-          f"(new ones are refused; Ctrl-C again stops now)", flush=True)
+          f"(new ones are refused; {_again(signals[0])} stops now)", flush=True)
     drain, second = asyncio.ensure_future(cluster.drain(timeout_s)), asyncio.ensure_future(again.wait())
     await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
     second.cancel()

@@ -196,3 +196,21 @@ def test_a_listen_error_is_said_without_its_errno():
     assert said(OSError(98, message)) == message
     assert said(FileNotFoundError(2, "No such file or directory", "/x")) == "/x: No such file or directory"
     assert said(ValueError("port must be in [0, 65535]")) == "port must be in [0, 65535]"
+
+
+def test_the_drain_says_how_to_end_it_in_the_signal_s_words(capsys):
+    """A probe: a SIGTERM's drain (systemd's stop) said 'Ctrl-C again stops now'."""
+    import asyncio
+    import signal
+    from types import SimpleNamespace
+
+    from deploy.cli import _drain
+
+    async def drain(timeout_s: float) -> int:
+        return 0
+
+    cluster = SimpleNamespace(servicer=SimpleNamespace(core=SimpleNamespace(live={"r": 1})), drain=drain)
+    for sig, words in ((signal.SIGTERM, "a second SIGTERM stops now"), (signal.SIGINT, "Ctrl-C again stops now")):
+        asyncio.run(_drain(cluster, 30.0, [sig], asyncio.Event()))
+        out = capsys.readouterr().out
+        assert words in out and f"pdserve: {sig.name}, draining 1 live request(s)" in out, out
