@@ -42,4 +42,13 @@ class ServingHealth:
             await self.servicer.set(service, status)
         # ERROR only when no path can serve; a drain the operator asked for is no fault.
         level = logging.INFO if serving or self._stopping else logging.ERROR
-        logger.log(level, "health: %s%s", "SERVING" if serving else "NOT_SERVING", " (stopping)" if self._stopping else "")
+        logger.log(level, "health: %s%s", "SERVING" if serving else "NOT_SERVING", _why(serving, self._stopping))
+
+
+def _why(serving: bool, stopping: bool) -> str:
+    """What a NOT_SERVING line says of its cause (an operator's first question)."""
+    if serving:
+        return ""
+    if stopping:
+        return " (stopping)"
+    return " (no decode worker is up)"

@@ -1,5 +1,6 @@
-"""A worker's loss is said once for the requests it moved (router.loss_log), and the
-supervisor's replacement line says what replaced the worker (router.supervisor.replacement)."""
+"""A worker's loss is said once for the requests it moved (router.loss_log), the
+supervisor's replacement line says what replaced the worker (router.supervisor.replacement), and
+health's NOT_SERVING line says why (router.health)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,21 @@ def test_a_request_failed_by_a_loss_is_logged_in_one_line(caplog):
     [record] = [r for r in caplog.records if r.name == "router.errors"]
     assert record.exc_info is None and record.getMessage().count("decode-0 died") == 1, record.getMessage()
     assert "for request req1" in record.getMessage()
+
+
+def test_health_says_why_it_is_not_serving(caplog):
+    """Found by the operations probe: 'health: NOT_SERVING' at ERROR, with no cause."""
+    from router.health import ServingHealth
+
+    async def run():
+        health = ServingHealth()
+        await health.update(True)
+        await health.update(False)    # the last decode worker lost
+        await health.update(True)
+        await health.stopping()
+
+    with caplog.at_level(logging.INFO, logger="router.health"):
+        asyncio.run(run())
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "router.health"]
+    assert said == [(logging.INFO, "health: SERVING"), (logging.ERROR, "health: NOT_SERVING (no decode worker is up)"),
+                    (logging.INFO, "health: SERVING"), (logging.INFO, "health: NOT_SERVING (stopping)")]
