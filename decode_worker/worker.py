@@ -60,8 +60,8 @@ class DecodeWorker(WorkerBase):
         super().__init__(spec, role, standby)
         self._receivers: dict[str, Any] = {}
         self._stream: asyncio.Queue[StreamBatch] | None = None
-        self._handles: dict[str, KVBlocksHandle] = {}   # live reservations, by request id
-        self._leases: dict[str, asyncio.TimerHandle] = {}   # each live reservation's lease timer
+        # live reservations, by request id: each handle and its lease timer
+        self._handles: dict[str, tuple[KVBlocksHandle, asyncio.TimerHandle]] = {}
         self._spans = RequestSpans()   # each traced request's ``decode`` span (engine/tracing.py)
         self._ended = EndedRequests(RESERVATION_LEASE_S)   # a reserve of these arrives too late
 
@@ -79,7 +79,7 @@ class DecodeWorker(WorkerBase):
     # ---- requests ---------------------------------------------------------------------------
     async def reserve(self, spec: RequestSpec, transport: str) -> KVBlocksHandle:
         if spec.req_id in self._handles:   # a retried call: the reservation it made stands
-            return self._handles[spec.req_id]
+            return self._handles[spec.req_id][0]
         self._refuse_if_ended(spec.req_id)
         # Before any block is reserved: a transport that cannot take KV now (not in a KV group,
         # say) refuses with nothing to free.
@@ -89,7 +89,7 @@ class DecodeWorker(WorkerBase):
         # reserve_prefix on the loop, frees these blocks.
         self._refuse_if_ended(spec.req_id)
         self._spans.remember(spec.req_id, spec.traceparent)
-        handle = self._handles[spec.req_id] = KVBlocksHandle(
+        handle = KVBlocksHandle(
             req_id=spec.req_id,
             src_block_ids=(),
             dst_block_ids=tuple(block_ids[num_cached // self.engine.config.block_size :]),
@@ -103,20 +103,20 @@ class DecodeWorker(WorkerBase):
         # No commit or abort by the end of the lease (the router died, an abort was lost): free it.
         # Cancelled when the reservation ends (``_take``): a timer left to run held the request's
         # spec and handle for the whole lease, one per request (found by benchmarks/probe_soak.py).
-        self._leases[spec.req_id] = self.aio.call_later(RESERVATION_LEASE_S, self._lease_ended, spec.req_id, handle)
+        self._handles[spec.req_id] = handle, self.aio.call_later(RESERVATION_LEASE_S, self._lease_ended,
+                                                                  spec.req_id, handle)
         return handle
 
     def _lease_ended(self, req_id: str, handle: KVBlocksHandle) -> None:
-        self._leases.pop(req_id, None)
-        if self._handles.get(req_id) is handle:
+        if self._handles.get(req_id, (None,))[0] is handle:
             asyncio.ensure_future(self.abort(req_id))
 
     def _take(self, req_id: str) -> KVBlocksHandle | None:
         """End ``req_id``'s reservation (committed or aborted): its handle, None if none is live."""
-        lease = self._leases.pop(req_id, None)
+        handle, lease = self._handles.pop(req_id, (None, None))
         if lease is not None:
             lease.cancel()
-        return self._handles.pop(req_id, None)
+        return handle
 
     async def leak_report(self) -> dict:
         """The engine's holdings, and the reservations still live here (each with its lease timer)."""
