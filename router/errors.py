@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 
 import grpc
 from ray.exceptions import RayTaskError
 
 from engine.errors import CapacityError, InvalidRequestError, WorkerFailedError
+from router.failure_log import FailureLog
 from router.identity import DuplicateRequestError, ShuttingDownError
 
 logger = logging.getLogger(__name__)
+failure_log = FailureLog(logger)   # one line per distinct failure per window (a flood otherwise)
 
 
 class RequestFailedError(Exception):
@@ -75,7 +76,6 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def _logged(what: str, exc: BaseException, req_id: str) -> str:
-    ref = uuid.uuid4().hex[:12]
     detail = exc.detail if isinstance(exc, RequestFailedError) else f"{type(exc).__name__}: {exc}"
     if str(exc) and str(exc) in what:   # "unavailable: <its text>": the text once in the line
         detail = type(exc).__name__
@@ -84,6 +84,5 @@ def _logged(what: str, exc: BaseException, req_id: str) -> str:
     # router's own generators per request adds nothing but lines (a probe: 8 requests failing on
     # a killed worker logged 400 traceback lines). Anything else is unexpected: its stack helps.
     expected = isinstance(exc, (RequestFailedError, WorkerFailedError))
-    logger.error("%s (ref %s) for request %s: %s", what, ref, req_id or "-", detail,
-                 exc_info=None if expected else exc)
+    ref = failure_log.record(what, detail, req_id, exc_info=None if expected else exc)
     return f"{what} (ref {ref}); see router logs"

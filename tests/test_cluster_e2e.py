@@ -310,7 +310,12 @@ def test_deadline_exceeded_frees_everything(disagg):
 
 
 @pytest.mark.parametrize("role", ["prefill-0", "decode-0"])
-def test_worker_raising_mid_request_gets_internal(disagg, role, caplog):
+def test_worker_raising_mid_request_gets_internal(disagg, role, caplog, monkeypatch):
+    import router.errors
+    from router.failure_log import FailureLog
+
+    # A fresh failure log: the same failure within its window shares a ref logged in the last test.
+    monkeypatch.setattr(router.errors, "failure_log", FailureLog(router.errors.logger))
     worker = disagg.cluster.registry.get(role)
     with PdserveClient(address(disagg)) as client:
         if role.startswith("prefill"):   # armed first: the worker's next step is this request's prefill

@@ -109,3 +109,37 @@ def test_health_says_why_it_is_not_serving(caplog):
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "router.health"]
     assert said == [(logging.INFO, "health: SERVING"), (logging.ERROR, "health: NOT_SERVING (no decode worker is up)"),
                     (logging.INFO, "health: SERVING"), (logging.INFO, "health: NOT_SERVING (stopping)")]
+
+
+def test_a_failure_met_by_many_requests_is_one_line_per_window(caplog):
+    """Found by the operations probe: once no decode worker could serve, every request logged
+    its own ERROR line (a flood under traffic). Now one line per distinct failure per window:
+    the requests meeting it meanwhile share its ref (each client's ref still greps to a line
+    saying what failed), and the next line after the window counts them."""
+    from router.failure_log import WINDOW_S, FailureLog
+
+    now = [100.0]
+    log = FailureLog(logging.getLogger("router.errors"), clock=lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="router.errors"):
+        refs = [log.record("unavailable: no decode worker is alive", "WorkerFailedError", f"r{i}") for i in range(50)]
+        other = log.record("internal error", "RuntimeError: boom", "x")
+        now[0] += WINDOW_S + 1
+        later = log.record("unavailable: no decode worker is alive", "WorkerFailedError", "r50")
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.errors"]
+    assert len(set(refs)) == 1 and other != refs[0] and later != refs[0]
+    assert lines[0] == f"unavailable: no decode worker is alive (ref {refs[0]}) for request r0: WorkerFailedError"
+    assert lines[1] == f"internal error (ref {other}) for request x: RuntimeError: boom"
+    assert lines[2] == (f"unavailable: no decode worker is alive (ref {later}) for request r50: WorkerFailedError; "
+                        f"49 more request(s) failed the same way in the 11 s before, answered with ref {refs[0]}")
+    assert len(lines) == 3
+
+
+def test_the_failure_log_keeps_a_bounded_number_of_lines():
+    from router.failure_log import MAX_KEYS, FailureLog
+
+    log = FailureLog(logging.getLogger("router.errors.bounded"))
+    first = log.record("internal error", "E: 0", "r")
+    for i in range(1, MAX_KEYS + 1):
+        log.record("internal error", f"E: {i}", "r")
+    assert log.record("internal error", "E: 0", "r") != first   # dropped as the oldest: logged afresh
+    assert log.record("internal error", f"E: {MAX_KEYS}", "r") == log.record("internal error", f"E: {MAX_KEYS}", "r")
