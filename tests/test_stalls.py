@@ -73,6 +73,13 @@ def test_turn_clock_reads_zero_while_idle_and_runs_during_a_turn():
 _NEVER = object()
 
 
+class _Late:
+    """A scripted answer that comes after ``delay_s`` (a process paused, then resumed)."""
+
+    def __init__(self, delay_s: float, turn_s: float = 0.0) -> None:
+        self.delay_s, self.turn_s = delay_s, turn_s
+
+
 class _Heartbeats:
     """``actor.heartbeat.remote()``: each call takes the next scripted answer (a float, an
     exception to raise, or _NEVER: no answer); past the script, 0.0."""
@@ -88,6 +95,9 @@ class _Heartbeats:
         async def reply():
             if answer is _NEVER:
                 await asyncio.Event().wait()
+            if isinstance(answer, _Late):
+                await asyncio.sleep(answer.delay_s)
+                return answer.turn_s
             if isinstance(answer, BaseException):
                 raise answer
             return answer
@@ -140,6 +150,42 @@ def test_short_turns_and_a_moment_unreachable_are_not_stalls():
 def test_unreachable_for_the_whole_timeout_is_a_stall():
     stalls, _ = _watch([ActorUnavailableError("gone quiet", None)] * 50)
     assert [why for _, why, _ in stalls] == [Stall.NO_ANSWER]
+
+
+def _said(caplog) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.stall_watch"]
+
+
+def test_a_slow_turn_that_ends_under_the_timeout_is_one_warning_then_its_end(caplog):
+    caplog.set_level("INFO", logger="router.stall_watch")
+    stalls, _ = _watch([0.0, 0.1, 0.25, 0.3, 0.35, 0.0, 0.05, 0.0], until_s=1.2)
+    assert stalls == []
+    said = _said(caplog)
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "engine turn" in said[0][1] and "has run 0.2 s" in said[0][1] and "--worker-stall-timeout" in said[0][1]
+    assert "ended (it ran at least 0.3 s)" in said[1][1]   # 0.35, as last seen
+
+
+def test_a_silence_that_ends_under_the_timeout_is_one_warning_then_its_end(caplog):
+    caplog.set_level("INFO", logger="router.stall_watch")
+    stalls, _ = _watch([0.0, _Late(0.2), 0.0, 0.0], until_s=1.2)   # 0.3 s since the last answer
+    assert stalls == []
+    said = _said(caplog)
+    assert [level for level, _ in said] == ["WARNING", "INFO"], said
+    assert "no heartbeat for 0.2 s" in said[0][1] and "answered its heartbeat again after 0.3 s" in said[1][1]
+
+
+def test_a_stall_past_the_timeout_is_warned_of_on_the_way(caplog):
+    caplog.set_level("INFO", logger="router.stall_watch")
+    stalls, _ = _watch([0.0, _NEVER])
+    assert [why for _, why, _ in stalls] == [Stall.NO_ANSWER]
+    assert [level for level, _ in _said(caplog)] == ["WARNING"]
+
+
+def test_short_turns_say_nothing(caplog):
+    caplog.set_level("INFO", logger="router.stall_watch")
+    _watch([0.1, 0.15, 0.0, 0.19, 0.0], until_s=0.8)
+    assert _said(caplog) == []
 
 
 def test_a_dead_actor_is_left_to_the_lifeline():
