@@ -254,6 +254,8 @@ class Cluster:
         limits = cfg.defaults.get("limits") or ServerLimits()
         self.admission = Admission(self.registry, enabled=cfg.admission, conditional=cfg.conditional_disagg,
                                    max_queued=limits.max_queued_requests)
+        if cfg.admission:
+            self.metrics.watch_admission(self.admission.learned)
         self.supervisor = Supervisor(self.registry, self._spawn, on_down=self._on_worker_down,
                                      on_ready=self._on_worker_ready, max_restarts=cfg.max_worker_restarts,
                                      stall_timeout_s=cfg.worker_stall_timeout_s or None,

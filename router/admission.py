@@ -112,6 +112,18 @@ class Decision:
         return self.detail or self.cause.value
 
 
+@dataclass(frozen=True, slots=True)
+class Learned:
+    """What admission has learned so far, as the metrics export it (``pdserve_admission_*``):
+    the TTFT and TPOT corrections (observed / predicted, applied to every prediction), the share
+    of a TTFT target a prediction may use, and TTFT's part outside the workers' engines."""
+
+    ttft_correction: float
+    tpot_correction: float
+    ttft_margin: float
+    ttft_overhead_s: float
+
+
 class Admission:
     def __init__(self, registry: WorkerRegistry, enabled: bool = True, conditional: bool = True,
                  max_queued: int | None = None) -> None:
@@ -138,6 +150,9 @@ class Admission:
         self._room_line = RoomLine()
         self.num_queued = 0
         self.max_queued = max_queued   # a full queue answers RESOURCE_EXHAUSTED at once (None: unbounded)
+
+    def learned(self) -> Learned:
+        return Learned(self.ttft_correction, self.tpot_correction, self.ttft_margin.share, self.ttft_overhead_s)
 
     # ---- inputs ---------------------------------------------------------------------------
     def observe_stats(self, worker: WorkerHandle) -> None:

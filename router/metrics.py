@@ -49,6 +49,11 @@ Metrics (every name starts with ``pdserve_``):
     slo_attainment_ratio                         -           (same window; NaN when empty)
     kv_group_up                                  -           (1 while the torch.distributed KV group
                                                               is formed; only where the cluster has one)
+    admission_ttft_correction,                   -           (what admission has learned, read at
+    admission_tpot_correction,                                scrape time: the corrections applied to
+    admission_ttft_margin_ratio,                              every prediction, the share of a TTFT
+    admission_ttft_overhead_seconds                           target a prediction may use, TTFT outside
+                                                              the engines; NaN until ``watch_admission``)
 
 Conventions: Prometheus base units (seconds, bytes, ratios in 0-1), counters end in ``_total``
 (prometheus-client appends it), ``worker_*`` gauges carry ``{worker, role}``, and labels stay
@@ -85,7 +90,8 @@ from prometheus_client import start_http_server as _start_http_server
 from engine.types import FinishReason, HandoffOutcome, WorkerStats
 from router.listen import cannot_listen
 
-if TYPE_CHECKING:  # convert.py imports the generated protos; metrics only needs the type
+if TYPE_CHECKING:  # convert.py imports the generated protos; metrics only needs the types
+    from router.admission import Learned
     from router.convert import RequestTimings
 
 DEFAULT_METRICS_PORT = 9400
@@ -95,6 +101,16 @@ DEFAULT_WINDOW_S = 60.0
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 # Observed / predicted: dense around 1, where admission is right.
+LEARNED_GAUGES = (   # (metric, Learned field, help)
+    ("pdserve_admission_ttft_correction", "ttft_correction",
+     "Admission's TTFT correction: observed / predicted engine time, applied to every TTFT prediction."),
+    ("pdserve_admission_tpot_correction", "tpot_correction",
+     "Admission's TPOT correction: observed / predicted TPOT, applied to every TPOT prediction."),
+    ("pdserve_admission_ttft_margin_ratio", "ttft_margin",
+     "The share of a TTFT target an admitted request's prediction may use (learned from misses)."),
+    ("pdserve_admission_ttft_overhead_seconds", "ttft_overhead_s",
+     "TTFT's part outside the workers' engines (dispatch, actor calls, the way back), as learned."),
+)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 PREDICTED_TARGETS = ("ttft", "tpot")
 # Powers of 4 from 1 KiB to 4 GiB: one token of SmolLM2's fp32 KV is 45 KiB, a long prompt GiBs.
@@ -273,6 +289,18 @@ class RouterMetrics:
         attainment = Gauge("pdserve_slo_attainment_ratio",
                            "Share of served requests in the sliding window that met their SLO.", registry=r)
         attainment.set_function(self.window.attainment)
+        # What admission has learned: why it admits what it admits (a correction pinned at its
+        # clamp, a margin shrunk by misses), without a debugger on the router.
+        self._learned: Callable[[], Learned] | None = None
+        for name, field, doc in LEARNED_GAUGES:
+            Gauge(name, doc, registry=r).set_function(lambda field=field: self._read_learned(field))
+
+    def watch_admission(self, learned: Callable[[], Learned]) -> None:
+        """Export what ``learned`` returns (``Admission.learned``), read at scrape time."""
+        self._learned = learned
+
+    def _read_learned(self, field: str) -> float:
+        return math.nan if self._learned is None else float(getattr(self._learned(), field))
 
     # ------------------------------------------------------------ exposition
 

@@ -230,6 +230,23 @@ def test_slo_window_slides():
     assert math.isnan(w.attainment()) and w.goodput() == 0.0
 
 
+def test_what_admission_learned_is_read_at_scrape_time(metrics):
+    """NaN until an admission is watched; then its current values, whatever changed since."""
+    from tests.test_admission import colocated_worker
+
+    port = metrics.start_http_server(0)
+    names = ("pdserve_admission_ttft_correction", "pdserve_admission_tpot_correction",
+             "pdserve_admission_ttft_margin_ratio", "pdserve_admission_ttft_overhead_seconds")
+    assert all(math.isnan(scrape(port)[n]) for n in names)
+    admission, _ = colocated_worker()
+    metrics.watch_admission(admission.learned)
+    first = scrape(port)
+    assert [first[n] for n in names] == [1.0, 1.0, admission.ttft_margin.share, 0.0]
+    admission.ttft_correction, admission.tpot_correction, admission.ttft_overhead_s = 0.8, 1.3, 0.004
+    admission.ttft_margin.share = 0.6
+    assert [scrape(port)[n] for n in names] == [0.8, 1.3, 0.6, 0.004]
+
+
 def test_metrics_module_is_torch_free():
     code = "import sys, router.metrics; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
