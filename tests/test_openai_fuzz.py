@@ -1,6 +1,6 @@
 """Fuzz the OpenAI-compatible HTTP API: generated JSON bodies, valid and invalid, through a live
 cluster (tiny random model, real Ray workers, the router's uvicorn), 8-16 in flight at a time,
-on /v1/completions, /v1/chat/completions, /tokenize and /detokenize, streaming or not.
+on /v1/completions, /v1/chat/completions, /v1/responses, /tokenize and /detokenize, streaming or not.
 
 The bodies mix OpenAI's and vLLM's parameters at edge values with wrong types (strings for
 numbers, lists for strings, nested objects, nulls), JSON's odd corners (huge integers, NaN and
@@ -36,7 +36,8 @@ FUZZ_SEED = int(os.environ.get("PDSERVE_FUZZ_SEED", random.randrange(2**32)))
 NUM_BATCHES = 100           # x 8-16 bodies: ~1,000 calls
 CALL_DEADLINE_S = 30.0
 CLIENT_ERRORS = {400, 404, 409, 413, 429}
-PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+SERVER_FAULTS = {"internal", "unavailable", "unknown", None}   # an error body's code (its gRPC status) that is ours
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize")
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +114,45 @@ messages = st.lists(st.fixed_dictionaries(
 CHAT = {"messages": st.one_of(messages, any_json), "max_completion_tokens": odd_numbers, "logprobs": st.booleans(),
         "top_logprobs": odd_numbers, "tools": tools, "tool_choice": tool_choices, "parallel_tool_calls": st.booleans(),
         "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(), "chat_template_kwargs": any_json}
+# The Responses API: its input (a text, or items of any shape), instructions, text.format and the
+# parameters a stateless server refuses; the chat API's names for the same things are in SAMPLING.
+input_items = st.lists(st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "x"]),
+    "role": st.sampled_from(["user", "assistant", "system", "developer", ""]),
+    "content": st.one_of(odd_text, any_json, st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image", "text"])},
+        optional={"text": odd_text}), max_size=2))}), max_size=3)
+text_formats = st.one_of(any_json, st.fixed_dictionaries({"format": st.one_of(
+    any_json, st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    st.fixed_dictionaries({"type": st.just("json_schema")}, optional={"name": odd_text, "schema": schemas}))}))
+RESPONSES = {"input": st.one_of(odd_text, input_items, any_json), "instructions": st.one_of(odd_text, any_json),
+             "max_output_tokens": st.one_of(st.integers(-1, 6), odd_numbers), "text": text_formats,
+             "store": st.one_of(st.booleans(), any_json), "metadata": any_json, "previous_response_id": odd_text,
+             "tools": tools, "tool_choice": tool_choices, "reasoning": any_json, "include": any_json,
+             "background": st.booleans(), "truncation": st.sampled_from(["auto", "disabled", "x"]),
+             "top_logprobs": odd_numbers, "parallel_tool_calls": st.booleans()}
 TOKENIZE = {"prompt": odd_text, "messages": messages, "add_special_tokens": st.booleans(), "tools": tools,
             "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
             "chat_template_kwargs": any_json, "return_token_strs": st.booleans(), "tokens": token_ids}
+
+
+@st.composite
+def valid_responses_body(draw) -> dict:
+    body: dict = {"model": SERVED_NAME, "max_output_tokens": draw(st.integers(1, 6)),
+                  "temperature": draw(st.sampled_from([0.0, 0.7, 2.0])), "stream": draw(st.booleans()),
+                  "input": draw(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.fixed_dictionaries(
+                      {"role": st.sampled_from(["user", "assistant"]), "content": st.one_of(
+                          st.text(min_size=1, max_size=20), st.lists(st.fixed_dictionaries(
+                              {"type": st.just("input_text"), "text": st.text(max_size=20)}), min_size=1,
+                              max_size=2))}), min_size=1, max_size=3)))}
+    if draw(st.booleans()):
+        body["instructions"] = draw(st.text(max_size=20))
+    if draw(st.integers(0, 3)) == 0:
+        body["text"] = {"format": draw(st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+            "type": "json_schema", "name": "n", "schema": {"type": "string", "maxLength": 3}}]))}
+    if draw(st.booleans()):
+        body |= {"store": draw(st.booleans()), "metadata": {"k": draw(st.text(max_size=5))}, "tool_choice": "auto"}
+    return body
 
 
 @st.composite
@@ -123,6 +160,8 @@ def valid_bodies(draw) -> tuple[str, bytes]:
     """Bodies the server should serve (or refuse only for a live duplicate id or capacity)."""
     body: dict = {"model": SERVED_NAME, "max_tokens": draw(st.integers(1, 6)),
                   "temperature": draw(st.sampled_from([0.0, 0.7, 2.0])), "stream": draw(st.booleans())}
+    if draw(st.integers(0, 4)) == 0:
+        return "/v1/responses", json.dumps(draw(valid_responses_body())).encode()
     if draw(st.booleans()):
         path = "/v1/completions"
         body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 511), min_size=1,
@@ -168,7 +207,8 @@ def odd_bodies(draw) -> tuple[str, bytes]:
             [b"", b"{", b'{"prompt": "a",}', b"[" * 5000, b'{"prompt": "\xff\xfe"}', b"null"])))
     if kind == "not an object":
         return path, json.dumps(draw(any_json)).encode()
-    table = {"/v1/completions": SAMPLING | COMPLETION, "/v1/chat/completions": SAMPLING | CHAT}.get(path, TOKENIZE)
+    table = {"/v1/completions": SAMPLING | COMPLETION, "/v1/chat/completions": SAMPLING | CHAT,
+             "/v1/responses": SAMPLING | RESPONSES}.get(path, TOKENIZE)
     body = {name: draw(strategy) for name, strategy in table.items() if draw(st.integers(0, 3)) == 0}
     if draw(st.booleans()):
         body["model"] = draw(st.one_of(st.just(SERVED_NAME), odd_text, any_json))
@@ -185,19 +225,34 @@ async def _call(session: aiohttp.ClientSession, base: str, path: str, data: byte
         if resp.content_type == "text/event-stream":
             return 200, _bad_stream(raw.decode())
         body = json.loads(raw)
-        key = "choices" if path.startswith("/v1/") else ("tokens" if path == "/tokenize" else "prompt")
+        key = {"/v1/responses": "output", "/tokenize": "tokens", "/detokenize": "prompt"}.get(path, "choices")
         return 200, "" if key in body else f"no {key!r} in {raw[:200]!r}"
 
 
 def _bad_stream(text: str) -> str:
+    if text.startswith("event: "):
+        return _bad_responses_stream(text)
     events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         return f"stream does not end with [DONE]: {text[-200:]!r}"
     for event in events[:-1]:
         parsed = json.loads(event)
-        if "error" in parsed and parsed["error"].get("code", 0) >= 500:   # a fault after the first chunk
+        if "error" in parsed and parsed["error"].get("code") in SERVER_FAULTS:   # a fault after the first chunk
             return f"server error in the stream: {event[:200]}"
     return ""
+
+
+def _bad_responses_stream(text: str) -> str:
+    """A Responses API stream: numbered events, ending in the response's last state, and a
+    fault after the first event only as an ``error`` event naming a client-side code."""
+    events = [json.loads(line[len("data: "):]) for line in text.split("\n") if line.startswith("data: ")]
+    if [e.get("sequence_number") for e in events] != list(range(len(events))):
+        return f"events not numbered in order: {text[-200:]!r}"
+    last = events[-1]["type"] if events else None
+    if last not in ("response.completed", "response.incomplete", "response.failed"):
+        return f"stream does not end with the response's state: {text[-200:]!r}"
+    faults = [e for e in events if e["type"] == "error" and e.get("code") in SERVER_FAULTS]
+    return f"server error in the stream: {faults[0]}" if faults else ""
 
 
 async def _batch(base: str, batch: list[tuple[str, bytes]]) -> list[tuple[int, str]]:

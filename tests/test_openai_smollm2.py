@@ -196,6 +196,30 @@ def test_structured_output_with_the_real_model_is_valid_json_of_the_schema(smol_
     assert cluster_leaks(smol_cluster) == {}
 
 
+def test_the_responses_api_answers_paris_and_follows_text_format(smol_cluster):
+    """/v1/responses with the real model: the chat answer, whole and through the SDK's stream
+    helper; ``text.format`` a JSON schema: the same object as chat's ``response_format`` gives."""
+    import json
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{smol_cluster.cluster.http_port}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    r = client.responses.create(model="SmolLM2-135M-Instruct", input=QUESTION[0]["content"], max_output_tokens=24)
+    assert r.output_text == "The capital of France is Paris." and r.status == "completed"
+    with client.responses.stream(model="SmolLM2-135M-Instruct", input=QUESTION, max_output_tokens=24) as stream:
+        assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == r.output_text
+        assert stream.get_final_response().output_text == r.output_text
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    ask = "What is the capital of France? Answer in JSON with the city."
+    shaped = client.responses.create(model="SmolLM2-135M-Instruct", input=ask, max_output_tokens=40,
+                                     text={"format": {"type": "json_schema", "name": "capital", "schema": schema}})
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": ask}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    assert shaped.output_text == chat.choices[0].message.content and set(json.loads(shaped.output_text)) == {"city"}
+    assert cluster_leaks(smol_cluster) == {}
+
+
 def test_tool_calls_with_the_real_model_parse_and_follow_the_tools(smol_cluster):
     """SmolLM2's own template (it has no tools section: the tools are in the system message, as a
     client would put them for such a model). A named call's arguments parse as the function's

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, bearer-token auth, the request body's size cap, OpenAI error bodies.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and one model by name
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (stateless:
+``responses_api.py``), ``/v1/models`` and one model by name
 (``/v1/models/{model}``; a name may hold slashes), ``/health``; and, as vLLM's API server has them,
 ``/metrics`` (the router's Prometheus exposition, the same as the metrics port's, so a scrape
 config written for vLLM's port works), ``/version``, ``/tokenize`` (a prompt's or a chat's token
@@ -42,10 +43,13 @@ from router.health import ServingHealth
 from router.openai_api import errors
 from router.openai_api.errors import ApiError
 from router.openai_api.fan_in import choices
-from router.openai_api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.openai_api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                       TokenizeRequest)
 from router.openai_api.requests import (chat_request, completion_requests, echo_texts, param_for, parse, sent_as,
                                         tokenize_request)
+from router.openai_api import responses_api
 from router.openai_api.responses import ResponseFormat
+from router.openai_api.responses_api import ResponsesFormat
 from router.openai_api.run import GenerationResponse
 from router.openai_api import tool_calls
 from router.openai_api.tool_calls import ToolPlan
@@ -53,7 +57,7 @@ from router.openai_api.tool_calls import ToolPlan
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-_GENERATION_BODIES = (ChatCompletionRequest, CompletionRequest)   # requests counted by outcome
+_GENERATION_BODIES = (ChatCompletionRequest, CompletionRequest, ResponsesRequest)   # requests counted by outcome
 
 
 def _installed_version() -> str:
@@ -86,11 +90,19 @@ def build_app(core: GenerationCore, health: ServingHealth, config: ApiConfig) ->
     app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     return app
+
+
+def _in_responses_words(chat: ChatCompletionRequest, label: str):
+    try:
+        return chat_request(chat, label, None)
+    except InvalidRequestError as exc:
+        raise responses_api.in_our_words(exc) from None
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -145,6 +157,15 @@ class _Api:
         tools = self._checked(tool_calls.plan, req, self.config.tool_call_parser)
         msg = self._checked(chat_request, req, label, tools)
         return self._response(request, [msg], [None], req, label, chat=True, logprobs=req.logprobs, tools=tools)
+
+    async def responses(self, request: Request) -> GenerationResponse:
+        """OpenAI's Responses API, stateless, as the chat request it means (``responses_api.py``)."""
+        req, label = await self._parse(request, ResponsesRequest)
+        chat = self._checked(responses_api.chat_body, req)
+        msg = self._checked(_in_responses_words, chat, label)
+        return GenerationResponse(self.core, [msg], [ResponsesFormat("resp_" + label, self.config.model, req)],
+                                  stream=req.stream, sent_as=responses_api.SENT_AS,
+                                  trace_context=tracing.client_context(request.headers.items()))
 
     async def completions(self, request: Request) -> GenerationResponse:
         req, label = await self._parse(request, CompletionRequest)

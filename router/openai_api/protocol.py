@@ -223,3 +223,59 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[Int64]
+
+
+class InputContent(_Body):
+    """A part of a Responses API message: its text (``input_text``; ``output_text`` in an
+    assistant turn sent back). Other kinds (images, files) are refused by ``responses_api.py``."""
+
+    type: Text
+    text: Text | None = None
+
+
+class InputMessage(_Body):
+    """An item of the Responses API's ``input`` list: a message (its ``type`` left out or
+    ``"message"``; other item kinds, tool calls and their outputs, are refused)."""
+
+    type: Text = "message"
+    role: Text | None = None
+    content: Text | list[InputContent] | None = None
+
+
+class TextFormat(_Body):
+    """The Responses API's ``text.format``: free text, any JSON object, or JSON following a schema
+    (its name, description and strict are the client's labels, as in ``JsonSchemaFormat``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Sampling):
+    """OpenAI's Responses API body (``POST /v1/responses``), stateless: generation runs through
+    the chat path (``responses_api.py``). The chat API's names for the same things (``messages``,
+    ``max_tokens``, ``response_format``, ``n``) are not this API's: refused by name."""
+
+    input: Text | list[InputMessage]
+    instructions: Text | None = None
+    max_output_tokens: Int32 | None = None
+    text: TextOptions | None = None
+    store: bool | None = None                 # nothing is stored here: answered as false
+    metadata: dict[str, Text] | None = None   # echoed back
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: Text | None = None
+    conversation: Any = None
+    reasoning: Any = None
+    include: list[Any] | None = None
+    background: bool | None = None
+    truncation: Text | None = None
+    top_logprobs: Int32 | None = None
+    user: Text | None = None

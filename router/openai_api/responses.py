@@ -17,6 +17,7 @@ N + 1 entries).
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ from router.openai_api.tool_calls import ToolCallOutput, ToolChoice, ToolPlan
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event of the chat and completions streams: a JSON chunk, or ``[DONE]``."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
 
 
 def usage_total(usages: Sequence[Usage | None], choices_per_prompt: int = 1) -> Usage | None:
@@ -137,6 +144,26 @@ class ResponseFormat:
     def usage_chunk(self, usage: Usage | None) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [], "usage": usage_json(usage)}
+
+    # What ``run.GenerationResponse`` writes of a stream (the Responses API frames its own:
+    # ``responses_api.ResponsesFormat``): nothing before the first chunk, a chunk per event,
+    # the usage chunk (``include_usage``) and ``[DONE]`` at the end, an error as one chunk.
+    def stream_head(self) -> bytes:
+        return b""
+
+    def stream_event(self, event: GenerationEvent) -> bytes:
+        chunk = self.chunk(event)
+        return sse(chunk) if chunk is not None else b""
+
+    def stream_tail(self, last: GenerationEvent | None, usage: Usage | None) -> bytes:
+        return (sse(self.usage_chunk(usage)) if self.include_usage and last is not None else b"") + sse("[DONE]")
+
+    def stream_error(self, body: dict) -> bytes:
+        return sse(body) + sse("[DONE]")
+
+    def combine(self, wholes: Sequence[dict], usages: Sequence[Usage | None], choices_per_prompt: int) -> dict:
+        """The response body of every choice's ``whole`` (``whole_of_choices``)."""
+        return whole_of_choices(wholes, usages, choices_per_prompt)
 
     # ---- whole -----------------------------------------------------------------------------
     def whole(self, events: Sequence[GenerationEvent]) -> dict:

@@ -9,10 +9,12 @@ then runs through ``GenerationCore.stream`` in this same task, so that
     request's ``DeltaQueue`` fills, which then cancels it with ``SLOW_READER``, as over gRPC;
   - a request still live when the server stops is cancelled with ``CUT_AT_STOP``
     (``LiveRequests.cut``) and answered 503, or an error event, naming the shutdown.
-Streaming waits for the first event before it sends a status, so everything refused before the
+Streaming waits for the first event before it sends a status (the format frames what follows: chat and
+completions chunks ending in ``[DONE]``, or the Responses API's typed events), so everything refused before the
 first token (bad input 400, duplicate id 409, admission 429, no worker 503) is an HTTP status
 with OpenAI's error body; an error after that is one ``data: {"error": ...}`` event followed by
-``data: [DONE]``. Non-streaming sends one JSON body at the end. ``release`` always runs.
+``data: [DONE]`` (the Responses API: ``error`` then ``response.failed``). Non-streaming sends one
+JSON body at the end. ``release`` always runs.
 With ``n`` > 1 the choices run side by side (``fan_in``): every choice's identity is claimed
 before any runs, their events are formatted each with its own ``ResponseFormat`` (its index), the
 first error ends the response, and the usage counts the prompt once and every choice's tokens.
@@ -34,7 +36,8 @@ from router.identity import RequestIdentity
 from router.openai_api import errors
 from router.openai_api.fan_in import merged
 from router.openai_api.requests import param_for
-from router.openai_api.responses import ResponseFormat, usage_total, whole_of_choices
+from router.openai_api.responses import ResponseFormat, usage_total
+from router.openai_api.responses_api import ResponsesFormat
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +48,9 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
-
-
 class GenerationResponse(Response):
-    def __init__(self, core: GenerationCore, requests: list[pb.GenerateRequest], fmts: list[ResponseFormat], *,
+    def __init__(self, core: GenerationCore, requests: list[pb.GenerateRequest],
+                 fmts: list[ResponseFormat] | list[ResponsesFormat], *,
                  stream: bool, sent_as: dict[str, str] | None = None, choices_per_prompt: int = 1,
                  trace_context: dict[str, str] | None = None) -> None:
         """One request per choice (``fan_in.choices``; a batch: each prompt's n in turn) and one
@@ -114,30 +113,32 @@ class GenerationResponse(Response):
                 by_choice: list[list[GenerationEvent]] = [[] for _ in self.fmts]
                 async for index, event in events:
                     by_choice[index].append(event)
-                body = whole_of_choices([f.whole(e) for f, e in zip(self.fmts, by_choice)],
+                body = self.fmt.combine([f.whole(e) for f, e in zip(self.fmts, by_choice)],
                                         [e[-1].usage for e in by_choice], self.choices_per_prompt)
                 await self._send_whole(200, json.dumps(body).encode(), send)
 
     async def _stream(self, events, send) -> None:
         last: list[GenerationEvent | None] = [None] * len(self.fmts)
         async for index, event in events:
+            head = b""
             if not self._started:   # the first event: the request is accepted, the stream begins
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
                 self._started = True
-            chunk = self.fmts[index].chunk(event)
-            if chunk is not None:
-                await send({"type": "http.response.body", "body": sse(chunk), "more_body": True})
+                head = self.fmt.stream_head()
+            body = head + self.fmts[index].stream_event(event)
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
             last[index] = event
         usage = usage_total([e.usage if e is not None else None for e in last], self.choices_per_prompt)
-        tail = sse(self.fmt.usage_chunk(usage)) if self.fmt.include_usage and any(last) else b""
         self._done = True
-        await send({"type": "http.response.body", "body": tail + sse("[DONE]"), "more_body": False})
+        tail = self.fmt.stream_tail(next((e for e in reversed(last) if e is not None), None), usage)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _fail(self, exc: BaseException, identity: RequestIdentity | None, send) -> None:
         err = self._api_error(exc, identity)
         self._done = True
         if self._started:
-            await send({"type": "http.response.body", "body": sse(err.body()) + sse("[DONE]"), "more_body": False})
+            await send({"type": "http.response.body", "body": self.fmt.stream_error(err.body()), "more_body": False})
         else:
             await self._send_whole(err.status, err.json_bytes(), send, err.headers())
 
