@@ -1,8 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``, router/openai_api/responses_api.py) over a real
 cluster (tiny random Llama, real Ray actors), driven by the official ``openai`` client: the
 response's text is the chat request's it means, token for token (and HF's); streamed, the typed
-events in order, numbered, joining to the same text; ``incomplete`` at the length; structured
-output through ``text.format``; every parameter a stateless server cannot honour, and the chat
+events in order, numbered, joining to the same text; ``incomplete`` at the length; a bad
+``text.format`` refused by name (its output: test_openai_smollm2.py); every parameter a stateless server cannot honour, and the chat
 API's names, a 400 naming it (counted invalid); a reused id 409; admission's refusal 429; a
 client that leaves mid-stream frees its KV; a decode worker killed mid-stream costs the stream
 nothing. Every test ends with the leak check."""
