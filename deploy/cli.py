@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 
-from deploy import security_args
+from deploy import embedded_ray_env, security_args
 from deploy.start_failure import RayUnreachableError, WorkerStartError, first_line
 from engine.errors import ConfigError
 from kvtransfer.select import TRANSPORTS
@@ -291,6 +291,7 @@ def prefill_count(mode: str, requested: int | None) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    embedded_ray_env.prepare(args.address)   # before cluster_config imports ray
     try:
         config = cluster_config(args)
     except ValueError as exc:   # a value no cluster could serve with: a usage error, as argparse's own

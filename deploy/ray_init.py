@@ -45,6 +45,7 @@ import ray
 from ray._private import ray_constants
 from ray._private import utils as ray_utils
 
+from deploy.embedded_ray_env import is_embedded
 from deploy.start_failure import RayUnreachableError, first_line
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ async def wait_reachable(address: str | None, timeout_s: float = REACH_TIMEOUT_S
 def init_ray(address: str | None, **kwargs) -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``), or start an embedded Ray: True when embedded (this
     process started Ray's GCS and raylet: they are its descendants)."""
-    embedded = address is None and not os.environ.get("RAY_ADDRESS") and "_node_ip_address" not in kwargs
+    embedded = is_embedded(address) and "_node_ip_address" not in kwargs
     with _keep_sigterm_handler(), (_loopback_only() if embedded else contextlib.nullcontext()):
         try:
             ray.init(address=address, **kwargs)

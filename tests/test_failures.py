@@ -43,13 +43,16 @@ def _kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
-async def _streams(addr: str, prompts, max_tokens, on_first_tokens=None, sampling=None) -> list[tuple[list[int], object]]:
+async def _streams(addr: str, prompts, max_tokens, on_first_tokens=None, sampling=None,
+                   received: list[int] | None = None) -> list[tuple[list[int], object]]:
     """Run every request as a stream; ``on_first_tokens`` runs once all of them have tokens;
-    ``sampling``: one dict of sampling fields per request."""
+    ``sampling``: one dict of sampling fields per request; ``received``: kept up to date with how
+    many tokens each stream has had so far (what ``on_first_tokens`` may look at)."""
     started = asyncio.Event()
     count = {"n": 0}
+    received = [0] * len(prompts) if received is None else received
 
-    async def one(client, prompt, n, extra):
+    async def one(client, i, prompt, n, extra):
         tokens, last = [], None
         async for msg in client.generate(token_ids=prompt, max_tokens=n, ignore_eos=True, **extra):
             if not tokens and msg.token_ids:
@@ -57,12 +60,14 @@ async def _streams(addr: str, prompts, max_tokens, on_first_tokens=None, samplin
                 if count["n"] == len(prompts):
                     started.set()
             tokens.extend(msg.token_ids)
+            received[i] = len(tokens)
             last = msg
         return tokens, last
 
     async with AsyncPdserveClient(addr, timeout_s=180) as client:
         extras = sampling or [{}] * len(prompts)
-        tasks = [asyncio.create_task(one(client, p, n, e)) for p, n, e in zip(prompts, max_tokens, extras)]
+        tasks = [asyncio.create_task(one(client, i, p, n, e))
+                 for i, (p, n, e) in enumerate(zip(prompts, max_tokens, extras))]
         if on_first_tokens is not None:
             await asyncio.wait_for(started.wait(), 60)
             on_first_tokens()
@@ -87,10 +92,22 @@ def test_kill_decode_worker_mid_stream_every_stream_completes(cluster, workload)
     prompts, max_tokens, refs = workload
     decode = cluster.cluster.registry.get("decode-0")
     restarts = decode.restarts
-    results = asyncio.run(_streams(address(cluster), prompts, max_tokens, lambda: _kill(decode.pid)))
+    received, at_kill = [0] * len(prompts), []
+
+    def kill():
+        at_kill.extend(received)
+        _kill(decode.pid)
+
+    results = asyncio.run(_streams(address(cluster), prompts, max_tokens, kill, received=received))
     for i, (tokens, last) in enumerate(results):
         assert tokens == refs[i], f"stream {i} differs from HF (repeated or missing tokens?)"
-        assert last.finish_reason and last.timings.migrations == 1
+        # Every stream far from its end at the kill moved, once; one the worker may have finished
+        # before it died (the first to start, on a slow machine) moved at most once (found by CI:
+        # 1 of 8 streams of 40-80 tokens had them all before the last one's first token came).
+        assert last.finish_reason and last.timings.migrations <= 1
+        if at_kill[i] < max_tokens[i] // 2:
+            assert last.timings.migrations == 1, f"stream {i} was at {at_kill[i]} of {max_tokens[i]} tokens"
+    assert sum(r[1].timings.migrations for r in results) >= 1
     _wait_ready(cluster, "decode-0", restarts + 1)
     info = PdserveClient(address(cluster)).server_info()
     states = {w.worker_id: (w.state, w.restarts) for w in info.workers}
