@@ -298,11 +298,11 @@ class Admission:
             return Decision(Action.ADMIT, Cause.IDLE, prediction=best)
         share = self.ttft_margin.share
         if not best.fits_ttft(ttft_t, share):
-            return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share), best)
+            return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share, spec), best)
         if not fits_tpot(best.tpot_s, tpot_t):
             floor = self.tpot_floor(spec)
             if floor is not None and not fits_tpot(floor, tpot_t):   # no wait helps: refused at once
-                return Decision(Action.REJECT, Cause.TPOT_FLOOR, f"TPOT target {tpot_t * 1e3:.1f} ms is below "
+                return Decision(Action.REJECT, Cause.TPOT_FLOOR, f"TPOT target {_target(tpot_t, spec.slo.tpot_s, spec, 1)} is below "
                                 f"{floor * 1e3:.1f} ms, the predicted step of this request alone on the fastest "
                                 f"decode worker", best)
             return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)
@@ -458,7 +458,16 @@ def _corrected(current: float, predicted_s: float | None, observed_s: float, low
     return min(high, max(low, current * (observed_s / predicted_s) ** 0.2))
 
 
-def _ttft_miss_message(best: Prediction, target: float, share: float) -> str:
+def _target(scaled_s: float, asked_s: float, spec: RequestSpec, digits: int = 0) -> str:
+    """A target as a refusal says it: the one decided by, and the one the client sent where its
+    priority scaled it (the client would otherwise read a target it never asked for)."""
+    said = f"{scaled_s * 1e3:.{digits}f} ms"
+    if scaled_s == asked_s:
+        return said
+    return f"{said} ({asked_s * 1e3:.{digits}f} ms asked, scaled for priority {spec.priority})"
+
+
+def _ttft_miss_message(best: Prediction, target: float, share: float, spec: RequestSpec) -> str:
     """Why a request is refused for TTFT, in the terms ``_fits_ttft`` decides by (a prediction
     under its target can still miss the safety share)."""
     msg = f"predicted TTFT {best.ttft_s * 1e3:.0f} ms"
@@ -467,8 +476,8 @@ def _ttft_miss_message(best: Prediction, target: float, share: float) -> str:
     if best.ttft_s <= target:
         left = (target - best.waited_s) * 1e3
         return msg + (f" leaves less than a {1 - share:.0%} safety margin of the {left:.0f} ms left "
-                      f"of the TTFT target {target * 1e3:.0f} ms")
-    return msg + f" > target {target * 1e3:.0f} ms"
+                      f"of the TTFT target {_target(target, spec.slo.ttft_s, spec)}")
+    return msg + f" > target {_target(target, spec.slo.ttft_s, spec)}"
 
 
 def _retry_after_s(decision: Decision, target: float | None, share: float) -> float:

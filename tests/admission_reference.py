@@ -21,7 +21,7 @@ from typing import Callable
 
 from engine.errors import WorkerFailedError
 from engine.types import RequestSpec
-from router.admission import Action, Admission, Cause, Decision, _has_prompt_room, _idle, _ttft_miss_message
+from router.admission import Action, Admission, Cause, Decision, _has_prompt_room, _idle, _target, _ttft_miss_message
 from router.pair_search import (LOCAL_PREFILL_TOKENS, TPOT_SAFETY, Prediction, _decode_load, _slack, fits_ttft,
                                 fits_tpot, has_kv_room, queued_prefill_tokens, running_tpot_ratio)
 from router.registry import WorkerHandle
@@ -60,11 +60,11 @@ def reference_decide(self: Admission, spec: RequestSpec, now: float | None = Non
         return Decision(Action.ADMIT, Cause.IDLE, prediction=best)
     share = self.ttft_margin.share
     if not best.fits_ttft(ttft_t, share):
-        return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share), best)
+        return Decision(Action.REJECT, Cause.TTFT, _ttft_miss_message(best, ttft_t, share, spec), best)
     if tpot_t and best.tpot_s is not None and best.tpot_s > tpot_t * TPOT_SAFETY:
         floor = self.tpot_floor(spec)   # mirrored on purpose (session 17's admission probe): refused at once
         if floor is not None and floor > tpot_t * TPOT_SAFETY:
-            return Decision(Action.REJECT, Cause.TPOT_FLOOR, f"TPOT target {tpot_t * 1e3:.1f} ms is below "
+            return Decision(Action.REJECT, Cause.TPOT_FLOOR, f"TPOT target {_target(tpot_t, spec.slo.tpot_s, spec, 1)} is below "
                             f"{floor * 1e3:.1f} ms, the predicted step of this request alone on the fastest "
                             f"decode worker", best)
         return Decision(Action.QUEUE, Cause.TPOT, f"predicted TPOT {best.tpot_s * 1e3:.1f} ms > target {tpot_t * 1e3:.1f} ms", best)

@@ -103,7 +103,10 @@ def test_lower_priority_is_shed_first():
     # priority 2 (targets scaled by 0.7: 0.34).
     admission = cluster(prefill_inflight_tokens=4_000)
     assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=0)).action is Action.ADMIT
-    assert admission.decide(spec(ttft=0.6, tpot=0.05, priority=2)).action is Action.REJECT
+    refused = admission.decide(spec(ttft=0.6, tpot=0.05, priority=2))
+    assert refused.action is Action.REJECT
+    # The message names the target decided by and the one the client sent, not only the scaled one.
+    assert refused.reason.endswith("target 420 ms (600 ms asked, scaled for priority 2)"), refused.reason
 
 
 def test_pairs_tied_on_ttft_are_chosen_by_headroom():
