@@ -101,6 +101,8 @@ DEFAULT_WINDOW_S = 60.0
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 # Observed / predicted: dense around 1, where admission is right.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+PREDICTED_TARGETS = ("ttft", "tpot")
 LEARNED_GAUGES = (   # (metric, Learned field, help)
     ("pdserve_admission_ttft_correction", "ttft_correction",
      "Admission's TTFT correction: observed / predicted engine time, applied to every TTFT prediction."),
@@ -111,8 +113,6 @@ LEARNED_GAUGES = (   # (metric, Learned field, help)
     ("pdserve_admission_ttft_overhead_seconds", "ttft_overhead_s",
      "TTFT's part outside the workers' engines (dispatch, actor calls, the way back), as learned."),
 )
-RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
-PREDICTED_TARGETS = ("ttft", "tpot")
 # Powers of 4 from 1 KiB to 4 GiB: one token of SmolLM2's fp32 KV is 45 KiB, a long prompt GiBs.
 BYTES_BUCKETS = tuple(float(1024 * 4**k) for k in range(12))
 

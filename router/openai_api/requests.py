@@ -77,10 +77,10 @@ def _refuse_extensions(req, table: dict[str, tuple]) -> None:
     extra = req.model_extra or {}
     for name, no_ops in table.items():
         if name in extra:
-            _refuse(_is_one_of(extra[name], no_ops), name, f"{name} is not supported by this server; leave it out")
+            _refuse(is_one_of(extra[name], no_ops), name, f"{name} is not supported by this server; leave it out")
 
 
-def _is_one_of(value: object, no_ops: tuple) -> bool:
+def is_one_of(value: object, no_ops: tuple) -> bool:
     """Equal to one of ``no_ops``, a JSON true / false never standing in for 1 / 0."""
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops)
 
@@ -326,7 +326,7 @@ def _structured_outputs(req) -> list[tuple[str, pb.StructuredOutput]]:
     options = req.structured_outputs
     if options is not None:
         for key, value in (options.model_extra or {}).items():
-            _refuse(_is_one_of(value, (False,)), f"structured_outputs.{key}", "is not supported by this server; leave it out")
+            _refuse(is_one_of(value, (False,)), f"structured_outputs.{key}", "is not supported by this server; leave it out")
         values = dict(zip(_GUIDE_KINDS, (options.json_, options.json_object, options.regex, options.choice, options.grammar)))
         found += [("structured_outputs", _guide(kind, value)) for kind, value in values.items()
                   if value is not None and value is not False]

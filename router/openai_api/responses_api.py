@@ -42,7 +42,7 @@ from engine.types import FinishReason
 from router.convert import RequestTimings, Usage
 from router.generation import GenerationEvent
 from router.openai_api.protocol import ChatCompletionRequest, ResponsesRequest
-from router.openai_api.requests import parse
+from router.openai_api.requests import is_one_of, parse
 
 # This API's parameters that need what a stateless server has not (a stored response, a
 # server-side tool, reasoning items), with the values that ask for nothing.
@@ -70,9 +70,6 @@ def chat_body(req: ResponsesRequest) -> ChatCompletionRequest:
         body["max_tokens"] = req.max_output_tokens
     if req.text is not None and req.text.format is not None:
         body["response_format"] = _response_format(req.text.format)
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError("tool_choice", "names a tool choice but tools are not served on /v1/responses "
-                                  "(use /v1/chat/completions for tool calling)")
     return parse(ChatCompletionRequest, body)
 
 
@@ -92,11 +89,13 @@ def param_of(chat_param: str) -> str:
 
 def _refuse_unserved(req: ResponsesRequest) -> None:
     for name, no_ops in NOT_SERVED.items():
-        value = getattr(req, name)
-        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops):
+        if not is_one_of(getattr(req, name), no_ops):
             raise InvalidRequestError(name, f"{name} is not supported by this server's /v1/responses (it stores "
                                       "no responses and runs no server-side tools; tool calling is on "
                                       "/v1/chat/completions); leave it out")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice", "names a tool choice but tools are not served on /v1/responses "
+                                  "(use /v1/chat/completions for tool calling)")
     sent = req.model_fields_set | set(req.model_extra or {})
     for name, ours in CHAT_NAMES.items():
         if name in sent:
@@ -154,8 +153,7 @@ class ResponsesFormat:
     model: str
     req: ResponsesRequest
     created: int = field(default_factory=lambda: int(time.time()))
-    chat: bool = True    # errors name parameters as the chat path would, less ``sent_as_names``
-    include_usage: bool = False
+    chat: bool = True    # errors name parameters as the chat path would, less ``SENT_AS``
     _sequence: int = 0
     _text: list[str] = field(default_factory=list)
 
